@@ -120,9 +120,9 @@ def _all_subclasses(cls: type[KvdError]) -> list[type[KvdError]]:
     return out
 
 
-ERRORS_BY_CODE: dict[str, type[KvdError]] = {
-    cls.code: cls for cls in [KvdError, *_all_subclasses(KvdError)]
-}
+ERRORS_BY_CODE: dict[str, type[KvdError]] = {KvdError.code: KvdError}
+for _cls in _all_subclasses(KvdError):
+    ERRORS_BY_CODE[_cls.code] = _cls
 
 
 def error_from_code(code: str, message: str) -> KvdError:

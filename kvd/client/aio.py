@@ -1,0 +1,236 @@
+"""``AsyncKvdClient``: the asyncio client of a local kvd daemon.
+
+One DEALER socket; a reader task matches replies to waiting futures by ``req_id``, so any
+number of requests can be in flight. Every call has a timeout. Cancelling a call (or a
+``Transfer``) also cancels it in the daemon, which answers only once no more bytes can
+land in the caller's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvd.client.base import Call, Region, RequestBuilder, result_of
+from kvd.errors import Cancelled, DaemonUnavailable, KvdError, ProtocolError
+from kvd.protocol import Reply, decode_reply, encode
+
+log = logging.getLogger(__name__)
+
+
+class AsyncTransfer:
+    """A put in flight: ``await t.wait()``, ``t.done()``, ``await t.cancel()``."""
+
+    def __init__(self, client: AsyncKvdClient, call: Call, future: asyncio.Future[Reply],
+                 started: float) -> None:
+        self._client = client
+        self._call = call
+        self._future = future
+        self._started = started
+        self.req_id: int = call.msg.req_id
+        self.key: str = call.msg.key
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    async def wait(self, timeout_s: float | None = None) -> int:
+        """Bytes moved, once the receiving daemon has them; raises the transfer's error."""
+        wait_s = self._call.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(wait_s):
+                reply = await asyncio.shield(self._future)
+        except TimeoutError:
+            raise self._client._b.unavailable(f"transfer {self.key!r}", wait_s) from None
+        return int(result_of(self._call, reply, time.perf_counter() - self._started))
+
+    async def cancel(self, timeout_s: float | None = None) -> None:
+        """Cancel in the daemon; returns when it is settled (``wait`` then raises
+        ``Cancelled``, unless the transfer had already finished)."""
+        if not self._future.done():
+            await self._client._call(self._client._b.cancel(self.req_id, timeout_s))
+
+
+class AsyncKvdClient:
+    """Talk to the local daemon: ``async with AsyncKvdClient() as c: await c.ping()``."""
+
+    def __init__(self, socket_path: str | None = None, *, name: str = "",
+                 timeout_s: float = 30.0) -> None:
+        self._b = RequestBuilder(socket_path, name, timeout_s)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        self.node_id = ""
+        self.epoch = 0
+
+    @property
+    def socket_path(self) -> str:
+        return self._b.socket_path
+
+    async def __aenter__(self) -> AsyncKvdClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def connect(self, timeout_s: float | None = None) -> None:
+        """Connect and say hello; ``DaemonUnavailable`` naming the socket if no daemon
+        answers within the timeout."""
+        self._b.check_socket()
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self._b.identity)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a daemon not there
+        sock.connect(self._b.endpoint)
+        self._sock = sock
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        call = self._b.hello(timeout_s)
+        try:
+            welcome = await self._call(call)
+        except (KvdError, OSError) as exc:
+            await self.aclose()
+            raise DaemonUnavailable(
+                f"kvd daemon at {self._b.socket_path} did not answer hello: {exc}"
+            ) from None
+        self.node_id, self.epoch = welcome.node_id, welcome.epoch
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None and self._reader is not None and not self._reader.done():
+            with contextlib.suppress(KvdError, OSError):
+                await self._call(self._b.bye(), closing=True)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(DaemonUnavailable("client closed"))
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                reply = decode_reply(frames[-1])
+            except ProtocolError as exc:
+                log.warning("dropping undecodable reply: %s", exc)
+                continue
+            fut = self._pending.pop(reply.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def _send(self, call: Call) -> asyncio.Future[Reply]:
+        if self._sock is None or (self._closed and call.kind != "none"):
+            raise DaemonUnavailable("client is not connected")
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[call.msg.req_id] = fut
+        try:
+            # With IMMEDIATE, the send waits while no connection is up.
+            async with asyncio.timeout(call.timeout_s):
+                await self._sock.send(encode(call.msg))
+        except TimeoutError:
+            self._pending.pop(call.msg.req_id, None)
+            raise DaemonUnavailable(
+                f"cannot reach kvd daemon at {self._b.socket_path}") from None
+        return fut
+
+    async def _call(self, call: Call, closing: bool = False) -> Any:
+        started = time.perf_counter()
+        fut = await self._send(call)
+        try:
+            async with asyncio.timeout(call.timeout_s):
+                reply = await fut
+        except TimeoutError:
+            self._pending.pop(call.msg.req_id, None)
+            self._cancel_remote(call)
+            raise self._b.unavailable(type(call.msg).__name__.lower(), call.timeout_s) from None
+        except asyncio.CancelledError:
+            self._pending.pop(call.msg.req_id, None)
+            self._cancel_remote(call)
+            raise
+        return result_of(call, reply, time.perf_counter() - started)
+
+    def _cancel_remote(self, call: Call) -> None:
+        """Tell the daemon to drop a request we stopped waiting for (fire and forget)."""
+        if self._sock is None or self._closed or call.kind in ("none", "rtt", "stats"):
+            return
+        cancel = self._b.cancel(call.msg.req_id, None)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send(encode(cancel.msg), zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ operations
+
+    async def ping(self, *, timeout_s: float | None = None) -> float:
+        """Round-trip time to the daemon, in seconds."""
+        result: float = await self._call(self._b.ping(timeout_s))
+        return result
+
+    async def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(self._b.stats(timeout_s))
+        return result
+
+    async def register(self, name: str, tensors: Sequence[Any], *, block_dim: int = 0,
+                       timeout_s: float | None = None) -> Region:
+        """Share tensors (from ``kvd.shared_empty``) with the daemon once."""
+        region: Region = await self._call(self._b.register(name, tensors, block_dim, timeout_s))
+        return region
+
+    async def unregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
+        await self._call(self._b.unregister(region, timeout_s))
+
+    async def offload(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                      ttl_s: float | None = None, timeout_s: float | None = None) -> int:
+        """Copy blocks into the daemon's host pool under ``key``; returns bytes stored.
+        Without ``ttl_s`` the key lives until deleted or this client goes away."""
+        nbytes: int = await self._call(self._b.offload(key, region, blocks, ttl_s, timeout_s))
+        return nbytes
+
+    async def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                  timeout_s: float | None = None) -> int:
+        """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``."""
+        nbytes: int = await self._call(self._b.get(key, region, blocks, timeout_s))
+        return nbytes
+
+    async def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                  to: str | None = None, ttl_s: float | None = None,
+                  timeout_s: float | None = None) -> AsyncTransfer:
+        """Send blocks to daemon ``to`` (this one by default) under ``key``."""
+        call = self._b.put(key, region, blocks, to, ttl_s, timeout_s)
+        started = time.perf_counter()
+        return AsyncTransfer(self, call, await self._send(call), started)
+
+    async def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                      ttl_s: float | None = None, timeout_s: float | None = None) -> int:
+        """Offer blocks under ``key`` in place (no copy) until unpublished."""
+        nbytes: int = await self._call(self._b.publish(key, region, blocks, ttl_s, timeout_s))
+        return nbytes
+
+    async def unpublish(self, key: str, *, timeout_s: float | None = None) -> None:
+        await self._call(self._b.unpublish(key, timeout_s))
+
+    async def delete(self, key: str, *, timeout_s: float | None = None) -> None:
+        await self._call(self._b.delete(key, timeout_s))
+
+    async def cancel(self, transfer: AsyncTransfer, *, timeout_s: float | None = None) -> None:
+        await transfer.cancel(timeout_s)
+
+
+__all__ = ["AsyncKvdClient", "AsyncTransfer", "Cancelled"]

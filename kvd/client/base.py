@@ -1,0 +1,198 @@
+"""What the sync and the async client share: building requests, reading replies.
+
+Both clients are thin I/O shells over ``RequestBuilder``: each method builds one request
+here (so validation, defaults and timeouts are written once) and maps the reply with
+``result_of``. The async client is the reference; the sync client has the same methods,
+arguments and results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.client.shm import tensor_spec
+from kvd.errors import BadRequest, DaemonUnavailable, KvdError, KvdTimeout, error_from_code
+from kvd.protocol import (
+    PROTOCOL_VERSION,
+    Bye,
+    Cancel,
+    Delete,
+    Done,
+    ErrorReply,
+    Get,
+    Hello,
+    LayoutEntry,
+    Offload,
+    Ping,
+    Pong,
+    Publish,
+    Put,
+    Register,
+    Registered,
+    Reply,
+    Stats,
+    StatsReply,
+    Unpublish,
+    Unregister,
+    Welcome,
+)
+
+# Extra time a client waits for the reply of an operation that has its own server-side
+# timeout (get, put), so the daemon's precise error arrives before the client gives up.
+REPLY_MARGIN_S = 5.0
+
+
+def default_socket_path() -> str:
+    """The socket a daemon with default settings listens on (``KVD_SOCKET_PATH`` wins)."""
+    from kvd.config import default_socket_path as from_config
+
+    return os.environ.get("KVD_SOCKET_PATH") or from_config(os.environ)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered region, as the client sees it."""
+
+    region_id: int
+    name: str
+    num_blocks: int
+    layout: tuple[LayoutEntry, ...]
+    tensors: tuple[Any, ...] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request ready to send, how long to wait for its reply, and what it returns."""
+
+    msg: Any
+    timeout_s: float
+    kind: str  # "nbytes" | "region" | "rtt" | "stats" | "none"
+    tensors: tuple[Any, ...] = ()
+
+
+def _blocks(blocks: Iterable[int]) -> list[int]:
+    if hasattr(blocks, "tolist"):
+        blocks = blocks.tolist()
+    return [int(b) for b in blocks]
+
+
+def _region_id(region: Region | int) -> int:
+    return region.region_id if isinstance(region, Region) else int(region)
+
+
+class RequestBuilder:
+    def __init__(self, socket_path: str | None, name: str, timeout_s: float) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.endpoint = f"ipc://{self.socket_path}"
+        self.name = name
+        self.timeout_s = timeout_s
+        self.identity = b"kvd-client-" + secrets.token_hex(8).encode()
+        self._ids = itertools.count(1)
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def check_socket(self) -> None:
+        if not os.path.exists(self.socket_path):
+            raise DaemonUnavailable(
+                f"no kvd daemon at {self.socket_path} (socket missing); start one with "
+                "`kvd serve` or set KVD_SOCKET_PATH"
+            )
+
+    def unavailable(self, what: str, waited_s: float) -> KvdError:
+        if not os.path.exists(self.socket_path):
+            return DaemonUnavailable(f"kvd daemon at {self.socket_path} went away ({what})")
+        return KvdTimeout(f"{what}: no reply from kvd daemon at {self.socket_path} "
+                          f"within {waited_s:g}s")
+
+    # ---- requests
+
+    def hello(self, timeout_s: float | None) -> Call:
+        msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
+                    pid=os.getpid(), name=self.name)
+        return Call(msg, self._t(timeout_s), "welcome")
+
+    def bye(self) -> Call:
+        return Call(Bye(req_id=self.next_id()), 2.0, "none")
+
+    def ping(self, timeout_s: float | None) -> Call:
+        return Call(Ping(req_id=self.next_id()), self._t(timeout_s), "rtt")
+
+    def stats(self, timeout_s: float | None) -> Call:
+        return Call(Stats(req_id=self.next_id()), self._t(timeout_s), "stats")
+
+    def register(self, name: str, tensors: Sequence[Any], block_dim: int,
+                 timeout_s: float | None) -> Call:
+        if not tensors:
+            raise BadRequest("register needs at least one tensor")
+        specs = [tensor_spec(t, i) for i, t in enumerate(tensors)]
+        msg = Register(req_id=self.next_id(), name=name, tensors=specs, block_dim=block_dim)
+        return Call(msg, self._t(timeout_s), "region", tuple(tensors))
+
+    def unregister(self, region: Region | int, timeout_s: float | None) -> Call:
+        msg = Unregister(req_id=self.next_id(), region_id=_region_id(region))
+        return Call(msg, self._t(timeout_s), "none")
+
+    def offload(self, key: str, region: Region | int, blocks: Iterable[int],
+                ttl_s: float | None, timeout_s: float | None) -> Call:
+        msg = Offload(req_id=self.next_id(), key=key, region_id=_region_id(region),
+                      blocks=_blocks(blocks), ttl_s=ttl_s)
+        return Call(msg, self._t(timeout_s), "nbytes")
+
+    def get(self, key: str, region: Region | int, blocks: Iterable[int],
+            timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
+                  blocks=_blocks(blocks), timeout_s=wait_s)
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,
+            ttl_s: float | None, timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Put(req_id=self.next_id(), key=key, region_id=_region_id(region),
+                  blocks=_blocks(blocks), to=to or "", ttl_s=ttl_s, timeout_s=wait_s)
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def publish(self, key: str, region: Region | int, blocks: Iterable[int],
+                ttl_s: float | None, timeout_s: float | None) -> Call:
+        msg = Publish(req_id=self.next_id(), key=key, region_id=_region_id(region),
+                      blocks=_blocks(blocks), ttl_s=ttl_s)
+        return Call(msg, self._t(timeout_s), "nbytes")
+
+    def unpublish(self, key: str, timeout_s: float | None) -> Call:
+        return Call(Unpublish(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+
+    def delete(self, key: str, timeout_s: float | None) -> Call:
+        return Call(Delete(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+
+    def cancel(self, target: int, timeout_s: float | None) -> Call:
+        return Call(Cancel(req_id=self.next_id(), target=target), self._t(timeout_s), "none")
+
+
+def result_of(call: Call, reply: Reply, rtt_s: float) -> Any:
+    """The value a client method returns for ``reply``; errors are raised as their class."""
+    if isinstance(reply, ErrorReply):
+        raise error_from_code(reply.code, reply.message)
+    if call.kind == "nbytes" and isinstance(reply, Done):
+        return reply.nbytes
+    if call.kind == "none" and isinstance(reply, Done):
+        return None
+    if call.kind == "rtt" and isinstance(reply, Pong):
+        return rtt_s
+    if call.kind == "stats" and isinstance(reply, StatsReply):
+        return reply.stats
+    if call.kind == "welcome" and isinstance(reply, Welcome):
+        return reply
+    if call.kind == "region" and isinstance(reply, Registered):
+        msg = call.msg
+        return Region(reply.region_id, msg.name, reply.num_blocks, tuple(reply.layout),
+                      call.tensors)
+    raise KvdError(f"unexpected reply {type(reply).__name__} to {type(call.msg).__name__}")

@@ -1,0 +1,122 @@
+"""CPU tensors the daemon can map: allocated in shared-memory files by the client library.
+
+``shared_empty`` creates a file ``kvd-<pid>-<n>-<random>`` in the shm directory, maps it,
+and returns a tensor on that mapping. The library remembers which mapping each tensor's
+storage lives in, so ``register`` can describe a tensor (or any view of one) to the daemon
+as (file, byte offset, shape, stride, dtype). A CPU tensor that is not on such a mapping
+cannot be shared and is refused with a message that says how to allocate it.
+
+The file is unlinked when its last tensor is garbage-collected (or at exit); the daemon
+keeps its own mapping, and unlinks the files of a client that dies without saying bye.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, get_args
+
+from kvd.errors import BadRequest
+from kvd.protocol import SHM_PREFIX, DType, ShmTensor, shm_dir
+
+if TYPE_CHECKING:
+    import torch
+
+_lock = threading.Lock()
+_counter = itertools.count()
+# storage data_ptr -> (path, nbytes); entries leave when the mapping is collected.
+_segments: dict[int, tuple[str, int]] = {}
+
+
+def _forget(ptr: int, path: str) -> None:
+    with _lock:
+        _segments.pop(ptr, None)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
+    """An uninitialised CPU tensor in shared memory that a kvd daemon can map."""
+    import torch
+
+    dtype = dtype or torch.float16
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(d < 0 for d in dims):
+        raise BadRequest(f"negative dimension in shape {dims}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
+    name = f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    path = os.path.join(shm_dir(), name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o660)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    base = torch.frombuffer(mm, dtype=torch.uint8)
+    ptr = base.untyped_storage().data_ptr()
+    with _lock:
+        _segments[ptr] = (path, nbytes)
+    # The mmap lives as long as any tensor on it; when it goes, so does the file.
+    weakref.finalize(mm, _forget, ptr, path)
+    return base[: numel * _itemsize(dtype)].view(dtype).view(dims)
+
+
+def shared_zeros(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
+    t = shared_empty(shape, dtype)
+    t.zero_()
+    return t
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty(0, dtype=dtype).element_size())
+
+
+def _dtype_name(dtype: Any, index: int) -> Any:
+    name = str(dtype).removeprefix("torch.")
+    if name not in get_args(DType):
+        raise BadRequest(f"tensor {index} has dtype {name}, which kvd does not move")
+    return name
+
+
+def is_shared(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _segments
+
+
+def tensor_spec(tensor: torch.Tensor, index: int = 0) -> ShmTensor:
+    """Describe a shared CPU tensor for ``Register``; refuse anything else clearly."""
+    if tensor.device.type != "cpu":
+        raise BadRequest(
+            f"tensor {index} is on {tensor.device}; GPU regions arrive with the GPU transport"
+        )
+    storage = tensor.untyped_storage()
+    with _lock:
+        seg = _segments.get(storage.data_ptr())
+    if seg is None:
+        raise BadRequest(
+            f"tensor {index} is not in shared memory the daemon can map: allocate it with "
+            "kvd.shared_empty(shape, dtype) (or kvd.shared_zeros)"
+        )
+    path, nbytes = seg
+    return ShmTensor(
+        path=path,
+        file_bytes=nbytes,
+        offset_bytes=tensor.data_ptr() - storage.data_ptr(),
+        shape=list(tensor.shape),
+        stride=list(tensor.stride()),
+        dtype=_dtype_name(tensor.dtype, index),
+    )

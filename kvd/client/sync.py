@@ -1,0 +1,239 @@
+"""``KvdClient``: the blocking twin of ``AsyncKvdClient``, same methods and results.
+
+Requests are built by the shared ``RequestBuilder``; this shell only sends and waits. A
+reply for another request that arrives while waiting (a ``Transfer`` still in flight) is
+kept until its owner asks. One lock makes a client safe to share between threads; for
+concurrency within a thread, use the async client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import zmq
+
+from kvd.client.base import Call, Region, RequestBuilder, result_of
+from kvd.errors import DaemonUnavailable, KvdError, ProtocolError
+from kvd.protocol import Reply, decode_reply, encode
+
+log = logging.getLogger(__name__)
+
+
+class Transfer:
+    """A put in flight: ``t.wait()``, ``t.done()``, ``t.cancel()``."""
+
+    def __init__(self, client: KvdClient, call: Call, started: float) -> None:
+        self._client = client
+        self._call = call
+        self._started = started
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self.req_id: int = call.msg.req_id
+        self.key: str = call.msg.key
+
+    def done(self) -> bool:
+        if not self._finished:
+            reply = self._client._wait_reply(self.req_id, 0.0, poll_only=True)
+            if reply is not None:
+                self._settle(reply)
+        return self._finished
+
+    def _settle(self, reply: Reply) -> None:
+        self._finished = True
+        try:
+            self._result = result_of(self._call, reply, time.perf_counter() - self._started)
+        except KvdError as exc:
+            self._error = exc
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Bytes moved, once the receiving daemon has them; raises the transfer's error."""
+        if not self._finished:
+            wait_s = self._call.timeout_s if timeout_s is None else timeout_s
+            reply = self._client._wait_reply(self.req_id, wait_s)
+            if reply is None:
+                raise self._client._b.unavailable(f"transfer {self.key!r}", wait_s)
+            self._settle(reply)
+        if self._error is not None:
+            raise self._error
+        return int(self._result)
+
+    def cancel(self, timeout_s: float | None = None) -> None:
+        """Cancel in the daemon; returns when it is settled."""
+        if not self.done():
+            self._client._call(self._client._b.cancel(self.req_id, timeout_s))
+
+
+class KvdClient:
+    """Talk to the local daemon: ``with KvdClient() as c: c.ping()``."""
+
+    def __init__(self, socket_path: str | None = None, *, name: str = "",
+                 timeout_s: float = 30.0) -> None:
+        self._b = RequestBuilder(socket_path, name, timeout_s)
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._lock = threading.RLock()
+        self._stash: dict[int, Reply] = {}
+        self._outstanding: set[int] = set()
+        self._closed = False
+        self.node_id = ""
+        self.epoch = 0
+
+    @property
+    def socket_path(self) -> str:
+        return self._b.socket_path
+
+    def __enter__(self) -> KvdClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Connect and say hello; ``DaemonUnavailable`` naming the socket if no daemon
+        answers within the timeout."""
+        self._b.check_socket()
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self._b.identity)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(self._b.endpoint)
+        self._sock = sock
+        try:
+            welcome = self._call(self._b.hello(timeout_s))
+        except (KvdError, OSError) as exc:
+            self.close()
+            raise DaemonUnavailable(
+                f"kvd daemon at {self._b.socket_path} did not answer hello: {exc}"
+            ) from None
+        self.node_id, self.epoch = welcome.node_id, welcome.epoch
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._sock is not None and self.epoch:
+                with contextlib.suppress(KvdError, OSError):
+                    self._call(self._b.bye())
+            self._closed = True
+            if self._sock is not None:
+                self._sock.close(linger=0)
+            if self._ctx is not None:
+                self._ctx.term()
+
+    # ------------------------------------------------------------ I/O
+
+    def _send(self, call: Call) -> None:
+        if self._sock is None or self._closed:
+            raise DaemonUnavailable("client is not connected")
+        # With IMMEDIATE, POLLOUT means a connection to the daemon is up.
+        if not self._sock.poll(int(call.timeout_s * 1000), zmq.POLLOUT):
+            raise DaemonUnavailable(f"cannot reach kvd daemon at {self._b.socket_path}")
+        self._sock.send(encode(call.msg))
+        self._outstanding.add(call.msg.req_id)
+
+    def _wait_reply(self, req_id: int, timeout_s: float, poll_only: bool = False) -> Reply | None:
+        """The reply to ``req_id``; replies to other outstanding requests are stashed."""
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if req_id in self._stash:
+                    self._outstanding.discard(req_id)
+                    return self._stash.pop(req_id)
+                remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not self._sock.poll(remaining_ms, zmq.POLLIN):
+                    if poll_only or remaining_ms == 0:
+                        return None
+                    continue
+                try:
+                    reply = decode_reply(self._sock.recv())
+                except ProtocolError as exc:
+                    log.warning("dropping undecodable reply: %s", exc)
+                    continue
+                if reply.req_id == req_id:
+                    self._outstanding.discard(req_id)
+                    return reply
+                if reply.req_id in self._outstanding:
+                    self._stash[reply.req_id] = reply
+
+    def _call(self, call: Call) -> Any:
+        with self._lock:
+            started = time.perf_counter()
+            self._send(call)
+            reply = self._wait_reply(call.msg.req_id, call.timeout_s)
+            if reply is None:
+                self._outstanding.discard(call.msg.req_id)
+                self._cancel_remote(call)
+                raise self._b.unavailable(type(call.msg).__name__.lower(), call.timeout_s)
+            return result_of(call, reply, time.perf_counter() - started)
+
+    def _cancel_remote(self, call: Call) -> None:
+        if self._sock is None or call.kind in ("none", "rtt", "stats"):
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send(encode(self._b.cancel(call.msg.req_id, None).msg), zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ operations
+
+    def ping(self, *, timeout_s: float | None = None) -> float:
+        """Round-trip time to the daemon, in seconds."""
+        result: float = self._call(self._b.ping(timeout_s))
+        return result
+
+    def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = self._call(self._b.stats(timeout_s))
+        return result
+
+    def register(self, name: str, tensors: Sequence[Any], *, block_dim: int = 0,
+                 timeout_s: float | None = None) -> Region:
+        """Share tensors (from ``kvd.shared_empty``) with the daemon once."""
+        region: Region = self._call(self._b.register(name, tensors, block_dim, timeout_s))
+        return region
+
+    def unregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
+        self._call(self._b.unregister(region, timeout_s))
+
+    def offload(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                ttl_s: float | None = None, timeout_s: float | None = None) -> int:
+        """Copy blocks into the daemon's host pool under ``key``; returns bytes stored."""
+        nbytes: int = self._call(self._b.offload(key, region, blocks, ttl_s, timeout_s))
+        return nbytes
+
+    def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
+            timeout_s: float | None = None) -> int:
+        """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``."""
+        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s))
+        return nbytes
+
+    def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
+            to: str | None = None, ttl_s: float | None = None,
+            timeout_s: float | None = None) -> Transfer:
+        """Send blocks to daemon ``to`` (this one by default) under ``key``."""
+        call = self._b.put(key, region, blocks, to, ttl_s, timeout_s)
+        with self._lock:
+            started = time.perf_counter()
+            self._send(call)
+        return Transfer(self, call, started)
+
+    def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                ttl_s: float | None = None, timeout_s: float | None = None) -> int:
+        """Offer blocks under ``key`` in place (no copy) until unpublished."""
+        nbytes: int = self._call(self._b.publish(key, region, blocks, ttl_s, timeout_s))
+        return nbytes
+
+    def unpublish(self, key: str, *, timeout_s: float | None = None) -> None:
+        self._call(self._b.unpublish(key, timeout_s))
+
+    def delete(self, key: str, *, timeout_s: float | None = None) -> None:
+        self._call(self._b.delete(key, timeout_s))
+
+    def cancel(self, transfer: Transfer, *, timeout_s: float | None = None) -> None:
+        transfer.cancel(timeout_s)

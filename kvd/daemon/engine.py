@@ -1,0 +1,446 @@
+"""The operations a client can ask for, on state owned by the event loop.
+
+The engine knows nothing of sockets: the local server decodes a request, calls the method
+here with the client's session id, and turns the return value or the ``KvdError`` into a
+reply. Bytes move only in the copy worker (``transport.local``); the loop allocates,
+bookkeeps and awaits.
+
+Rules that keep memory honest:
+- pool memory for a key is allocated before its bytes are copied and freed exactly once,
+  by ``Item.release`` (after the last reader) or on a failed copy;
+- a copy that is running when its request is cancelled is waited for before the
+  cancellation is reported, so no bytes land in blocks the client already got back;
+- a session's regions are removed only after its copies have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvd.config import Config
+from kvd.errors import BadRequest, Cancelled, Draining, KvdTimeout, UnknownKey
+from kvd.memory.pool import HostPool
+from kvd.memory.regions import Region, RegionTable, check_compatible, packed_offsets
+from kvd.protocol import TensorSpec
+from kvd.transport import local
+from kvd.daemon.store import Item, KeyStore, Waiter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    """Plain counters; the metrics module exports them."""
+
+    ops: dict[str, int] = field(default_factory=dict)
+    op_errors: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0  # written into regions
+    bytes_out: int = 0  # read from regions
+    expired_keys: int = 0
+
+    def count(self, table: dict[str, int], name: str) -> None:
+        table[name] = table.get(name, 0) + 1
+
+
+@dataclass(frozen=True)
+class _Delivered:
+    """A waiter's get was served directly by a put: the bytes are already in place."""
+
+    nbytes: int
+
+
+class Engine:
+    def __init__(self, config: Config, pool: HostPool, worker: local.CopyWorker) -> None:
+        self.config = config
+        self.pool = pool
+        self.worker = worker
+        self.regions = RegionTable()
+        self.store = KeyStore()
+        self.counters = Counters()
+        self.draining = False
+        self._loop = asyncio.get_running_loop()
+        self._region_copies: dict[int, set[asyncio.Future[Any]]] = {}
+        self.self_names = {"", "local", config.node_id}
+
+    # ------------------------------------------------------------ helpers
+
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise Draining("daemon is draining: no new work accepted")
+
+    def _ttl_deadline(self, ttl_s: float | None) -> float | None:
+        if ttl_s is None:
+            return None
+        if ttl_s <= 0 or ttl_s > self.config.max_ttl_s:
+            raise BadRequest(f"ttl_s must be in (0, {self.config.max_ttl_s}], got {ttl_s}")
+        return self._loop.time() + ttl_s
+
+    def _check_wait(self, timeout_s: float) -> float:
+        if timeout_s > self.config.max_wait_s:
+            raise BadRequest(f"timeout_s must be <= {self.config.max_wait_s}, got {timeout_s}")
+        return timeout_s
+
+    async def _copy(self, regions: Sequence[Region], fn: Callable[..., int], *args: Any) -> int:
+        """Run a copy in the worker; if cancelled mid-copy, wait for it to finish first."""
+        cfut = self.worker.submit(fn, *args)
+        afut = asyncio.wrap_future(cfut)
+        for region in regions:
+            self._region_copies.setdefault(region.region_id, set()).add(afut)
+        try:
+            return await asyncio.shield(afut)
+        except asyncio.CancelledError:
+            if not cfut.cancel():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
+            raise
+        finally:
+            for region in regions:
+                pending = self._region_copies.get(region.region_id)
+                if pending is not None:
+                    pending.discard(afut)
+                    if not pending:
+                        del self._region_copies[region.region_id]
+
+    def _schedule_expiry(self, item: Item) -> None:
+        if item.expires_at is None:
+            return
+
+        def expire() -> None:
+            item.timer = None
+            if self.store.find(item.key) is item:
+                log.info("key expired key=%s bytes=%d", item.key, item.nbytes)
+                self.counters.expired_keys += 1
+                self.store.remove(item)
+
+        item.timer = self._loop.call_at(item.expires_at, expire)
+
+    def _free_pool_item(self, item: Item) -> None:
+        if item.pool_block is not None:
+            self.pool.free(item.pool_block)
+            item.pool_block = None
+
+    async def _fill_pool_item(
+        self,
+        key: str,
+        region: Region,
+        idx: torch.Tensor,
+        *,
+        owner: int | None,
+        expires_at: float | None,
+        consume_once: bool,
+    ) -> Item:
+        """Reserve ``key``, gather the blocks into pool memory, store it, wake waiters."""
+        self.store.reserve(key)
+        try:
+            _, nbytes = packed_offsets(region.layout, len(idx))
+            block = self.pool.alloc(max(nbytes, 1))
+            try:
+                view = self.pool.view(block)
+                await self._copy([region], local.gather, region.tensors, region.layout, idx, view)
+            except BaseException:
+                self.pool.free(block)
+                raise
+        except BaseException:
+            self.store.unreserve(key)
+            raise
+        item = Item(
+            key=key,
+            layout=region.layout,
+            num_blocks=len(idx),
+            nbytes=nbytes,
+            owner=owner,
+            expires_at=expires_at,
+            consume_once=consume_once,
+            pool_block=block,
+            on_free=self._free_pool_item,
+        )
+        self.counters.bytes_out += nbytes
+        self._add_item(item)
+        return item
+
+    def _add_item(self, item: Item) -> None:
+        self.store.insert(item)
+        self._schedule_expiry(item)
+        self._wake_waiters(item)
+
+    def _wake_waiters(self, item: Item) -> None:
+        """Hand a new item to the gets waiting for its key (one, if it is consumed)."""
+        while not item.removed:
+            waiter = self.store.next_waiter(item.key)
+            if waiter is None:
+                return
+            self._claim(item)
+            waiter.future.set_result(item)
+            if item.consume_once:
+                return
+
+    def _claim(self, item: Item) -> None:
+        """Take a reader's share of ``item``; a consumed item leaves the store now."""
+        item.readers += 1
+        if item.consume_once:
+            self.store.pop(item.key)
+            item.removed = True
+            if item.timer is not None:
+                item.timer.cancel()
+                item.timer = None
+
+    async def _read_item_into(self, item: Item, region: Region, idx: torch.Tensor) -> int:
+        """Copy a claimed item into blocks; the claim is released whatever happens."""
+        try:
+            check_compatible(f"key {item.key!r}", item.layout, f"region {region.name!r}",
+                             region.layout)
+            if item.num_blocks != len(idx):
+                raise BadRequest(
+                    f"key {item.key!r} holds {item.num_blocks} blocks, "
+                    f"{len(idx)} destination blocks given"
+                )
+            if item.region is not None:
+                assert item.region_idx is not None
+                nbytes = await self._copy(
+                    [item.region, region], local.copy_blocks,
+                    item.region.tensors, item.region_idx, region.tensors, idx,
+                )
+            else:
+                assert item.pool_block is not None
+                view = self.pool.view(item.pool_block)
+                nbytes = await self._copy(
+                    [region], local.scatter, view, item.layout, region.tensors, idx
+                )
+        finally:
+            item.end_read()
+        self.counters.bytes_in += nbytes
+        return nbytes
+
+    # ------------------------------------------------------------ operations
+
+    def register(
+        self, session: int, name: str, tensors: Sequence[TensorSpec], block_dim: int
+    ) -> Region:
+        self._check_accepting()
+        region = self.regions.register(session, name, tensors, block_dim)
+        log.info(
+            "region registered session=%d region=%d name=%s tensors=%d blocks=%d",
+            session, region.region_id, name, len(region.tensors), region.num_blocks,
+        )
+        return region
+
+    async def unregister(self, session: int, region_id: int) -> None:
+        region = self.regions.get(session, region_id)
+        await self._drop_region(region, reason="region unregistered")
+
+    async def _drop_region(self, region: Region, *, reason: str) -> None:
+        # Fail the gets parked on this region, drop keys published from it, then wait
+        # for copies touching it before its memory mapping goes away.
+        for waiter in self.store.all_waiters():
+            if waiter.region is region and not waiter.future.done():
+                waiter.future.set_exception(Cancelled(reason))
+        for item in self.store.items():
+            if item.region is region:
+                self.store.remove(item)
+        pending = self._region_copies.get(region.region_id)
+        if pending:
+            await asyncio.wait(set(pending), timeout=60.0)
+        self.regions.remove(region)
+        log.info("region dropped region=%d name=%s reason=%s", region.region_id,
+                 region.name, reason)
+
+    async def offload(
+        self, session: int, key: str, region_id: int, blocks: Sequence[int],
+        ttl_s: float | None,
+    ) -> int:
+        self._check_accepting()
+        region = self.regions.get(session, region_id)
+        idx = region.block_index(blocks, writing=False)
+        item = await self._fill_pool_item(
+            key, region, idx, owner=session, expires_at=self._ttl_deadline(ttl_s),
+            consume_once=False,
+        )
+        log.debug("offloaded key=%s bytes=%d", key, item.nbytes)
+        return item.nbytes
+
+    async def get(
+        self, session: int, req_id: int, key: str, region_id: int, blocks: Sequence[int],
+        timeout_s: float,
+    ) -> int:
+        self._check_accepting()
+        region = self.regions.get(session, region_id)
+        idx = region.block_index(blocks, writing=True)
+        self._check_wait(timeout_s)
+        item = self.store.find(key)
+        if item is not None:
+            self._claim(item)
+            return await self._read_item_into(item, region, idx)
+        if timeout_s == 0:
+            raise UnknownKey(f"no key {key!r}")
+        waiter = Waiter(session, req_id, region, idx, self._loop.create_future())
+        self.store.add_waiter(key, waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await waiter.future
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            late = await self._settle_abandoned(waiter)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            if late is None:
+                raise KvdTimeout(f"no key {key!r} arrived within {timeout_s:g}s") from None
+            result = late
+        finally:
+            self.store.drop_waiter(key, waiter)
+        if isinstance(result, _Delivered):
+            return result.nbytes
+        return await self._read_item_into(result, region, idx)
+
+    async def _settle_abandoned(self, waiter: Waiter) -> _Delivered | None:
+        """A get is leaving (timeout or cancel). If a put is writing into its blocks, wait
+        for that copy so nothing lands after the reply; hand back an unread claim."""
+        if waiter.delivering and not waiter.future.done():
+            await asyncio.wait([waiter.future], timeout=60.0)
+        if not waiter.future.done() or waiter.future.cancelled():
+            waiter.future.cancel()
+            return None
+        if waiter.future.exception() is not None:
+            return None
+        result = waiter.future.result()
+        if isinstance(result, _Delivered):
+            return result
+        self._unclaim(result)
+        return None
+
+    def _unclaim(self, item: Item) -> None:
+        item.readers -= 1
+        if item.consume_once and self.store.find(item.key) is None and item.removed:
+            # Nobody read it: put it back for the next get rather than lose it.
+            item.removed = False
+            self._add_item(item)
+        elif item.removed:
+            item.release()
+
+    async def put(
+        self, session: int, key: str, region_id: int, blocks: Sequence[int], to: str,
+        ttl_s: float | None, timeout_s: float,
+    ) -> int:
+        self._check_accepting()
+        if to not in self.self_names:
+            raise BadRequest(
+                f"unknown destination {to!r}: this daemon ({self.config.node_id}) "
+                "moves data only between its own clients"
+            )
+        region = self.regions.get(session, region_id)
+        idx = region.block_index(blocks, writing=False)
+        self._check_wait(timeout_s)
+        expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
+        if self.store.exists(key):
+            raise BadRequest(f"key {key!r} already exists")
+        waiter = self.store.next_waiter(key)
+        if waiter is not None:
+            return await self._deliver(key, region, idx, waiter)
+        item = await self._fill_pool_item(
+            key, region, idx, owner=None, expires_at=expires_at, consume_once=True
+        )
+        log.debug("put stored key=%s bytes=%d", key, item.nbytes)
+        return item.nbytes
+
+    async def _deliver(self, key: str, region: Region, idx: torch.Tensor, waiter: Waiter) -> int:
+        """Put straight into the blocks of a waiting get: one copy, no pool."""
+        waiter.delivering = True
+        try:
+            check_compatible(f"put of key {key!r}", region.layout,
+                             f"the waiting get's region {waiter.region.name!r}",
+                             waiter.region.layout)
+            if len(idx) != len(waiter.idx):
+                raise BadRequest(
+                    f"put of key {key!r} sends {len(idx)} blocks, the waiting get "
+                    f"expects {len(waiter.idx)}"
+                )
+            nbytes = await self._copy(
+                [region, waiter.region], local.copy_blocks,
+                region.tensors, idx, waiter.region.tensors, waiter.idx,
+            )
+        except BaseException as exc:
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    exc if isinstance(exc, Exception) else Cancelled("put was cancelled")
+                )
+            raise
+        self.counters.bytes_out += nbytes
+        self.counters.bytes_in += nbytes
+        if not waiter.future.done():
+            waiter.future.set_result(_Delivered(nbytes))
+        return nbytes
+
+    def publish(
+        self, session: int, key: str, region_id: int, blocks: Sequence[int],
+        ttl_s: float | None,
+    ) -> int:
+        self._check_accepting()
+        region = self.regions.get(session, region_id)
+        idx = region.block_index(blocks, writing=False)
+        expires_at = self._ttl_deadline(ttl_s)
+        self.store.reserve(key)
+        _, nbytes = packed_offsets(region.layout, len(idx))
+        item = Item(
+            key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes, owner=session,
+            expires_at=expires_at, consume_once=False, region=region, region_idx=idx,
+        )
+        self._add_item(item)
+        return nbytes
+
+    def unpublish(self, session: int, key: str) -> None:
+        item = self._owned_item(session, key)
+        if not item.published:
+            raise BadRequest(f"key {key!r} is stored, not published; use delete")
+        self.store.remove(item)
+
+    def delete(self, session: int, key: str) -> None:
+        item = self._owned_item(session, key, any_owner=True)
+        if item.published:
+            raise BadRequest(f"key {key!r} is published; use unpublish")
+        self.store.remove(item)
+
+    def _owned_item(self, session: int, key: str, any_owner: bool = False) -> Item:
+        item = self.store.find(key)
+        if item is None:
+            raise UnknownKey(f"no key {key!r}")
+        if item.owner != session and not (any_owner and item.owner is None):
+            raise BadRequest(f"key {key!r} belongs to another client")
+        return item
+
+    # ------------------------------------------------------------ sessions and stats
+
+    async def drop_session(self, session: int, reason: str) -> list[str]:
+        """Release what a client owned; returns its shared-memory files."""
+        for item in self.store.items():
+            if item.owner == session and (item.published or item.expires_at is None):
+                self.store.remove(item)
+        files: list[str] = []
+        for region in self.regions.owned_by(session):
+            files.extend(region.files)
+            await self._drop_region(region, reason=reason)
+        return files
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.pool.stats()
+        return {
+            "node_id": self.config.node_id,
+            "draining": self.draining,
+            "pool": pool,
+            "regions": len(self.regions),
+            "keys": len(self.store),
+            "keys_pool_bytes": self.store.pool_bytes(),
+            "waiting_gets": self.store.waiting_count(),
+            "ops": dict(self.counters.ops),
+            "op_errors": dict(self.counters.op_errors),
+            "bytes_in": self.counters.bytes_in,
+            "bytes_out": self.counters.bytes_out,
+            "expired_keys": self.counters.expired_keys,
+            "time": time.time(),
+        }
+

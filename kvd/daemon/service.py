@@ -1,0 +1,134 @@
+"""The daemon's life: start up, serve until told to stop, drain, shut down.
+
+Startup acquires in order (host pool, copy worker, local socket) on an ``AsyncExitStack``
+so teardown runs in reverse whatever failed. ``serve`` takes an injectable
+``shutdown_trigger`` (tests pass ``event.wait``); without one it installs SIGTERM/SIGINT
+handlers: the first signal drains (refuse new work, finish in-flight within
+``drain_grace_s``, exit 0), a second one forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+
+from kvd.config import Config, check_socket_path
+from kvd.daemon.engine import Engine
+from kvd.daemon.local_server import LocalServer
+from kvd.errors import Draining
+from kvd.memory.pool import HostPool
+from kvd.transport.local import CopyWorker
+
+log = logging.getLogger(__name__)
+
+ShutdownTrigger = Callable[[], Awaitable[Any]]
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        # Changes at every start so peers (and clients) can tell a restart from a blip.
+        self.epoch = time.time_ns()
+        self.ready = asyncio.Event()
+        self.forced = False
+        self.engine: Engine | None = None
+        self.local: LocalServer | None = None
+        self._signals = 0
+        self._stop = asyncio.Event()
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.config.socket_path}"
+
+    async def serve(self, shutdown_trigger: ShutdownTrigger | None = None) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await self._startup(stack)
+            loop = asyncio.get_running_loop()
+            if shutdown_trigger is None:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, self._on_signal, sig)
+                    stack.callback(loop.remove_signal_handler, sig)
+                trigger: Awaitable[Any] = self._stop.wait()
+            else:
+                trigger = _first(shutdown_trigger(), self._stop.wait())
+            self.ready.set()
+            log.info("kvd ready node=%s epoch=%d socket=%s pool=%dB", self.config.node_id,
+                     self.epoch, self.config.socket_path, self.config.pool_size_bytes)
+            await trigger
+            await self.drain(self.config.drain_grace_s)
+        log.info("kvd stopped")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("signal %s: draining (grace %.1fs); send again to force exit",
+                     signal.Signals(sig).name, self.config.drain_grace_s)
+            self._stop.set()
+        else:
+            log.warning("second signal: forcing exit")
+            self.forced = True
+            self._force.set()
+
+    async def _startup(self, stack: contextlib.AsyncExitStack) -> None:
+        self._force = asyncio.Event()
+        check_socket_path(self.config)
+        pool = HostPool(self.config.pool_size_bytes, self.config.pool_min_block_bytes,
+                        pin=self.config.pool_pin)
+        worker = CopyWorker("kvd-copy-local")
+        stack.callback(worker.stop, 30.0)
+        self.engine = Engine(self.config, pool, worker)
+        ctx: zmq.Context[Any] = zmq.Context()
+        stack.callback(ctx.term)
+        self.local = LocalServer(self.config, self.engine, ctx, self.epoch)
+        stack.push_async_callback(self.local.close)
+        self.local.bind()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new work, let in-flight requests finish within ``grace_s``."""
+        assert self.engine is not None and self.local is not None
+        engine = self.engine
+        engine.draining = True
+        for waiter in engine.store.all_waiters():
+            if not waiter.delivering and not waiter.future.done():
+                waiter.future.set_exception(Draining("daemon is draining"))
+        pending = self.local.pending_tasks()
+        if pending:
+            log.info("draining: waiting for %d requests (grace %.1fs)", len(pending), grace_s)
+            done_waiting = asyncio.ensure_future(asyncio.wait(pending, timeout=grace_s))
+            await _first(done_waiting, self._force.wait())
+            left = [t for t in pending if not t.done()]
+            if left:
+                log.warning("drain grace over: cancelling %d requests", len(left))
+                for t in left:
+                    t.cancel()
+                await asyncio.wait(left, timeout=5.0)
+
+
+async def _first(*aws: Awaitable[Any]) -> None:
+    """Wait until the first of ``aws`` completes; cancel the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def run(config: Config, shutdown_trigger: ShutdownTrigger | None = None) -> int:
+    """Run a daemon on uvloop until it stops; the process exit code."""
+    import uvloop
+
+    daemon = Daemon(config)
+    uvloop.run(daemon.serve(shutdown_trigger))
+    return 130 if daemon.forced else 0

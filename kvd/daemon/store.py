@@ -1,0 +1,152 @@
+"""Keys the daemon holds, and the gets waiting for keys that have not arrived yet.
+
+Owned by the event loop: no locks, no I/O. An ``Item`` is either bytes in the host pool
+(offloaded by a client, or arrived by ``put`` before anyone asked) or a published slice of
+a registered region (read in place). Items have an owner (a client session, or none) and
+an optional expiry; the engine frees their memory through ``Item.release``.
+
+An item being read by a copy cannot be freed under it: ``readers`` counts such copies, and
+a removal during a read only marks the item ``removed``; the last reader frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvd.errors import BadRequest
+from kvd.memory.pool import PoolBlock
+from kvd.memory.regions import Layout, Region
+
+
+@dataclass(eq=False)
+class Item:
+    key: str
+    layout: Layout
+    num_blocks: int
+    nbytes: int
+    owner: int | None  # session id; None for data that arrived from a put
+    expires_at: float | None  # loop time
+    consume_once: bool  # a put's data goes to exactly one get
+    pool_block: PoolBlock | None = None
+    region: Region | None = None  # published: read in place
+    region_idx: torch.Tensor | None = None
+    readers: int = 0
+    removed: bool = False
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    on_free: Callable[[Item], None] | None = field(default=None, repr=False)
+
+    @property
+    def published(self) -> bool:
+        return self.region is not None
+
+    def release(self) -> None:
+        """Free the item's memory once no copy reads it."""
+        self.removed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.readers == 0 and self.on_free is not None:
+            on_free, self.on_free = self.on_free, None
+            on_free(self)
+
+    def end_read(self) -> None:
+        self.readers -= 1
+        if self.removed:
+            self.release()
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A get parked until its key appears; resolved with a claim or a delivery."""
+
+    session: int
+    req_id: int
+    region: Region
+    idx: torch.Tensor
+    future: asyncio.Future[Any]
+    delivering: bool = False  # a put is copying straight into our blocks
+
+
+class KeyStore:
+    def __init__(self) -> None:
+        self._items: dict[str, Item] = {}
+        self._reserved: set[str] = set()  # keys whose bytes are being copied in
+        self._waiters: dict[str, collections.deque[Waiter]] = {}
+
+    # ---- items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def reserve(self, key: str) -> None:
+        """Claim a key name before its bytes are copied in, so two writers cannot race."""
+        if key in self._items or key in self._reserved:
+            raise BadRequest(f"key {key!r} already exists")
+        self._reserved.add(key)
+
+    def exists(self, key: str) -> bool:
+        return key in self._items or key in self._reserved
+
+    def unreserve(self, key: str) -> None:
+        self._reserved.discard(key)
+
+    def insert(self, item: Item) -> None:
+        self._reserved.discard(item.key)
+        self._items[item.key] = item
+
+    def find(self, key: str) -> Item | None:
+        return self._items.get(key)
+
+    def pop(self, key: str) -> Item | None:
+        return self._items.pop(key, None)
+
+    def remove(self, item: Item) -> None:
+        if self._items.get(item.key) is item:
+            del self._items[item.key]
+        item.release()
+
+    def items(self) -> list[Item]:
+        return list(self._items.values())
+
+    def pool_bytes(self) -> int:
+        return sum(i.nbytes for i in self._items.values() if i.pool_block is not None)
+
+    # ---- waiters
+
+    def add_waiter(self, key: str, waiter: Waiter) -> None:
+        self._waiters.setdefault(key, collections.deque()).append(waiter)
+
+    def drop_waiter(self, key: str, waiter: Waiter) -> None:
+        queue = self._waiters.get(key)
+        if queue is None:
+            return
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            pass
+        if not queue:
+            del self._waiters[key]
+
+    def next_waiter(self, key: str) -> Waiter | None:
+        """The oldest waiter for ``key`` still waiting, removed from the queue."""
+        queue = self._waiters.get(key)
+        while queue:
+            waiter = queue.popleft()
+            if not waiter.future.done():
+                if not queue:
+                    del self._waiters[key]
+                return waiter
+        self._waiters.pop(key, None)
+        return None
+
+    def waiting_count(self) -> int:
+        return sum(len(q) for q in self._waiters.values())
+
+    def all_waiters(self) -> list[Waiter]:
+        return [w for q in self._waiters.values() for w in q]

@@ -1,0 +1,88 @@
+"""The host staging pool: one buffer, carved up by a buddy allocator.
+
+The pool takes all its memory once, at startup, so the daemon's footprint is fixed
+and known to whoever sizes the host; a burst of transfers then fails fast with a
+retriable ``PoolExhausted`` instead of pushing the host into swap or the OOM killer.
+Blocks are plain ``(offset, nbytes)`` values so they can be logged, sent over the
+wire and compared, and turned into tensors only where bytes are actually touched.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvd.errors import BadRequest, InvalidFree
+from kvd.memory.buddy import BuddyAllocator
+
+__all__ = ["HostPool", "PoolBlock"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBlock:
+    """A live region of a :class:`HostPool`: ``nbytes`` as requested, at ``offset``."""
+
+    offset: int
+    nbytes: int
+
+
+class HostPool:
+    """A fixed host buffer handing out :class:`PoolBlock` regions; thread-safe."""
+
+    def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096, pin: bool = False) -> None:
+        self._allocator = BuddyAllocator(capacity_bytes, min_block_bytes)
+        # Pinned memory lets copies to and from a GPU run asynchronously. The faster
+        # route, registering pages with cudaHostRegister in place, arrives with the GPU
+        # transport; until then torch's own pinned allocation is enough. CUDA is only
+        # queried when pinning was asked for, so a CPU-only daemon never initialises it.
+        pinned = pin and torch.cuda.is_available()
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.pinned = pinned
+        # The allocator knows rounded sizes only; the requested size is what a view
+        # exposes, and a block whose size disagrees is someone else's (stale) handle.
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}
+
+    def alloc(self, nbytes: int) -> PoolBlock:
+        """Reserve ``nbytes``; raises ``PoolExhausted`` when no region that large is free."""
+        offset = self._allocator.alloc(nbytes)
+        with self._lock:
+            self._live[offset] = nbytes
+        return PoolBlock(offset, nbytes)
+
+    def free(self, block: PoolBlock) -> None:
+        """Return ``block`` to the pool; raises ``InvalidFree`` if it is not live."""
+        with self._lock:
+            if self._live.get(block.offset) != block.nbytes:
+                raise InvalidFree(f"{block} is not a live block of this pool")
+            del self._live[block.offset]
+            self._allocator.free(block.offset)
+
+    def view(self, block: PoolBlock) -> torch.Tensor:
+        """A 1-D uint8 tensor aliasing the block's bytes in the pool buffer."""
+        with self._lock:
+            if self._live.get(block.offset) != block.nbytes:
+                raise BadRequest(f"{block} is not a live block of this pool")
+        return self.buffer[block.offset : block.offset + block.nbytes]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._allocator.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._allocator.free_bytes
+
+    @property
+    def largest_free_bytes(self) -> int:
+        return self._allocator.largest_free_bytes
+
+    def stats(self) -> dict[str, int]:
+        """Pool occupancy in bytes (one consistent snapshot), for metrics and ``/stats``."""
+        return self._allocator.stats()

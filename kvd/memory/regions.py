@@ -1,0 +1,260 @@
+"""Regions: a client's tensors, mapped into the daemon once, addressed by block.
+
+A region is a list of tensors that share one block count along a block dimension (for a
+model: one tensor per layer, K and V). The daemon keeps each tensor as a view with the
+block dimension moved to the front, so block ``b`` of every tensor is ``t[b]``.
+
+The *layout* of a region is, per tensor, the bytes of one block and the dtype. Two regions
+(or a stored key and a region) are compatible when their layouts are equal; a mismatch is a
+``LayoutMismatch`` naming both, never a silent reinterpretation.
+
+CPU tensors arrive as shared-memory files (``protocol.ShmTensor``). The daemon maps only
+regular files named ``kvd-*`` directly in the shm directory, opened without following
+links, so a client cannot make the daemon map an arbitrary file. GPU tensors (CUDA IPC)
+will be another kind of spec mapped by the same ``RegionTable.register``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvd.errors import BadRequest, LayoutMismatch
+from kvd.protocol import SHM_PREFIX, LayoutEntry, ShmTensor, TensorSpec, shm_dir
+
+# Sections of a packed buffer start on this boundary so that every dtype view is aligned.
+PACK_ALIGN_BYTES = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise BadRequest(f"unsupported dtype {name!r}") from None
+
+
+Layout = tuple[LayoutEntry, ...]
+
+
+def describe_layout(layout: Layout) -> str:
+    parts = [f"{e.bytes_per_block}B {e.dtype}" for e in layout[:4]]
+    more = f", … ({len(layout)} tensors)" if len(layout) > 4 else ""
+    return "[" + ", ".join(parts) + more + "]"
+
+
+def check_compatible(what: str, have: Layout, other: str, want: Layout) -> None:
+    if have != want:
+        raise LayoutMismatch(
+            f"{what} has layout {describe_layout(have)} but {other} has {describe_layout(want)}"
+        )
+
+
+def packed_offsets(layout: Layout, num_blocks: int) -> tuple[list[int], int]:
+    """Byte offset of each tensor's section in a packed buffer of ``num_blocks`` blocks,
+    and the total size. Sections are tensor-major: all blocks of tensor 0, then tensor 1."""
+    offsets = []
+    pos = 0
+    for entry in layout:
+        offsets.append(pos)
+        pos += entry.bytes_per_block * num_blocks
+        pos = -(-pos // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
+    return offsets, pos
+
+
+def _extent_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+
+
+class _ShmMapping:
+    """One mapped shared-memory file; stays alive while any tensor view uses it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        directory, name = os.path.split(path)
+        if directory != shm_dir() or not name.startswith(SHM_PREFIX) or "/" in name:
+            raise BadRequest(
+                f"cannot map {path!r}: CPU tensors must be allocated with kvd.shared_empty "
+                f"(files named {SHM_PREFIX}* in {shm_dir()})"
+            )
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BadRequest(f"cannot map {path!r}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRequest(f"cannot map {path!r}: not a regular file")
+            self.nbytes = st.st_size
+            if self.nbytes == 0:
+                raise BadRequest(f"cannot map {path!r}: empty file")
+            self.mm = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self.storage = torch.frombuffer(self.mm, dtype=torch.uint8).untyped_storage()
+
+    def tensor(self, spec: ShmTensor) -> torch.Tensor:
+        dtype = torch_dtype(spec.dtype)
+        itemsize = dtype.itemsize
+        if len(spec.shape) != len(spec.stride):
+            raise BadRequest("tensor shape and stride have different lengths")
+        if spec.offset_bytes % itemsize:
+            raise BadRequest(f"tensor offset {spec.offset_bytes} is not aligned to {spec.dtype}")
+        end = spec.offset_bytes + _extent_elements(spec.shape, spec.stride) * itemsize
+        if end > self.nbytes:
+            raise BadRequest(
+                f"tensor extends to byte {end} but {self.path!r} holds {self.nbytes} bytes"
+            )
+        t = torch.empty(0, dtype=dtype)
+        t.set_(self.storage, spec.offset_bytes // itemsize, spec.shape, spec.stride)
+        return t
+
+    def close(self) -> None:
+        self.storage = None  # type: ignore[assignment]
+        # Views handed to in-flight copies keep the map alive; closing then is refused,
+        # and the map goes when its last view does.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+@dataclass
+class Region:
+    region_id: int
+    name: str
+    owner: int
+    tensors: list[torch.Tensor]  # block dimension first
+    num_blocks: int
+    layout: Layout
+    files: list[str] = field(default_factory=list)
+    mappings: list[Any] = field(default_factory=list, repr=False)
+    busy: int = 0  # copies in flight that touch this region
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(e.bytes_per_block for e in self.layout)
+
+    def block_index(self, blocks: Sequence[int], *, writing: bool) -> torch.Tensor:
+        """Validated block ids as an index tensor."""
+        if not blocks:
+            raise BadRequest("no blocks given")
+        bad = [b for b in blocks if b >= self.num_blocks]
+        if bad:
+            raise BadRequest(
+                f"block {bad[0]} out of range for region {self.name!r} ({self.num_blocks} blocks)"
+            )
+        if writing and len(set(blocks)) != len(blocks):
+            raise BadRequest("destination blocks repeat a block id")
+        return torch.tensor(blocks, dtype=torch.int64)
+
+
+def _build_tensors(
+    specs: Sequence[TensorSpec], block_dim: int, maps: dict[str, _ShmMapping]
+) -> list[torch.Tensor]:
+    tensors = []
+    for i, spec in enumerate(specs):
+        if len(spec.shape) <= block_dim:
+            raise BadRequest(f"tensor {i} has {len(spec.shape)} dims, block_dim is {block_dim}")
+        mapping = maps.get(spec.path)
+        if mapping is None:
+            mapping = maps[spec.path] = _ShmMapping(spec.path)
+        tensors.append(mapping.tensor(spec).movedim(block_dim, 0))
+    return tensors
+
+
+class RegionTable:
+    """Every registered region, by id and by (owner, name). Owned by the event loop."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Region] = {}
+        self._by_name: dict[tuple[int, str], int] = {}
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def register(
+        self, owner: int, name: str, specs: Sequence[TensorSpec], block_dim: int
+    ) -> Region:
+        if (owner, name) in self._by_name:
+            raise BadRequest(f"region {name!r} is already registered by this client")
+        maps: dict[str, _ShmMapping] = {}
+        try:
+            tensors = _build_tensors(specs, block_dim, maps)
+        except BaseException:
+            for m in maps.values():
+                m.close()
+            raise
+        num_blocks = tensors[0].shape[0]
+        for i, t in enumerate(tensors):
+            if t.shape[0] != num_blocks:
+                for m in maps.values():
+                    m.close()
+                raise LayoutMismatch(
+                    f"region {name!r}: tensor {i} has {t.shape[0]} blocks along dim "
+                    f"{block_dim}, tensor 0 has {num_blocks}"
+                )
+        layout = tuple(
+            LayoutEntry(
+                bytes_per_block=(t[0].numel() if num_blocks else 0) * t.element_size(),
+                dtype=DTYPE_NAMES[t.dtype],
+            )
+            for t in tensors
+        )
+        region = Region(
+            region_id=self._next_id,
+            name=name,
+            owner=owner,
+            tensors=tensors,
+            num_blocks=num_blocks,
+            layout=layout,
+            files=sorted(maps),
+            mappings=list(maps.values()),
+        )
+        self._next_id += 1
+        self._by_id[region.region_id] = region
+        self._by_name[(owner, name)] = region.region_id
+        return region
+
+    def get(self, owner: int, region_id: int) -> Region:
+        region = self._by_id.get(region_id)
+        if region is None or region.owner != owner:
+            raise BadRequest(f"unknown region id {region_id}")
+        return region
+
+    def remove(self, region: Region) -> None:
+        self._by_id.pop(region.region_id, None)
+        self._by_name.pop((region.owner, region.name), None)
+        region.tensors = []
+        for m in region.mappings:
+            m.close()
+        region.mappings = []
+
+    def owned_by(self, owner: int) -> list[Region]:
+        return [r for r in self._by_id.values() if r.owner == owner]
+
+    def all(self) -> list[Region]:
+        return list(self._by_id.values())

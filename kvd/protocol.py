@@ -1,0 +1,272 @@
+"""Messages between clients and the daemon: typed msgspec Structs encoded as msgpack.
+
+Every message is one ZMQ frame holding one tagged Struct. A client's first message is
+``Hello`` with the protocol version; the daemon checks it before anything else. Every
+request carries a ``req_id`` chosen by the client and gets exactly one reply with the same
+``req_id``: a typed result or an ``ErrorReply`` with a wire code from ``kvd.errors``.
+Long operations (``Get``, ``Put``) are ordinary requests whose reply comes late; a client
+can ``Cancel`` one by its ``req_id``.
+
+Bulk data never travels in these messages: the daemon maps the client's tensors once
+(``Register``) and moves bytes itself. Decoding is validated against the union of request
+types, so malformed input fails at decode with a message; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from kvd.errors import ProtocolError
+
+# Protocol versions (bump on any incompatible change to a message below):
+#   1 — 2026-11: Hello/Register(shm)/Offload/Get/Put(local)/Publish/Cancel/Stats.
+PROTOCOL_VERSION = 1
+
+MAX_KEY_CHARS = 1024
+MAX_NAME_CHARS = 256
+MAX_TENSORS_PER_REGION = 4096
+MAX_DIMS = 8
+MAX_BLOCKS_PER_OP = 1 << 20
+
+# Shared-memory segments the client library creates for CPU tensors. The daemon maps only
+# regular files with this prefix directly inside the shm directory (see memory/regions.py).
+SHM_PREFIX = "kvd-"
+
+ReqId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY_CHARS)]
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+NonNeg = Annotated[int, Meta(ge=0, le=2**62)]
+BlockIds = Annotated[list[NonNeg], Meta(max_length=MAX_BLOCKS_PER_OP)]
+Seconds = Annotated[float, Meta(ge=0.0, le=10.0**7)]
+DType = Literal[
+    "float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32",
+    "int64", "float8_e4m3fn", "float8_e5m2", "bool",
+]
+
+
+def shm_dir() -> str:
+    """Where shared tensors live: /dev/shm on Linux, else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _Msg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+# ---------------------------------------------------------------- tensors and regions
+
+
+class ShmTensor(Struct, tag="shm", tag_field="kind", frozen=True, forbid_unknown_fields=True):
+    """A CPU tensor inside a shared-memory file the daemon can map.
+
+    ``shape``/``stride`` are in elements, ``offset_bytes`` is where element 0 sits in the
+    file. GPU tensors will get their own kind (CUDA IPC handle fields) in the same union.
+    """
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    file_bytes: NonNeg
+    offset_bytes: NonNeg
+    shape: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
+    stride: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
+    dtype: DType
+
+
+TensorSpec = ShmTensor
+
+
+class LayoutEntry(Struct, frozen=True, array_like=True):
+    """Per tensor of a region: how many bytes one block holds, and its dtype."""
+
+    bytes_per_block: NonNeg
+    dtype: DType
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Hello(_Msg, tag="hello"):
+    req_id: ReqId
+    protocol_version: int
+    pid: NonNeg = 0
+    name: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
+
+
+class Bye(_Msg, tag="bye"):
+    req_id: ReqId
+
+
+class Ping(_Msg, tag="ping"):
+    req_id: ReqId
+
+
+class Register(_Msg, tag="register"):
+    req_id: ReqId
+    name: Name
+    tensors: Annotated[list[TensorSpec], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
+    block_dim: Annotated[int, Meta(ge=0, lt=MAX_DIMS)] = 0
+
+
+class Unregister(_Msg, tag="unregister"):
+    req_id: ReqId
+    region_id: NonNeg
+
+
+class Offload(_Msg, tag="offload"):
+    """Copy blocks into this daemon's host pool under ``key``."""
+
+    req_id: ReqId
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
+    ttl_s: Seconds | None = None
+
+
+class Get(_Msg, tag="get"):
+    """Wait (up to ``timeout_s``) for ``key`` and write it into these blocks."""
+
+    req_id: ReqId
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
+    timeout_s: Seconds
+
+
+class Put(_Msg, tag="put"):
+    """Send blocks to daemon ``to`` under ``key``; replied once the receiver has the bytes."""
+
+    req_id: ReqId
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
+    to: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
+    ttl_s: Seconds | None = None
+    timeout_s: Seconds = 30.0
+
+
+class Publish(_Msg, tag="publish"):
+    """Offer blocks under ``key`` without copying them; gets and peers read them in place."""
+
+    req_id: ReqId
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
+    ttl_s: Seconds | None = None
+
+
+class Unpublish(_Msg, tag="unpublish"):
+    req_id: ReqId
+    key: Key
+
+
+class Delete(_Msg, tag="delete"):
+    """Free a stored (offloaded or arrived) key now."""
+
+    req_id: ReqId
+    key: Key
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Cancel this client's pending request ``target``."""
+
+    req_id: ReqId
+    target: ReqId
+
+
+class Stats(_Msg, tag="stats"):
+    req_id: ReqId
+
+
+Request = (
+    Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Publish | Unpublish
+    | Delete | Cancel | Stats
+)
+
+# ---------------------------------------------------------------- replies
+
+
+class Welcome(_Msg, tag="welcome"):
+    req_id: int
+    protocol_version: int
+    node_id: str
+    epoch: int
+    daemon_version: str
+
+
+class Done(_Msg, tag="done"):
+    """Success with nothing to return but how many bytes moved."""
+
+    req_id: int
+    nbytes: int = 0
+
+
+class Pong(_Msg, tag="pong"):
+    req_id: int
+    node_id: str
+    epoch: int
+    draining: bool
+
+
+class Registered(_Msg, tag="registered"):
+    req_id: int
+    region_id: int
+    num_blocks: int
+    layout: list[LayoutEntry]
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    req_id: int
+    stats: dict[str, Any]
+
+
+class ErrorReply(_Msg, tag="error"):
+    req_id: int
+    code: str
+    message: str
+
+
+Reply = Welcome | Done | Pong | Registered | StatsReply | ErrorReply
+
+# ---------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_loose_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    """Decode and validate one request; anything malformed is a ProtocolError."""
+    try:
+        return _request_decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise ProtocolError(f"malformed request: {exc}") from None
+
+
+def decode_reply(data: bytes | memoryview) -> Reply:
+    try:
+        return _reply_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed reply: {exc}") from None
+
+
+def salvage_req_id(data: bytes | memoryview) -> int:
+    """Best effort: the req_id of a message that failed validation, so the error reply
+    reaches the caller that is waiting for it. Plain msgpack to builtins; 0 if none."""
+    try:
+        obj = _loose_decoder.decode(data)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(obj, dict):
+        req_id = obj.get("req_id")
+        if isinstance(req_id, int) and not isinstance(req_id, bool) and 0 < req_id < 2**63:
+            return req_id
+    return 0

@@ -1,0 +1,105 @@
+"""The local transport: both ends on this daemon, bytes moved by a copy worker thread.
+
+The event loop never copies: it hands a job to a ``CopyWorker`` and awaits the returned
+future. Jobs are the three moves a node needs: gather blocks of a region into a packed
+buffer (offload, put into the pool), scatter a packed buffer into blocks (get from the
+pool), and copy blocks from one region to another (put to a waiting get, get of a
+published key). Packed buffers are tensor-major with aligned sections, see
+``memory.regions.packed_offsets``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvd.memory.regions import Layout, packed_offsets
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def _section(buf: torch.Tensor, offset: int, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    nbytes = num_blocks * like[0].numel() * like.element_size() if num_blocks else 0
+    return buf[offset : offset + nbytes].view(like.dtype).view(num_blocks, *like.shape[1:])
+
+
+def gather(
+    tensors: Sequence[torch.Tensor], layout: Layout, idx: torch.Tensor, out: torch.Tensor
+) -> int:
+    """Blocks ``idx`` of every tensor into the packed uint8 buffer ``out``."""
+    offsets, total = packed_offsets(layout, len(idx))
+    for t, off in zip(tensors, offsets, strict=True):
+        torch.index_select(t, 0, idx, out=_section(out, off, t, len(idx)))
+    return total
+
+
+def scatter(
+    buf: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor], idx: torch.Tensor
+) -> int:
+    """The packed uint8 buffer ``buf`` into blocks ``idx`` of every tensor."""
+    offsets, total = packed_offsets(layout, len(idx))
+    for t, off in zip(tensors, offsets, strict=True):
+        t.index_copy_(0, idx, _section(buf, off, t, len(idx)))
+    return total
+
+
+def copy_blocks(
+    src: Sequence[torch.Tensor],
+    src_idx: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    dst_idx: torch.Tensor,
+) -> int:
+    """Blocks of one region into blocks of another with the same layout."""
+    nbytes = 0
+    for s, d in zip(src, dst, strict=True):
+        picked = s.index_select(0, src_idx)
+        d.index_copy_(0, dst_idx, picked.view(len(dst_idx), *d.shape[1:]))
+        nbytes += picked.numel() * picked.element_size()
+    return nbytes
+
+
+class CopyWorker:
+    """One thread running copy jobs in order; stopped by a sentinel, never abandoned."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)``; cancelling the future before it starts skips the job."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                log.debug("copy job failed worker=%s: %r", self.name, exc)
+                fut.set_exception(exc)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Finish queued jobs, then stop; False if the thread did not end in time."""
+        self._jobs.put(_STOP)
+        self._thread.join(timeout_s)
+        alive = self._thread.is_alive()
+        if alive:
+            log.error("copy worker %s did not stop within %.1fs", self.name, timeout_s)
+        return not alive

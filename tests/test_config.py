@@ -1,0 +1,608 @@
+"""Tests for kvd.config: defaults, precedence, parsing, errors, argparse glue."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvd.config import (
+    MAX_SOCKET_PATH_BYTES,
+    Config,
+    add_config_arguments,
+    check_socket_path,
+    config_from_args,
+    format_size,
+    load_config,
+    parse_size,
+)
+from kvd.errors import ConfigError, KvdError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@pytest.fixture
+def sock(tmp_path: Path) -> str:
+    """A usable socket path (its directory does not exist yet but can be created)."""
+    return str(tmp_path / "run" / "kvd.sock")
+
+
+def load(
+    sock: str,
+    *,
+    env: dict[str, str] | None = None,
+    config_file: str | None = None,
+    overrides: dict[str, object] | None = None,
+) -> Config:
+    """load_config with a usable socket path unless the env names one."""
+    return load_config(
+        config_file=config_file,
+        env={"KVD_SOCKET_PATH": sock, **(env or {})},
+        overrides=overrides,
+    )
+
+
+def config_error(**kwargs: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(**kwargs)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
+    cfg = load_config(env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert cfg.socket_path == str(tmp_path / "kvd" / "kvd.sock")
+    assert not (tmp_path / "kvd").exists()  # nothing created
+    assert cfg.node_id == socket.gethostname()
+    assert cfg.as_dict() == {
+        "socket_path": str(tmp_path / "kvd" / "kvd.sock"),
+        "node_id": socket.gethostname(),
+        "peer_host": "127.0.0.1",
+        "peer_port": 14579,
+        "http_host": "127.0.0.1",
+        "http_port": 9400,
+        "pool_size_bytes": GiB,
+        "pool_min_block_bytes": 4096,
+        "pool_pin": False,
+        "drain_grace_s": 30.0,
+        "max_ttl_s": 86400.0,
+        "put_ttl_s": 300.0,
+        "max_message_bytes": MiB,
+        "client_request_timeout_s": 30.0,
+        "max_wait_s": 3600.0,
+        "log_level": "info",
+    }
+
+
+@pytest.mark.parametrize("xdg", [None, "", "missing", "relative/dir", "file"])
+def testdefault_socket_path_without_usable_xdg(tmp_path: Path, xdg: str | None) -> None:
+    env: dict[str, str] = {}
+    if xdg == "missing":
+        env["XDG_RUNTIME_DIR"] = str(tmp_path / "nope")
+    elif xdg == "file":
+        env["XDG_RUNTIME_DIR"] = write(tmp_path / "f", "")
+    elif xdg is not None:
+        env["XDG_RUNTIME_DIR"] = xdg
+    cfg = load_config(env=env)
+    expected = os.path.join(tempfile.gettempdir(), f"kvd-{os.getuid()}", "kvd.sock")
+    assert cfg.socket_path == expected
+
+
+def test_default_is_computed_at_load_time(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert load_config(env={"XDG_RUNTIME_DIR": str(a)}).socket_path.startswith(str(a))
+    assert load_config(env={"XDG_RUNTIME_DIR": str(b)}).socket_path.startswith(str(b))
+
+
+def test_config_is_frozen(sock: str) -> None:
+    cfg = load(sock)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.http_port = 1  # type: ignore[misc]
+
+
+def test_direct_construction_is_validated(sock: str) -> None:
+    cfg = load(sock)
+    assert dataclasses.replace(cfg, log_level="DEBUG").log_level == "debug"
+    with pytest.raises(ConfigError, match=r"^http_port: must be a port in 0\.\.65535"):
+        dataclasses.replace(cfg, http_port=70000)
+
+
+# --------------------------------------------------------------------------- precedence
+
+
+def test_precedence_file_env_overrides(tmp_path: Path, sock: str) -> None:
+    path = write(
+        tmp_path / "kvd.toml",
+        'http_port = 1001\npeer_port = 2001\nlog_level = "debug"\npool_size_bytes = "2GiB"\n',
+    )
+    env = {"KVD_PEER_PORT": "2002", "KVD_LOG_LEVEL": "warning", "KVD_SOCKET_PATH": sock}
+    overrides = {"log_level": "error", "http_port": None}
+
+    cfg = load_config(config_file=path, env=env, overrides=overrides)
+    assert cfg.http_port == 1001  # file only (override None is ignored)
+    assert cfg.peer_port == 2002  # env beats file
+    assert cfg.log_level == "error"  # override beats env beats file
+    assert cfg.pool_size_bytes == 2 * GiB  # file only
+    assert cfg.max_wait_s == 3600.0  # default falls through
+    assert cfg.socket_path == sock
+
+    cfg = load_config(config_file=path, env=env, overrides={"peer_port": "3003"})
+    assert cfg.peer_port == 3003
+    assert cfg.log_level == "warning"
+
+
+def test_config_file_from_kvd_config_env(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", "http_port = 1234\n")
+    assert load(sock, env={"KVD_CONFIG": path}).http_port == 1234
+    # an explicit config_file wins over KVD_CONFIG
+    other = write(tmp_path / "other.toml", "http_port = 4321\n")
+    assert load(sock, env={"KVD_CONFIG": path}, config_file=other).http_port == 4321
+    # an empty KVD_CONFIG counts as unset
+    assert load(sock, env={"KVD_CONFIG": ""}).http_port == 9400
+
+
+def test_overrides_accept_typed_values(sock: str) -> None:
+    cfg = load(
+        sock,
+        overrides={"http_port": 0, "pool_pin": True, "max_ttl_s": 5, "pool_size_bytes": 8192},
+    )
+    assert (cfg.http_port, cfg.pool_pin, cfg.max_ttl_s, cfg.pool_size_bytes) == (
+        0,
+        True,
+        5.0,
+        8192,
+    )
+    assert isinstance(cfg.max_ttl_s, float)
+
+
+def test_toml_types(tmp_path: Path, sock: str) -> None:
+    path = write(
+        tmp_path / "kvd.toml",
+        "\n".join(
+            [
+                f'socket_path = "{sock}"',
+                'node_id = "node-7"',
+                "pool_size_bytes = 1_048_576",
+                'pool_min_block_bytes = "64KiB"',
+                "pool_pin = true",
+                "drain_grace_s = 0",
+                "max_ttl_s = 1.5",
+                'log_level = "WARNING"',
+            ]
+        ),
+    )
+    cfg = load_config(config_file=path, env={})
+    assert cfg.node_id == "node-7"
+    assert cfg.pool_size_bytes == MiB
+    assert cfg.pool_min_block_bytes == 64 * 1024
+    assert cfg.pool_pin is True
+    assert cfg.drain_grace_s == 0.0 and isinstance(cfg.drain_grace_s, float)
+    assert cfg.max_ttl_s == 1.5
+    assert cfg.log_level == "warning"
+
+
+def test_relative_socket_path_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(env={"KVD_SOCKET_PATH": "kvd.sock"})
+    assert cfg.socket_path == str(tmp_path / "kvd.sock")
+
+
+# --------------------------------------------------------------------------- parsing tables
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("4096", 4096),
+        (4096, 4096),
+        (0, 0),
+        ("  4096  ", 4096),
+        ("512B", 512),
+        ("64KiB", 64 * 1024),
+        ("64kib", 64 * 1024),
+        ("64K", 64 * 1024),
+        ("64k", 64 * 1024),
+        ("64KB", 64_000),
+        ("512MiB", 512 * MiB),
+        ("512M", 512 * MiB),
+        ("512MB", 512_000_000),
+        ("1GiB", GiB),
+        ("1 GiB", GiB),
+        ("1G", GiB),
+        ("2GB", 2_000_000_000),
+        ("1.5GiB", 3 * GiB // 2),
+        ("0.5KiB", 512),
+        (".5KiB", 512),
+        ("1TiB", 1024 * GiB),
+        ("1T", 1024 * GiB),
+        ("1TB", 10**12),
+        ("+8", 8),
+        ("-0", 0),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", "expected a size"),
+        ("abc", "expected a size"),
+        ("1XB", "expected a size"),
+        ("1 G iB", "expected a size"),
+        ("GiB", "expected a size"),
+        ("1e9", "expected a size"),
+        ("0.1KiB", "whole number of bytes"),
+        ("1.5", "whole number of bytes"),
+        ("-5", "must be >= 0, got -5"),
+        ("-1GiB", "must be >= 0"),
+        (-5, "must be >= 0, got -5"),
+        (True, "expected an integer or a size string"),
+        (1.5, "expected an integer or a size string"),
+    ],
+)
+def test_parse_size_errors(text: str | int, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("size", "text"), [(0, "0"), (1000, "1000"), (4096, "4KiB"), (GiB, "1GiB"), (3 * MiB, "3MiB")]
+)
+def test_format_size_round_trips(size: int, text: str) -> None:
+    assert format_size(size) == text
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("yes", True),
+        ("On", True),
+        (" on ", True),
+        ("false", False),
+        ("False", False),
+        ("0", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
+def test_bool_parsing(sock: str, text: str, expected: bool) -> None:
+    assert load(sock, env={"KVD_POOL_PIN": text}).pool_pin is expected
+    assert load(sock, overrides={"pool_pin": text}).pool_pin is expected
+
+
+@pytest.mark.parametrize("text", ["", "2", "y", "enable", "truee"])
+def test_bool_parsing_errors(sock: str, text: str) -> None:
+    message = config_error(env={"KVD_POOL_PIN": text, "KVD_SOCKET_PATH": sock})
+    assert message.startswith("pool_pin: expected a boolean")
+    assert message.endswith("(from env KVD_POOL_PIN)")
+
+
+def test_env_values_parse(sock: str) -> None:
+    cfg = load(
+        sock,
+        env={
+            "KVD_POOL_SIZE_BYTES": "2GiB",
+            "KVD_HTTP_PORT": " 0 ",
+            "KVD_DRAIN_GRACE_S": "0.25",
+            "KVD_NODE_ID": "gpu-node-3",
+            "KVD_LOG_LEVEL": "DEBUG",
+            "PATH": "/usr/bin",  # unrelated variables are ignored
+            "kvd_lowercase": "ignored",
+        },
+    )
+    assert cfg.pool_size_bytes == 2 * GiB
+    assert cfg.http_port == 0
+    assert cfg.drain_grace_s == 0.25
+    assert cfg.node_id == "gpu-node-3"
+    assert cfg.log_level == "debug"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_key_in_file(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", "pool_sise_bytes = 5\n")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"unknown key 'pool_sise_bytes' (from file {path})")
+    assert "did you mean 'pool_size_bytes'" in message
+
+
+def test_table_in_file_is_unknown_key(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", "[kvd]\nhttp_port = 5\n")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"unknown key 'kvd' (from file {path})")
+
+
+def test_unknown_env_var(sock: str) -> None:
+    message = config_error(env={"KVD_POOL_SISE_BYTES": "1GiB", "KVD_SOCKET_PATH": sock})
+    assert "KVD_POOL_SISE_BYTES" in message
+    assert "(from env)" in message
+    assert "did you mean KVD_POOL_SIZE_BYTES" in message
+
+
+def test_unknown_override(sock: str) -> None:
+    message = config_error(env={"KVD_SOCKET_PATH": sock}, overrides={"http_prot": "1"})
+    assert message.startswith("unknown key 'http_prot' (from overrides)")
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "reason"),
+    [
+        ('http_port = "9400"', "http_port", "expected an integer, got '9400'"),
+        ("http_port = true", "http_port", "expected an integer, got boolean true"),
+        ("http_port = 94.0", "http_port", "expected an integer, got float 94.0"),
+        ("http_port = [1, 2]", "http_port", "expected an integer, got array"),
+        ("pool_pin = 1", "pool_pin", "expected a boolean, got int 1"),
+        ('pool_pin = "true"', "pool_pin", "expected a boolean, got 'true'"),
+        ('max_ttl_s = "10"', "max_ttl_s", "expected a number of seconds, got '10'"),
+        ("max_ttl_s = false", "max_ttl_s", "expected a number of seconds, got boolean"),
+        ("pool_size_bytes = 1.5", "pool_size_bytes", "expected an integer or a size string"),
+        ("pool_size_bytes = false", "pool_size_bytes", "expected an integer or a size"),
+        ("node_id = 7", "node_id", "expected a string, got int 7"),
+        ("log_level = {a = 1}", "log_level", "expected a string, got table"),
+    ],
+)
+def test_wrong_type_in_file(tmp_path: Path, sock: str, line: str, key: str, reason: str) -> None:
+    path = write(tmp_path / "kvd.toml", line + "\n")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"{key}: {reason}")
+    assert message.endswith(f"(from file {path})")
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "expected"),
+    [
+        ("KVD_POOL_SIZE_BYTES", "-5", "pool_size_bytes: must be >= 0, got -5"),
+        ("KVD_POOL_SIZE_BYTES", "lots", "pool_size_bytes: expected a size"),
+        ("KVD_POOL_MIN_BLOCK_BYTES", "32", "pool_min_block_bytes: must be >= 64, got 32"),
+        ("KVD_POOL_MIN_BLOCK_BYTES", "96", "pool_min_block_bytes: must be a power of two"),
+        ("KVD_MAX_MESSAGE_BYTES", "1KiB", "max_message_bytes: must be >= 4096, got 1024"),
+        ("KVD_HTTP_PORT", "abc", "http_port: expected an integer, got 'abc'"),
+        ("KVD_HTTP_PORT", "65536", "http_port: must be a port in 0..65535, got 65536"),
+        ("KVD_PEER_PORT", "-1", "peer_port: must be a port in 0..65535, got -1"),
+        ("KVD_PEER_PORT", "1.0", "peer_port: expected an integer"),
+        ("KVD_LOG_LEVEL", "verbose", "log_level: must be one of debug, info, warning, error"),
+        ("KVD_DRAIN_GRACE_S", "-1", "drain_grace_s: must be >= 0, got -1.0"),
+        ("KVD_MAX_TTL_S", "0", "max_ttl_s: must be > 0, got 0.0"),
+        ("KVD_MAX_WAIT_S", "soon", "max_wait_s: expected a number of seconds, got 'soon'"),
+        ("KVD_CLIENT_REQUEST_TIMEOUT_S", "nan", "client_request_timeout_s: expected a finite"),
+        ("KVD_MAX_TTL_S", "inf", "max_ttl_s: expected a finite"),
+        ("KVD_NODE_ID", "", "node_id: must not be empty"),
+        ("KVD_NODE_ID", "a b", "node_id: must not contain whitespace"),
+        ("KVD_PEER_HOST", " ", "peer_host: must not be empty"),
+    ],
+)
+def test_bad_env_values(sock: str, var: str, value: str, expected: str) -> None:
+    message = config_error(env={var: value, "KVD_SOCKET_PATH": sock})
+    assert message.startswith(expected)
+    assert message.endswith(f"(from env {var})")
+
+
+def test_bad_value_from_file_and_flag(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", "pool_size_bytes = -5\n")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message == f"pool_size_bytes: must be >= 0, got -5 (from file {path})"
+
+    message = config_error(env={"KVD_SOCKET_PATH": sock}, overrides={"http_port": "abc"})
+    assert message == "http_port: expected an integer, got 'abc' (from flag --http-port)"
+
+    message = config_error(env={"KVD_SOCKET_PATH": sock}, overrides={"log_level": "loud"})
+    assert message.startswith("log_level: must be one of")
+    assert message.endswith("(from flag --log-level)")
+
+
+def test_invalid_toml(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", "http_port = \n[[[\n")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"config file '{path}': invalid TOML:")
+
+
+def test_non_utf8_file(tmp_path: Path, sock: str) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_bytes(b'node_id = "\xff"\n')
+    message = config_error(config_file=str(path), env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"config file '{path}': ")
+
+
+def test_missing_file(tmp_path: Path, sock: str) -> None:
+    path = str(tmp_path / "nope.toml")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message == f"config file '{path}': cannot read: No such file or directory"
+
+    message = config_error(env={"KVD_CONFIG": path, "KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"config file '{path}' (from env KVD_CONFIG): cannot read")
+
+
+def test_config_file_is_a_directory(tmp_path: Path, sock: str) -> None:
+    message = config_error(config_file=str(tmp_path), env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"config file '{tmp_path}': cannot read")
+
+
+def test_errors_are_kvd_errors_with_config_code(sock: str) -> None:
+    with pytest.raises(KvdError) as info:
+        load(sock, env={"KVD_HTTP_PORT": "x"})
+    assert info.value.code == "config"
+    assert not info.value.retriable
+
+
+# --------------------------------------------------------------------------- socket path
+
+
+def test_socket_dir_parent_is_a_regular_file(tmp_path: Path) -> None:
+    blocker = write(tmp_path / "blocker", "")
+    message = config_error(env={"KVD_SOCKET_PATH": f"{blocker}/sub/kvd.sock"})
+    assert message == (
+        f"socket_path: '{blocker}' exists and is not a directory (from env KVD_SOCKET_PATH)"
+    )
+
+
+def test_socket_path_is_a_directory(tmp_path: Path) -> None:
+    message = config_error(env={}, overrides={"socket_path": str(tmp_path)})
+    assert message == f"socket_path: '{tmp_path}' is a directory (from flag --socket-path)"
+
+
+def test_socket_path_is_a_regular_file(tmp_path: Path) -> None:
+    path = write(tmp_path / "kvd.sock", "")
+    message = config_error(env={"KVD_SOCKET_PATH": path})
+    assert message.startswith(f"socket_path: '{path}' exists and is not a socket")
+
+
+def test_existing_socket_is_accepted(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        assert load_config(env={"KVD_SOCKET_PATH": path}).socket_path == path
+
+
+def test_socket_path_too_long(tmp_path: Path) -> None:
+    path = "/tmp/" + "x" * MAX_SOCKET_PATH_BYTES + "/kvd.sock"
+    message = config_error(env={"KVD_SOCKET_PATH": path})
+    assert message.startswith("socket_path: path ")
+    assert f"over the {MAX_SOCKET_PATH_BYTES}-byte limit" in message
+    assert message.endswith("(from env KVD_SOCKET_PATH)")
+    # a too-long default (from a long XDG_RUNTIME_DIR) is reported as such
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    message = config_error(env={"XDG_RUNTIME_DIR": str(deep)})
+    assert message.startswith("socket_path: path ")
+    assert message.endswith("(from default)")
+
+
+def _deny_writes_to(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
+    real_access = os.access
+
+    def fake_access(path: object, mode: int, **kwargs: object) -> bool:
+        if str(path) == str(denied) and mode & os.W_OK:
+            return False
+        return real_access(path, mode, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", fake_access)
+    monkeypatch.setattr(os, "supports_effective_ids", {fake_access})
+
+
+def test_socket_dir_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.access ignores permission bits for root, so deny through the check itself.
+    _deny_writes_to(monkeypatch, tmp_path)
+    message = config_error(env={"KVD_SOCKET_PATH": str(tmp_path / "kvd.sock")})
+    assert message == (
+        f"socket_path: directory '{tmp_path}' is not writable (from env KVD_SOCKET_PATH)"
+    )
+    message = config_error(env={"KVD_SOCKET_PATH": str(tmp_path / "a" / "b" / "kvd.sock")})
+    assert message.startswith(
+        f"socket_path: cannot create directory '{tmp_path / 'a' / 'b'}': '{tmp_path}' is not "
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_socket_dir_not_writable_real_permissions(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        message = config_error(env={"KVD_SOCKET_PATH": str(locked / "kvd.sock")})
+        assert message.startswith(f"socket_path: directory '{locked}' is not writable")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_check_paths_false_and_check_socket_path(tmp_path: Path) -> None:
+    blocker = write(tmp_path / "blocker", "")
+    path = f"{blocker}/kvd.sock"
+    cfg = load_config(env={"KVD_SOCKET_PATH": path}, check_paths=False)
+    assert cfg.socket_path == path
+    with pytest.raises(ConfigError, match=r"^socket_path: .* exists and is not a directory$"):
+        check_socket_path(cfg)
+    check_socket_path(dataclasses.replace(cfg, socket_path=str(tmp_path / "ok.sock")))
+
+
+def test_nothing_is_created(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "kvd.sock"
+    assert load_config(env={"KVD_SOCKET_PATH": str(target)}).socket_path == str(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- argparse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvd")
+    add_config_arguments(parser)
+    return parser
+
+
+def test_argparse_flags(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", "http_port = 1001\npool_pin = false\n")
+    args = make_parser().parse_args(
+        [
+            "--config",
+            path,
+            "--socket-path",
+            sock,
+            "--pool-size-bytes",
+            "512MiB",
+            "--pool-pin",
+            "yes",
+            "--max-wait-s",
+            "12.5",
+        ]
+    )
+    cfg = config_from_args(args, env={"KVD_HTTP_PORT": "1002", "KVD_PEER_PORT": "2002"})
+    assert cfg.socket_path == sock
+    assert cfg.pool_size_bytes == 512 * MiB
+    assert cfg.pool_pin is True
+    assert cfg.max_wait_s == 12.5
+    assert cfg.http_port == 1002  # env over file, no flag
+    assert cfg.peer_port == 2002
+
+
+def test_argparse_defaults_are_none(sock: str) -> None:
+    args = make_parser().parse_args([])
+    assert args.config is None
+    assert all(getattr(args, f.name) is None for f in dataclasses.fields(Config))
+    cfg = config_from_args(args, env={"KVD_SOCKET_PATH": sock})
+    assert cfg == load_config(env={"KVD_SOCKET_PATH": sock})
+
+
+def test_argparse_every_field_has_a_flag() -> None:
+    help_text = make_parser().format_help()
+    for f in dataclasses.fields(Config):
+        assert "--" + f.name.replace("_", "-") in help_text
+        assert "KVD_" + f.name.upper() in help_text
+
+
+def test_argparse_errors_name_the_flag(tmp_path: Path, sock: str) -> None:
+    args = make_parser().parse_args(["--http-port", "abc", "--socket-path", sock])
+    with pytest.raises(ConfigError) as info:
+        config_from_args(args, env={})
+    assert str(info.value) == "http_port: expected an integer, got 'abc' (from flag --http-port)"
+
+    missing = str(tmp_path / "missing.toml")
+    args = make_parser().parse_args(["--config", missing, "--socket-path", sock])
+    with pytest.raises(ConfigError) as info:
+        config_from_args(args, env={})
+    assert str(info.value).startswith(f"config file '{missing}' (from flag --config): cannot")
