@@ -279,6 +279,16 @@ def test_lowest_address_first() -> None:
     assert a.alloc(4 * KiB) == 4 * KiB
 
 
+def test_best_fit_takes_the_shortest_run_that_fits() -> None:
+    a = BuddyAllocator(64 * KiB, 4 * KiB)
+    offs = [a.alloc(n * 4 * KiB) for n in (3, 1, 2, 1, 3, 1)]  # holes to be: 3, 2, 3 units
+    for i in (0, 2, 4):
+        a.free(offs[i])
+    assert a.alloc(8 * KiB) == offs[2]  # the 2-unit hole, not the first 3-unit one
+    assert a.alloc(12 * KiB) == offs[0]  # lowest address among equal fits
+    a.check_invariants()
+
+
 def test_exhaustion_message_and_state_unchanged() -> None:
     a = BuddyAllocator(1 * MiB, 4 * KiB)
     a.alloc(768 * KiB)

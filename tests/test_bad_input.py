@@ -1,0 +1,207 @@
+"""Bad input on the local socket: each gets an error reply with a code, is counted, and the
+daemon goes on serving (checked by a successful request after every case)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+import kvd
+from kvd import AsyncKvdClient, shared_zeros
+from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, decode_reply
+from tests.conftest import RunningDaemon
+
+pack = msgspec.msgpack.encode
+
+
+class RawClient:
+    """A DEALER speaking bytes, to send what the real client never would."""
+
+    def __init__(self, path: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{path}")
+
+    async def send(self, *frames: bytes) -> Any:
+        await self.sock.send_multipart(list(frames))
+        async with asyncio.timeout(5):
+            reply = await self.sock.recv()
+        return decode_reply(reply)
+
+    async def hello(self) -> None:
+        reply = await self.send(pack({"op": "hello", "req_id": 1, "protocol_version":
+                                      PROTOCOL_VERSION, "pid": os.getpid()}))
+        assert reply.__struct_config__.tag == "welcome", reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def raw(daemon: RunningDaemon) -> AsyncIterator[RawClient]:
+    r = RawClient(daemon.socket_path)
+    await r.hello()
+    yield r
+    r.close()
+
+
+async def still_serving(r: RawClient) -> None:
+    reply = await r.send(pack({"op": "ping", "req_id": 99}))
+    assert isinstance(reply, Pong)
+
+
+async def bad_count(daemon: RunningDaemon, reason: str) -> int:
+    assert daemon.daemon.local is not None
+    return daemon.daemon.local.bad_messages.get(reason, 0)
+
+
+@pytest.mark.parametrize(
+    ("payload", "req_id", "needle"),
+    [
+        (os.urandom(64), 0, "malformed"),
+        (b"", 0, "malformed"),
+        (pack({"op": "ping", "req_id": 5})[:-1], 0, "malformed"),  # truncated
+        (pack({"op": "frobnicate", "req_id": 6}), 6, "Invalid value 'frobnicate'"),
+        (pack({"op": "get", "req_id": 7, "key": 3, "region_id": 1, "blocks": [0],
+               "timeout_s": 1}), 7, "Expected `str`"),
+        (pack({"op": "get", "req_id": 8, "key": "k", "region_id": 1, "blocks": [-1],
+               "timeout_s": 1}), 8, ">= 0"),
+        (pack({"op": "get", "req_id": 9, "key": "k", "region_id": 1, "blocks": [0],
+               "timeout_s": 1e300}), 9, "<= 10000000"),
+        (pack({"op": "offload", "req_id": 10, "key": "k", "region_id": 1,
+               "blocks": [2**63]}), 10, "<="),
+        (pack({"op": "get", "req_id": 11, "key": "x" * 5000, "region_id": 1, "blocks": [0],
+               "timeout_s": 1}), 11, "length <= 1024"),
+        (pack({"op": "ping", "req_id": 12, "extra": 1}), 12, "unknown field"),
+        (pack([1, 2, 3]), 0, "Expected `object`"),
+        (pack({"op": "ping", "req_id": "one"}), 0, "Expected `int`"),
+    ],
+    ids=["random", "empty", "truncated", "unknown-op", "wrong-type", "negative-block",
+         "huge-timeout", "huge-block", "huge-key", "extra-field", "not-a-map", "bad-req-id"],
+)
+async def test_malformed_messages(
+    daemon: RunningDaemon, raw: RawClient, payload: bytes, req_id: int, needle: str
+) -> None:
+    before = await bad_count(daemon, "malformed")
+    reply = await raw.send(payload)
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == "protocol" and reply.req_id == req_id
+    assert needle in reply.message
+    assert await bad_count(daemon, "malformed") == before + 1
+    await still_serving(raw)
+
+
+async def test_multipart_and_oversized(daemon: RunningDaemon, raw: RawClient) -> None:
+    reply = await raw.send(pack({"op": "ping", "req_id": 3}), b"second frame")
+    assert isinstance(reply, ErrorReply) and "one frame" in reply.message
+    assert await bad_count(daemon, "frames") == 1
+    reply = await raw.send(pack({"op": "stats", "req_id": 4, "pad": "x" * (2 * 2**20)}))
+    assert isinstance(reply, ErrorReply) and reply.req_id == 4
+    assert "max_message_bytes" in reply.message
+    await still_serving(raw)
+
+
+async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
+    r = RawClient(daemon.socket_path)
+    try:
+        reply = await r.send(pack({"op": "ping", "req_id": 1}))
+        assert isinstance(reply, ErrorReply) and reply.code == "daemon_unavailable"
+        assert "Hello first" in reply.message
+        reply = await r.send(pack({"op": "hello", "req_id": 2, "protocol_version": 999}))
+        assert isinstance(reply, ErrorReply) and reply.code == "protocol"
+        assert "999" in reply.message and str(PROTOCOL_VERSION) in reply.message
+        assert await bad_count(daemon, "version") == 1
+        await r.hello()
+        reply = await r.send(pack({"op": "hello", "req_id": 3, "protocol_version":
+                                   PROTOCOL_VERSION}))
+        assert isinstance(reply, ErrorReply) and "already" in reply.message
+        await still_serving(r)
+    finally:
+        r.close()
+
+
+async def test_register_bad_paths(daemon: RunningDaemon, raw: RawClient, tmp_path: Any) -> None:
+    def reg(req_id: int, path: str, **kw: Any) -> bytes:
+        tensor = {"kind": "shm", "path": path, "file_bytes": 4096, "offset_bytes": 0,
+                  "shape": [4, 256], "stride": [256, 1], "dtype": "float32"}
+        tensor.update(kw)
+        return pack({"op": "register", "req_id": req_id, "name": f"r{req_id}",
+                     "tensors": [tensor]})
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 4096)
+    cases = [
+        (reg(20, str(secret)), "kvd.shared_empty"),
+        (reg(21, "/dev/shm/kvd-../../etc/passwd"), "kvd.shared_empty"),
+        (reg(22, "/dev/shm/kvd-does-not-exist"), "No such file"),
+    ]
+    link = "/dev/shm/kvd-test-link-%d" % os.getpid()
+    os.symlink(str(secret), link)
+    cases.append((reg(23, link), "cannot map"))
+    real = shared_zeros((4, 256), torch.float32)
+    from kvd.client.shm import tensor_spec
+
+    path = tensor_spec(real).path
+    cases.append((reg(24, path, shape=[4, 512]), "extends to byte"))
+    cases.append((reg(25, path, offset_bytes=2), "not aligned"))
+    cases.append((reg(26, path, shape=[4, 256], stride=[256]), "different lengths"))
+    try:
+        for payload, needle in cases:
+            reply = await raw.send(payload)
+            assert isinstance(reply, ErrorReply), reply
+            assert reply.code == "bad_request", reply
+            assert needle in reply.message, reply
+            await still_serving(raw)
+    finally:
+        os.unlink(link)
+
+
+async def test_semantic_errors_keep_serving(daemon: RunningDaemon) -> None:
+    async with AsyncKvdClient(daemon.socket_path) as c:
+        a = shared_zeros((8, 64), torch.float16)
+        b = shared_zeros((8, 32), torch.float16)  # other block size
+        ra = await c.register("a", [a])
+        rb = await c.register("b", [b])
+        cases: list[tuple[Any, type[kvd.KvdError], str]] = [
+            (c.register("a", [a]), kvd.BadRequest, "already registered"),
+            (c.register("c", [a, shared_zeros((7, 64), torch.float16)]),
+             kvd.LayoutMismatch, "7 blocks"),
+            (c.register("d", [a], block_dim=3), kvd.BadRequest, "block_dim"),
+            (c.offload("k", ra, [8]), kvd.BadRequest, "out of range"),
+            (c.offload("k", ra, []), kvd.BadRequest, "no blocks"),
+            (c.offload("k", 999, [0]), kvd.BadRequest, "unknown region"),
+            (c.get("k", ra, [0, 0], timeout_s=0), kvd.BadRequest, "repeat"),
+            (c.get("nope", ra, [0], timeout_s=0), kvd.UnknownKey, "nope"),
+            (c.delete("nope"), kvd.UnknownKey, "nope"),
+            (c.offload("k", ra, [0], ttl_s=10**6), kvd.BadRequest, "ttl_s"),
+            (c.get("k", ra, [0], timeout_s=10**5), kvd.BadRequest, "timeout_s"),
+            (c.put("k", ra, [0], to="elsewhere:1234"), kvd.BadRequest, "unknown destination"),
+        ]
+        for coro, cls, needle in cases:
+            with pytest.raises(cls, match=needle):
+                result = await coro
+                if isinstance(result, kvd.AsyncTransfer):
+                    await result.wait(2)
+            assert await c.ping() > 0
+        await c.offload("k", ra, [0, 1])
+        with pytest.raises(kvd.BadRequest, match="already exists"):
+            await c.offload("k", ra, [2])
+        with pytest.raises(kvd.LayoutMismatch, match="64"):
+            await c.get("k", rb, [0, 1], timeout_s=1)
+        with pytest.raises(kvd.BadRequest, match="holds 2 blocks"):
+            await c.get("k", ra, [3], timeout_s=1)
+        with pytest.raises(kvd.BadRequest, match="not in shared memory"):
+            await c.register("e", [torch.zeros(4, 4)])
+        stats = await c.stats()
+        assert stats["op_errors"]["bad_request"] >= 8
+        assert stats["keys"] == 1 and stats["regions"] == 2
