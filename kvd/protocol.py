@@ -89,34 +89,34 @@ class LayoutEntry(Struct, frozen=True, array_like=True):
 # ---------------------------------------------------------------- requests
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     req_id: ReqId
     protocol_version: int
     pid: NonNeg = 0
     name: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
-class Bye(_Msg, tag="bye"):
+class Bye(_Msg, tag="bye", frozen=True):
     req_id: ReqId
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(_Msg, tag="ping", frozen=True):
     req_id: ReqId
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     req_id: ReqId
     name: Name
     tensors: Annotated[list[TensorSpec], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
     block_dim: Annotated[int, Meta(ge=0, lt=MAX_DIMS)] = 0
 
 
-class Unregister(_Msg, tag="unregister"):
+class Unregister(_Msg, tag="unregister", frozen=True):
     req_id: ReqId
     region_id: NonNeg
 
 
-class Offload(_Msg, tag="offload"):
+class Offload(_Msg, tag="offload", frozen=True):
     """Copy blocks into this daemon's host pool under ``key``."""
 
     req_id: ReqId
@@ -126,7 +126,7 @@ class Offload(_Msg, tag="offload"):
     ttl_s: Seconds | None = None
 
 
-class Get(_Msg, tag="get"):
+class Get(_Msg, tag="get", frozen=True):
     """Wait (up to ``timeout_s``) for ``key`` and write it into these blocks."""
 
     req_id: ReqId
@@ -136,7 +136,7 @@ class Get(_Msg, tag="get"):
     timeout_s: Seconds
 
 
-class Put(_Msg, tag="put"):
+class Put(_Msg, tag="put", frozen=True):
     """Send blocks to daemon ``to`` under ``key``; replied once the receiver has the bytes."""
 
     req_id: ReqId
@@ -148,7 +148,7 @@ class Put(_Msg, tag="put"):
     timeout_s: Seconds = 30.0
 
 
-class Publish(_Msg, tag="publish"):
+class Publish(_Msg, tag="publish", frozen=True):
     """Offer blocks under ``key`` without copying them; gets and peers read them in place."""
 
     req_id: ReqId
@@ -158,26 +158,26 @@ class Publish(_Msg, tag="publish"):
     ttl_s: Seconds | None = None
 
 
-class Unpublish(_Msg, tag="unpublish"):
+class Unpublish(_Msg, tag="unpublish", frozen=True):
     req_id: ReqId
     key: Key
 
 
-class Delete(_Msg, tag="delete"):
+class Delete(_Msg, tag="delete", frozen=True):
     """Free a stored (offloaded or arrived) key now."""
 
     req_id: ReqId
     key: Key
 
 
-class Cancel(_Msg, tag="cancel"):
+class Cancel(_Msg, tag="cancel", frozen=True):
     """Cancel this client's pending request ``target``."""
 
     req_id: ReqId
     target: ReqId
 
 
-class Stats(_Msg, tag="stats"):
+class Stats(_Msg, tag="stats", frozen=True):
     req_id: ReqId
 
 
@@ -189,7 +189,7 @@ Request = (
 # ---------------------------------------------------------------- replies
 
 
-class Welcome(_Msg, tag="welcome"):
+class Welcome(_Msg, tag="welcome", frozen=True):
     req_id: int
     protocol_version: int
     node_id: str
@@ -197,33 +197,33 @@ class Welcome(_Msg, tag="welcome"):
     daemon_version: str
 
 
-class Done(_Msg, tag="done"):
+class Done(_Msg, tag="done", frozen=True):
     """Success with nothing to return but how many bytes moved."""
 
     req_id: int
     nbytes: int = 0
 
 
-class Pong(_Msg, tag="pong"):
+class Pong(_Msg, tag="pong", frozen=True):
     req_id: int
     node_id: str
     epoch: int
     draining: bool
 
 
-class Registered(_Msg, tag="registered"):
+class Registered(_Msg, tag="registered", frozen=True):
     req_id: int
     region_id: int
     num_blocks: int
     layout: list[LayoutEntry]
 
 
-class StatsReply(_Msg, tag="stats_reply"):
+class StatsReply(_Msg, tag="stats_reply", frozen=True):
     req_id: int
     stats: dict[str, Any]
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, tag="error", frozen=True):
     req_id: int
     code: str
     message: str

@@ -145,7 +145,7 @@ async def test_register_bad_paths(daemon: RunningDaemon, raw: RawClient, tmp_pat
         (reg(21, "/dev/shm/kvd-../../etc/passwd"), "kvd.shared_empty"),
         (reg(22, "/dev/shm/kvd-does-not-exist"), "No such file"),
     ]
-    link = "/dev/shm/kvd-test-link-%d" % os.getpid()
+    link = f"/dev/shm/kvd-test-link-{os.getpid()}"
     os.symlink(str(secret), link)
     cases.append((reg(23, link), "cannot map"))
     real = shared_zeros((4, 256), torch.float32)

@@ -247,7 +247,7 @@ async def test_unregister_fails_waiting_get(daemon: RunningDaemon) -> None:
 
 async def test_daemon_unavailable_names_socket(sock_dir: str) -> None:
     path = os.path.join(sock_dir, "nobody.sock")
-    with pytest.raises(kvd.DaemonUnavailable, match="nobody.sock"):
+    with pytest.raises(kvd.DaemonUnavailable, match=r"nobody\.sock"):
         await AsyncKvdClient(path, timeout_s=1).connect()
     # A socket file with no daemon behind it: refused within the timeout, no hang.
     import socket
@@ -257,7 +257,7 @@ async def test_daemon_unavailable_names_socket(sock_dir: str) -> None:
     try:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        with pytest.raises(kvd.DaemonUnavailable, match="nobody.sock"):
+        with pytest.raises(kvd.DaemonUnavailable, match=r"nobody\.sock"):
             await AsyncKvdClient(path, timeout_s=0.5).connect()
         assert loop.time() - t0 < 5
     finally:

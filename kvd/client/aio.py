@@ -17,10 +17,11 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvd.client.base import Call, Region, RequestBuilder, result_of
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError, ProtocolError
-from kvd.protocol import Reply, decode_reply, encode
+from kvd.protocol import Bye, Reply, decode_reply, encode
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class AsyncKvdClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._dead: DaemonUnavailable | None = None
         self._closed = False
         self.node_id = ""
         self.epoch = 0
@@ -91,9 +95,14 @@ class AsyncKvdClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self._b.identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a daemon not there
+        # A dropped connection means the daemon stopped: every call fails at once
+        # instead of each waiting out its timeout.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self._b.endpoint)
         self._sock = sock
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_loop())
+        self._watcher = loop.create_task(self._watch_connection())
         call = self._b.hello(timeout_s)
         try:
             welcome = await self._call(call)
@@ -108,19 +117,24 @@ class AsyncKvdClient:
         if self._closed:
             return
         self._closed = True
-        if self._sock is not None and self._reader is not None and not self._reader.done():
+        if self._sock is not None and self._dead is None and self.epoch:
             with contextlib.suppress(KvdError, OSError):
-                await self._call(self._b.bye(), closing=True)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+                await self._call(self._b.bye())
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(DaemonUnavailable("client closed"))
         self._pending.clear()
         if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
             self._sock.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
 
@@ -137,9 +151,23 @@ class AsyncKvdClient:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
+    async def _watch_connection(self) -> None:
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._dead = self._b.disconnected()
+                for fut in self._pending.values():
+                    if not fut.done():
+                        fut.set_exception(self._dead)
+                self._pending.clear()
+                return
+
     async def _send(self, call: Call) -> asyncio.Future[Reply]:
-        if self._sock is None or (self._closed and call.kind != "none"):
+        if self._sock is None or (self._closed and not isinstance(call.msg, Bye)):
             raise DaemonUnavailable("client is not connected")
+        if self._dead is not None:
+            raise self._dead
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.msg.req_id] = fut
         try:
@@ -152,7 +180,7 @@ class AsyncKvdClient:
                 f"cannot reach kvd daemon at {self._b.socket_path}") from None
         return fut
 
-    async def _call(self, call: Call, closing: bool = False) -> Any:
+    async def _call(self, call: Call) -> Any:
         started = time.perf_counter()
         fut = await self._send(call)
         try:

@@ -107,6 +107,12 @@ class RequestBuilder:
                 "`kvd serve` or set KVD_SOCKET_PATH"
             )
 
+    def disconnected(self) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"kvd daemon at {self.socket_path} closed the connection (it stopped or "
+            "restarted; registrations are gone): create a new client"
+        )
+
     def unavailable(self, what: str, waited_s: float) -> KvdError:
         if not os.path.exists(self.socket_path):
             return DaemonUnavailable(f"kvd daemon at {self.socket_path} went away ({what})")
@@ -121,7 +127,7 @@ class RequestBuilder:
         return Call(msg, self._t(timeout_s), "welcome")
 
     def bye(self) -> Call:
-        return Call(Bye(req_id=self.next_id()), 2.0, "none")
+        return Call(Bye(req_id=self.next_id()), 0.5, "none")
 
     def ping(self, timeout_s: float | None) -> Call:
         return Call(Ping(req_id=self.next_id()), self._t(timeout_s), "rtt")

@@ -12,6 +12,7 @@ keeps its own mapping, and unlinks the files of a client that dies without sayin
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -36,10 +37,8 @@ _segments: dict[int, tuple[str, int]] = {}
 def _forget(ptr: int, path: str) -> None:
     with _lock:
         _segments.pop(ptr, None)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvd.client.base import Call, Region, RequestBuilder, result_of
 from kvd.errors import DaemonUnavailable, KvdError, ProtocolError
@@ -77,6 +78,9 @@ class KvdClient:
         self._b = RequestBuilder(socket_path, name, timeout_s)
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._poller = zmq.Poller()
+        self._dead: DaemonUnavailable | None = None
         self._lock = threading.RLock()
         self._stash: dict[int, Reply] = {}
         self._outstanding: set[int] = set()
@@ -104,8 +108,13 @@ class KvdClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self._b.identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        # A dropped connection means the daemon stopped: every call fails at once
+        # instead of each waiting out its timeout.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self._b.endpoint)
         self._sock = sock
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             welcome = self._call(self._b.hello(timeout_s))
         except (KvdError, OSError) as exc:
@@ -119,12 +128,18 @@ class KvdClient:
         with self._lock:
             if self._closed:
                 return
-            if self._sock is not None and self.epoch:
+            if self._monitor is not None:
+                self._check_monitor()
+            if self._sock is not None and self.epoch and self._dead is None:
                 with contextlib.suppress(KvdError, OSError):
                     self._call(self._b.bye())
             self._closed = True
             if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
                 self._sock.close(linger=0)
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
             if self._ctx is not None:
                 self._ctx.term()
 
@@ -133,6 +148,8 @@ class KvdClient:
     def _send(self, call: Call) -> None:
         if self._sock is None or self._closed:
             raise DaemonUnavailable("client is not connected")
+        if self._dead is not None:
+            raise self._dead
         # With IMMEDIATE, POLLOUT means a connection to the daemon is up.
         if not self._sock.poll(int(call.timeout_s * 1000), zmq.POLLOUT):
             raise DaemonUnavailable(f"cannot reach kvd daemon at {self._b.socket_path}")
@@ -148,8 +165,14 @@ class KvdClient:
                 if req_id in self._stash:
                     self._outstanding.discard(req_id)
                     return self._stash.pop(req_id)
+                if self._dead is not None:
+                    raise self._dead
                 remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-                if not self._sock.poll(remaining_ms, zmq.POLLIN):
+                ready = dict(self._poller.poll(remaining_ms))
+                if self._monitor in ready:
+                    self._check_monitor()
+                    continue
+                if self._sock not in ready:
                     if poll_only or remaining_ms == 0:
                         return None
                     continue
@@ -163,6 +186,13 @@ class KvdClient:
                     return reply
                 if reply.req_id in self._outstanding:
                     self._stash[reply.req_id] = reply
+
+    def _check_monitor(self) -> None:
+        assert self._monitor is not None
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._dead = self._b.disconnected()
 
     def _call(self, call: Call) -> Any:
         with self._lock:

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from kvd.config import Config
+from kvd.daemon.store import Item, KeyStore, Waiter
 from kvd.errors import BadRequest, Cancelled, Draining, KvdTimeout, UnknownKey
 from kvd.memory.pool import HostPool
 from kvd.memory.regions import Region, RegionTable, check_compatible, packed_offsets
 from kvd.protocol import TensorSpec
 from kvd.transport import local
-from kvd.daemon.store import Item, KeyStore, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -418,8 +418,12 @@ class Engine:
     async def drop_session(self, session: int, reason: str) -> list[str]:
         """Release what a client owned; returns its shared-memory files."""
         for item in self.store.items():
-            if item.owner == session and (item.published or item.expires_at is None):
+            if item.owner != session:
+                continue
+            if item.published or item.expires_at is None:
                 self.store.remove(item)
+            else:
+                item.owner = None  # outlives its owner until its TTL; anyone may delete it
         files: list[str] = []
         for region in self.regions.owned_by(session):
             files.extend(region.files)

@@ -31,6 +31,7 @@ from kvd.config import Config
 from kvd.daemon.engine import Engine
 from kvd.errors import (
     Cancelled,
+    ConfigError,
     DaemonUnavailable,
     InternalError,
     KvdError,
@@ -105,16 +106,17 @@ class LocalServer:
 
     def bind(self) -> None:
         path = self.config.socket_path
-        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
-        if os.path.exists(path):
-            # A stale socket of a daemon that died; a live one would answer, and two
-            # daemons on one socket is an operator error we refuse below.
-            if _socket_answers(path):
-                raise DaemonUnavailable(f"another daemon is serving {path}")
-            os.unlink(path)
+        if os.path.exists(path) and _socket_answers(path):
+            raise ConfigError(f"socket_path: another daemon is serving {path}")
         old_umask = os.umask(0o117)  # socket mode 0660
         try:
+            os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+            # A socket file left by a daemon that died (a live one answered above).
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             self._sock.bind(self.endpoint)
+        except (OSError, zmq.ZMQError) as exc:
+            raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
         finally:
             os.umask(old_umask)
         for sock in (self._sock, self._monitor):
@@ -369,6 +371,7 @@ class LocalServer:
         stats["clients"] = len(self.sessions)
         stats["bad_messages"] = dict(self.bad_messages)
         stats["epoch"] = self.epoch
+        stats["in_flight"] = len(self.pending_tasks())
         return stats
 
 

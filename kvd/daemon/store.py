@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,10 +127,8 @@ class KeyStore:
         queue = self._waiters.get(key)
         if queue is None:
             return
-        try:
+        with contextlib.suppress(ValueError):
             queue.remove(waiter)
-        except ValueError:
-            pass
         if not queue:
             del self._waiters[key]
 

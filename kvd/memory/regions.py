@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from kvd.errors import BadRequest, LayoutMismatch
-from kvd.protocol import SHM_PREFIX, LayoutEntry, ShmTensor, TensorSpec, shm_dir
+from kvd.protocol import SHM_PREFIX, DType, LayoutEntry, ShmTensor, TensorSpec, shm_dir
 
 # Sections of a packed buffer start on this boundary so that every dtype view is aligned.
 PACK_ALIGN_BYTES = 64
 
-_DTYPES: dict[str, torch.dtype] = {
+_DTYPES: dict[DType, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
@@ -46,12 +46,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
     "bool": torch.bool,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, DType] = {v: k for k, v in _DTYPES.items()}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return _DTYPES[name]  # type: ignore[index]
     except KeyError:
         raise BadRequest(f"unsupported dtype {name!r}") from None
 
