@@ -221,3 +221,12 @@ def test_demo_exits_zero() -> None:
 def test_version() -> None:
     result = run_cli("--version")
     assert result.returncode == 0 and kvd.__version__ in result.stdout
+
+
+def test_example_offload_and_get(process_daemon: ProcessDaemon) -> None:
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "offload_and_get.py")
+    result = subprocess.run([sys.executable, example], capture_output=True, text=True,
+                            timeout=60, env={**os.environ,
+                                             "KVD_SOCKET_PATH": process_daemon.socket_path})
+    assert result.returncode == 0, result.stderr
+    assert "got it back" in result.stdout
