@@ -26,7 +26,8 @@ def main() -> None:
             layer[:4].zero_()  # the engine reuses those blocks
 
         client.get("prefix-42", region, blocks=[10, 11, 12, 13], timeout_s=5)
-        assert all(torch.equal(layer[10:14], exp) for layer, exp in zip(layers, expected, strict=True))
+        for layer, exp in zip(layers, expected, strict=True):
+            assert torch.equal(layer[10:14], exp)
         print(f"offloaded {stored / 2**20:.1f} MiB and got it back into other blocks")
         client.delete("prefix-42")
 

@@ -170,7 +170,7 @@ class LocalServer:
             self._wake.clear()
 
     def _drain_monitor(self) -> None:
-        while True:
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 msg = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -327,8 +327,10 @@ class LocalServer:
             self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # client gone or its queue full: its loss, not ours
             log.debug("reply dropped: %s", exc)
-        # A send can consume the socket's edge-triggered readiness; look again.
-        self._wake.set()
+        # A send can consume the socket's edge-triggered readiness: if input is waiting,
+        # make sure the reader looks again.
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._wake.set()
 
     def _done(self, s: Session, req_id: int, nbytes: int = 0) -> None:
         self._send(s.identity, Done(req_id=req_id, nbytes=nbytes))
