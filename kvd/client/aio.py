@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvd.client.base import Call, Region, RequestBuilder, result_of
+from kvd.client.base import Call, Region, RequestBuilder, close_dealer, open_dealer, result_of
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError, ProtocolError
 from kvd.protocol import Bye, Reply, decode_reply, encode
 
@@ -91,15 +91,7 @@ class AsyncKvdClient:
         answers within the timeout."""
         self._b.check_socket()
         self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, self._b.identity)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a daemon not there
-        # A dropped connection means the daemon stopped: every call fails at once
-        # instead of each waiting out its timeout.
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self._b.endpoint)
-        self._sock = sock
+        self._sock, self._monitor = open_dealer(self._ctx, self._b)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_loop())
         self._watcher = loop.create_task(self._watch_connection())
@@ -129,14 +121,7 @@ class AsyncKvdClient:
             if not fut.done():
                 fut.set_exception(DaemonUnavailable("client closed"))
         self._pending.clear()
-        if self._sock is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            self._sock.close(linger=0)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
+        close_dealer(self._sock, self._monitor, self._ctx)
 
     async def _read_loop(self) -> None:
         assert self._sock is not None

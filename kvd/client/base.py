@@ -8,6 +8,7 @@ arguments and results.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -73,6 +74,33 @@ class Call:
     timeout_s: float
     kind: str  # "nbytes" | "region" | "rtt" | "stats" | "none"
     tensors: tuple[Any, ...] = ()
+
+
+def open_dealer(ctx: Any, builder: RequestBuilder) -> tuple[Any, Any]:
+    """The client's DEALER, connected, and a monitor that reports a dropped connection
+    (the daemon stopped): every pending call then fails at once instead of timing out."""
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, builder.identity)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a daemon not there
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(builder.endpoint)
+    return sock, monitor
+
+
+def close_dealer(sock: Any, monitor: Any, ctx: Any) -> None:
+    import zmq
+
+    if sock is not None:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        sock.close(linger=0)
+    if monitor is not None:
+        monitor.close(linger=0)
+    if ctx is not None:
+        ctx.term()
 
 
 def _blocks(blocks: Iterable[int]) -> list[int]:

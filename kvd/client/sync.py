@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvd.client.base import Call, Region, RequestBuilder, result_of
+from kvd.client.base import Call, Region, RequestBuilder, close_dealer, open_dealer, result_of
 from kvd.errors import DaemonUnavailable, KvdError, ProtocolError
 from kvd.protocol import Reply, decode_reply, encode
 
@@ -104,14 +104,7 @@ class KvdClient:
         answers within the timeout."""
         self._b.check_socket()
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, self._b.identity)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        # A dropped connection means the daemon stopped: every call fails at once
-        # instead of each waiting out its timeout.
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self._b.endpoint)
+        sock, self._monitor = open_dealer(self._ctx, self._b)
         self._sock = sock
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -134,14 +127,7 @@ class KvdClient:
                 with contextlib.suppress(KvdError, OSError):
                     self._call(self._b.bye())
             self._closed = True
-            if self._sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.disable_monitor()
-                self._sock.close(linger=0)
-            if self._monitor is not None:
-                self._monitor.close(linger=0)
-            if self._ctx is not None:
-                self._ctx.term()
+            close_dealer(self._sock, self._monitor, self._ctx)
 
     # ------------------------------------------------------------ I/O
 

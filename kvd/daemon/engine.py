@@ -78,6 +78,14 @@ class Engine:
         if self.draining:
             raise Draining("daemon is draining: no new work accepted")
 
+    def _source(
+        self, session: int, region_id: int, blocks: Sequence[int]
+    ) -> tuple[Region, torch.Tensor]:
+        """New work reading ``blocks`` of one of the session's regions."""
+        self._check_accepting()
+        region = self.regions.get(session, region_id)
+        return region, region.block_index(blocks, writing=False)
+
     def _ttl_deadline(self, ttl_s: float | None) -> float | None:
         if ttl_s is None:
             return None
@@ -266,9 +274,7 @@ class Engine:
         self, session: int, key: str, region_id: int, blocks: Sequence[int],
         ttl_s: float | None,
     ) -> int:
-        self._check_accepting()
-        region = self.regions.get(session, region_id)
-        idx = region.block_index(blocks, writing=False)
+        region, idx = self._source(session, region_id, blocks)
         item = await self._fill_pool_item(
             key, region, idx, owner=session, expires_at=self._ttl_deadline(ttl_s),
             consume_once=False,
@@ -337,14 +343,12 @@ class Engine:
         self, session: int, key: str, region_id: int, blocks: Sequence[int], to: str,
         ttl_s: float | None, timeout_s: float,
     ) -> int:
-        self._check_accepting()
+        region, idx = self._source(session, region_id, blocks)
         if to not in self.self_names:
             raise BadRequest(
                 f"unknown destination {to!r}: this daemon ({self.config.node_id}) "
                 "moves data only between its own clients"
             )
-        region = self.regions.get(session, region_id)
-        idx = region.block_index(blocks, writing=False)
         self._check_wait(timeout_s)
         expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
         if self.store.exists(key):
@@ -390,9 +394,7 @@ class Engine:
         self, session: int, key: str, region_id: int, blocks: Sequence[int],
         ttl_s: float | None,
     ) -> int:
-        self._check_accepting()
-        region = self.regions.get(session, region_id)
-        idx = region.block_index(blocks, writing=False)
+        region, idx = self._source(session, region_id, blocks)
         expires_at = self._ttl_deadline(ttl_s)
         self.store.reserve(key)
         _, nbytes = packed_offsets(region.layout, len(idx))
