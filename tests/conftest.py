@@ -62,11 +62,21 @@ class RunningDaemon:
         return self.config.socket_path
 
 
-@pytest.fixture
-async def daemon(sock_dir: str) -> AsyncIterator[RunningDaemon]:
-    """A daemon in the test's own event loop (use the async client against it)."""
-    async with running_daemon(make_config(sock_dir)) as d:
-        yield d
+@pytest.fixture(params=["inproc", "process"])
+async def daemon(request: Any, sock_dir: str) -> AsyncIterator[Any]:
+    """A daemon in the test's own event loop, then the same tests against `kvd serve` as a
+    subprocess (use the async client; both expose ``socket_path``)."""
+    if request.param == "inproc":
+        async with running_daemon(make_config(sock_dir)) as d:
+            yield d
+        return
+    proc = ProcessDaemon(sock_dir)
+    await asyncio.to_thread(proc.wait_ready)
+    try:
+        yield proc
+    finally:
+        code = await asyncio.to_thread(proc.stop)
+        assert code == 0, f"daemon exit code {code}:\n{proc.log()}"
 
 
 @contextlib.asynccontextmanager

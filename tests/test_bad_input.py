@@ -16,7 +16,7 @@ import zmq.asyncio
 
 import kvd
 from kvd import AsyncKvdClient, shared_zeros
-from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, decode_reply
+from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, StatsReply, decode_reply
 from tests.conftest import RunningDaemon
 
 pack = msgspec.msgpack.encode
@@ -60,9 +60,10 @@ async def still_serving(r: RawClient) -> None:
     assert isinstance(reply, Pong)
 
 
-async def bad_count(daemon: RunningDaemon, reason: str) -> int:
-    assert daemon.daemon.local is not None
-    return daemon.daemon.local.bad_messages.get(reason, 0)
+async def bad_count(r: RawClient, reason: str) -> int:
+    reply = await r.send(pack({"op": "stats", "req_id": 98}))
+    assert isinstance(reply, StatsReply), reply
+    return int(reply.stats["bad_messages"].get(reason, 0))
 
 
 @pytest.mark.parametrize(
@@ -92,19 +93,19 @@ async def bad_count(daemon: RunningDaemon, reason: str) -> int:
 async def test_malformed_messages(
     daemon: RunningDaemon, raw: RawClient, payload: bytes, req_id: int, needle: str
 ) -> None:
-    before = await bad_count(daemon, "malformed")
+    before = await bad_count(raw, "malformed")
     reply = await raw.send(payload)
     assert isinstance(reply, ErrorReply)
     assert reply.code == "protocol" and reply.req_id == req_id
     assert needle in reply.message
-    assert await bad_count(daemon, "malformed") == before + 1
+    assert await bad_count(raw, "malformed") == before + 1
     await still_serving(raw)
 
 
 async def test_multipart_and_oversized(daemon: RunningDaemon, raw: RawClient) -> None:
     reply = await raw.send(pack({"op": "ping", "req_id": 3}), b"second frame")
     assert isinstance(reply, ErrorReply) and "one frame" in reply.message
-    assert await bad_count(daemon, "frames") == 1
+    assert await bad_count(raw, "frames") == 1
     reply = await raw.send(pack({"op": "stats", "req_id": 4, "pad": "x" * (2 * 2**20)}))
     assert isinstance(reply, ErrorReply) and reply.req_id == 4
     assert "max_message_bytes" in reply.message
@@ -120,8 +121,9 @@ async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
         reply = await r.send(pack({"op": "hello", "req_id": 2, "protocol_version": 999}))
         assert isinstance(reply, ErrorReply) and reply.code == "protocol"
         assert "999" in reply.message and str(PROTOCOL_VERSION) in reply.message
-        assert await bad_count(daemon, "version") == 1
         await r.hello()
+        assert await bad_count(r, "version") == 1
+        assert await bad_count(r, "no_session") == 1
         reply = await r.send(pack({"op": "hello", "req_id": 3, "protocol_version":
                                    PROTOCOL_VERSION}))
         assert isinstance(reply, ErrorReply) and "already" in reply.message

@@ -262,3 +262,48 @@ async def test_daemon_unavailable_names_socket(sock_dir: str) -> None:
         assert loop.time() - t0 < 5
     finally:
         s.close()
+
+
+async def test_wrong_get_does_not_consume_a_put(daemon: RunningDaemon) -> None:
+    a, b = await client(daemon), await client(daemon)
+    try:
+        src = random_tensors(1, seed=20)
+        dst = [shared_zeros(SHAPE, torch.float16)]
+        wrong = [shared_zeros((SHAPE[0], 3), torch.float16)]
+        r_src, r_dst, r_wrong = (await a.register("kv", src), await b.register("kv", dst),
+                                 await b.register("wrong", wrong))
+        # A get parked with the wrong layout fails when the data arrives; the data stays.
+        parked = asyncio.create_task(b.get("k1", r_wrong, [0], timeout_s=5))
+        await asyncio.sleep(0.05)
+        await (await a.put("k1", r_src, [4])).wait(5)
+        with pytest.raises(kvd.LayoutMismatch, match="'wrong'"):
+            await parked
+        # A get with the wrong block count, or layout, after the data arrived: same.
+        with pytest.raises(kvd.BadRequest, match="holds 1 blocks"):
+            await b.get("k1", r_dst, [0, 1], timeout_s=1)
+        with pytest.raises(kvd.LayoutMismatch):
+            await b.get("k1", r_wrong, [0], timeout_s=1)
+        await b.get("k1", r_dst, [9], timeout_s=1)
+        assert torch.equal(dst[0][9], src[0][4])
+        assert (await a.stats())["pool"]["used_bytes"] == 0
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_cancel_a_running_put(daemon: RunningDaemon) -> None:
+    async with AsyncKvdClient(daemon.socket_path) as c:
+        big = shared_empty((2, 16 * 2**20), torch.uint8)  # 2 x 16 MiB: runs in the worker
+        big.fill_(7)
+        region = await c.register("big", [big])
+        transfer = await c.put("big", region, [0, 1])
+        await transfer.cancel()
+        try:
+            nbytes = await transfer.wait(5)
+        except kvd.Cancelled:
+            # Cancelled: nothing was stored and the pool memory is back.
+            stats = await c.stats()
+            assert stats["keys"] == 0 and stats["pool"]["used_bytes"] == 0
+        else:  # finished before the cancel reached it: then it is all there
+            assert nbytes == 32 * 2**20
+            assert (await c.stats())["keys"] == 1

@@ -27,9 +27,17 @@ import torch
 
 from kvd.config import Config
 from kvd.daemon.store import Item, KeyStore, Waiter
-from kvd.errors import BadRequest, Cancelled, Draining, KvdTimeout, UnknownKey
+from kvd.errors import (
+    BadRequest,
+    Cancelled,
+    Draining,
+    KvdError,
+    KvdTimeout,
+    LayoutMismatch,
+    UnknownKey,
+)
 from kvd.memory.pool import HostPool
-from kvd.memory.regions import Region, RegionTable, check_compatible, packed_offsets
+from kvd.memory.regions import Layout, Region, RegionTable, describe_layout, packed_offsets
 from kvd.protocol import TensorSpec
 from kvd.transport import local
 
@@ -50,6 +58,22 @@ class Counters:
 
     def count(self, table: dict[str, int], name: str) -> None:
         table[name] = table.get(name, 0) + 1
+
+
+def _unfit(
+    key: str, layout: Layout, num_blocks: int, region: Region, idx: torch.Tensor
+) -> KvdError | None:
+    """Why data of ``layout`` x ``num_blocks`` cannot be written to ``idx`` of ``region``."""
+    if layout != region.layout:
+        return LayoutMismatch(
+            f"key {key!r} has layout {describe_layout(layout)} but region "
+            f"{region.name!r} has {describe_layout(region.layout)}"
+        )
+    if num_blocks != len(idx):
+        return BadRequest(
+            f"key {key!r} holds {num_blocks} blocks, {len(idx)} destination blocks given"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -190,11 +214,16 @@ class Engine:
         self._wake_waiters(item)
 
     def _wake_waiters(self, item: Item) -> None:
-        """Hand a new item to the gets waiting for its key (one, if it is consumed)."""
+        """Hand a new item to the gets waiting for its key (one, if it is consumed). A get
+        whose blocks cannot hold it fails, and the item stays for the next one."""
         while not item.removed:
             waiter = self.store.next_waiter(item.key)
             if waiter is None:
                 return
+            problem = _unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx)
+            if problem is not None:
+                waiter.future.set_exception(problem)
+                continue
             self._claim(item)
             waiter.future.set_result(item)
             if item.consume_once:
@@ -211,15 +240,9 @@ class Engine:
                 item.timer = None
 
     async def _read_item_into(self, item: Item, region: Region, idx: torch.Tensor) -> int:
-        """Copy a claimed item into blocks; the claim is released whatever happens."""
+        """Copy a claimed (and fitting) item into blocks; the claim is released whatever
+        happens."""
         try:
-            check_compatible(f"key {item.key!r}", item.layout, f"region {region.name!r}",
-                             region.layout)
-            if item.num_blocks != len(idx):
-                raise BadRequest(
-                    f"key {item.key!r} holds {item.num_blocks} blocks, "
-                    f"{len(idx)} destination blocks given"
-                )
             if item.region is not None:
                 assert item.region_idx is not None
                 nbytes = await self._copy(
@@ -292,6 +315,9 @@ class Engine:
         self._check_wait(timeout_s)
         item = self.store.find(key)
         if item is not None:
+            problem = _unfit(key, item.layout, item.num_blocks, region, idx)
+            if problem is not None:
+                raise problem  # the item stays for a get that fits
             self._claim(item)
             return await self._read_item_into(item, region, idx)
         if timeout_s == 0:
@@ -353,9 +379,11 @@ class Engine:
         expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
         if self.store.exists(key):
             raise BadRequest(f"key {key!r} already exists")
-        waiter = self.store.next_waiter(key)
-        if waiter is not None:
-            return await self._deliver(key, region, idx, waiter)
+        while (waiter := self.store.next_waiter(key)) is not None:
+            problem = _unfit(key, region.layout, len(idx), waiter.region, waiter.idx)
+            if problem is None:
+                return await self._deliver(key, region, idx, waiter)
+            waiter.future.set_exception(problem)  # that get was wrong; keep the data
         item = await self._fill_pool_item(
             key, region, idx, owner=None, expires_at=expires_at, consume_once=True
         )
@@ -366,14 +394,6 @@ class Engine:
         """Put straight into the blocks of a waiting get: one copy, no pool."""
         waiter.delivering = True
         try:
-            check_compatible(f"put of key {key!r}", region.layout,
-                             f"the waiting get's region {waiter.region.name!r}",
-                             waiter.region.layout)
-            if len(idx) != len(waiter.idx):
-                raise BadRequest(
-                    f"put of key {key!r} sends {len(idx)} blocks, the waiting get "
-                    f"expects {len(waiter.idx)}"
-                )
             nbytes = await self._copy(
                 [region, waiter.region], region.bytes_per_block * len(idx), local.copy_blocks,
                 region.tensors, idx, waiter.region.tensors, waiter.idx,

@@ -65,13 +65,6 @@ def describe_layout(layout: Layout) -> str:
     return "[" + ", ".join(parts) + more + "]"
 
 
-def check_compatible(what: str, have: Layout, other: str, want: Layout) -> None:
-    if have != want:
-        raise LayoutMismatch(
-            f"{what} has layout {describe_layout(have)} but {other} has {describe_layout(want)}"
-        )
-
-
 def packed_offsets(layout: Layout, num_blocks: int) -> tuple[list[int], int]:
     """Byte offset of each tensor's section in a packed buffer of ``num_blocks`` blocks,
     and the total size. Sections are tensor-major: all blocks of tensor 0, then tensor 1."""
