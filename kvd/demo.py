@@ -45,7 +45,8 @@ def run_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvd-demo-") as tmp:
         sock = os.path.join(tmp, "kvd.sock")
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock,
-               "--pool-size-bytes", "256MiB", "--http-port", "0", "--log-level", "warning"]
+               "--pool-size-bytes", "256MiB", "--http-port", "0", "--peer-port", "0",
+               "--data-port", "0", "--log-level", "warning"]
         print(f"starting daemon: {' '.join(cmd[2:])}")
         daemon = subprocess.Popen(cmd)
         try:

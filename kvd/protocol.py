@@ -25,7 +25,8 @@ from kvd.errors import ProtocolError
 
 # Protocol versions (bump on any incompatible change to a message below):
 #   1 — 2026-11: Hello/Register(shm)/Offload/Get/Put(local)/Publish/Cancel/Stats.
-PROTOCOL_VERSION = 1
+#   2 — 2026-11: peer plane (PeerHello .. PullRequest), Pull, Put to another daemon.
+PROTOCOL_VERSION = 2
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -148,6 +149,17 @@ class Put(_Msg, tag="put", frozen=True):
     timeout_s: Seconds = 30.0
 
 
+class Pull(_Msg, tag="pull", frozen=True):
+    """Ask daemon ``src`` for its published (or offloaded) ``key``, into these blocks."""
+
+    req_id: ReqId
+    key: Key
+    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    region_id: NonNeg
+    blocks: BlockIds
+    timeout_s: Seconds
+
+
 class Publish(_Msg, tag="publish", frozen=True):
     """Offer blocks under ``key`` without copying them; gets and peers read them in place."""
 
@@ -182,8 +194,8 @@ class Stats(_Msg, tag="stats", frozen=True):
 
 
 Request = (
-    Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Publish | Unpublish
-    | Delete | Cancel | Stats
+    Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Pull | Publish
+    | Unpublish | Delete | Cancel | Stats
 )
 
 # ---------------------------------------------------------------- replies
@@ -231,15 +243,123 @@ class ErrorReply(_Msg, tag="error", frozen=True):
 
 Reply = Welcome | Done | Pong | Registered | StatsReply | ErrorReply
 
+# ---------------------------------------------------------------- peer plane
+#
+# Daemon to daemon, over the peer ROUTER (tcp://). Every message about a transfer carries
+# its ``transfer_id``. A push: sender OFFER -> receiver ACCEPT | BUSY | REFUSE; the bytes
+# follow on the channel's data connection; receiver XFER_DONE | XFER_FAILED. A pull is a
+# PULL from the receiver, answered by the owner with an OFFER of the same transfer_id.
+
+TransferId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+Token = Annotated[bytes, Meta(min_length=16, max_length=64)]
+Device = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class _PeerMsg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
+    """First message on a peer connection; answered by ``PeerWelcome``."""
+
+    protocol_version: int
+    node_id: Name
+    epoch: NonNeg
+    address: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]  # host:port
+    data_port: Annotated[int, Meta(ge=0, le=65535)]
+    data_token: Token  # the token a peer presents on our data port
+    devices: Annotated[list[Device], Meta(max_length=64)]
+
+
+class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
+    protocol_version: int
+    node_id: Name
+    epoch: NonNeg
+    address: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    data_port: Annotated[int, Meta(ge=0, le=65535)]
+    data_token: Token
+    devices: Annotated[list[Device], Meta(max_length=64)]
+
+
+class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
+    epoch: NonNeg
+
+
+class Offer(_PeerMsg, tag="offer", frozen=True):
+    transfer_id: TransferId
+    key: Key
+    src_dev: Device
+    dst_dev: Device
+    nbytes: NonNeg
+    num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
+    layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
+    ttl_s: Seconds | None = None
+
+
+class Accept(_PeerMsg, tag="accept", frozen=True):
+    transfer_id: TransferId
+
+
+class Busy(_PeerMsg, tag="busy", frozen=True):
+    transfer_id: TransferId
+    retry_after_s: Seconds
+
+
+class Refuse(_PeerMsg, tag="refuse", frozen=True):
+    """The receiver will not take this transfer (bad offer, layout, unknown key)."""
+
+    transfer_id: TransferId
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+class XferDone(_PeerMsg, tag="xfer_done", frozen=True):
+    transfer_id: TransferId
+    nbytes: NonNeg
+
+
+class XferFailed(_PeerMsg, tag="xfer_failed", frozen=True):
+    transfer_id: TransferId
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+class XferCancel(_PeerMsg, tag="xfer_cancel", frozen=True):
+    """The other side gave up on this transfer; stop it if it has not started."""
+
+    transfer_id: TransferId
+
+
+class PullRequest(_PeerMsg, tag="pull_request", frozen=True):
+    transfer_id: TransferId
+    key: Key
+    dst_dev: Device
+    num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
+    layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
+
+
+class PeerError(_PeerMsg, tag="peer_error", frozen=True):
+    """Reply to a message the daemon could not take (not tied to a transfer)."""
+
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+PeerMessage = (
+    PeerHello | PeerWelcome | Heartbeat | Offer | Accept | Busy | Refuse | XferDone
+    | XferFailed | XferCancel | PullRequest | PeerError
+)
+
 # ---------------------------------------------------------------- codec
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _loose_decoder = msgspec.msgpack.Decoder()
+_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
 
 
-def encode(msg: _Msg) -> bytes:
+def encode(msg: _Msg | _PeerMsg) -> bytes:
     return _encoder.encode(msg)
 
 
@@ -256,6 +376,14 @@ def decode_reply(data: bytes | memoryview) -> Reply:
         return _reply_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed reply: {exc}") from None
+
+
+def decode_peer(data: bytes | memoryview) -> PeerMessage:
+    """Decode and validate one peer message; anything malformed is a ProtocolError."""
+    try:
+        return _peer_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed peer message: {exc}") from None
 
 
 def salvage_req_id(data: bytes | memoryview) -> int:

@@ -47,6 +47,8 @@ def make_config(sock_dir: str, **overrides: Any) -> Config:
         "socket_path": os.path.join(sock_dir, "kvd.sock"),
         "pool_size_bytes": 64 * 2**20,
         "drain_grace_s": 10.0,
+        "peer_port": 0,
+        "data_port": 0,
     }
     values.update(overrides)
     return load_config(env={}, overrides=values)
@@ -158,7 +160,8 @@ class ProcessDaemon:
         self.socket_path = os.path.join(sock_dir, "kvd.sock")
         self.log_path = os.path.join(sock_dir, "daemon.log")
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", self.socket_path,
-               "--pool-size-bytes", "64MiB", "--log-level", "info", *extra]
+               "--pool-size-bytes", "64MiB", "--log-level", "info", "--peer-port", "0",
+               "--data-port", "0", *extra]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         full_env.update(env or {})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()

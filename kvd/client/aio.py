@@ -230,6 +230,13 @@ class AsyncKvdClient:
         started = time.perf_counter()
         return AsyncTransfer(self, call, await self._send(call), started)
 
+    async def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
+                   timeout_s: float | None = None) -> int:
+        """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
+        ``blocks``; fails at once if ``src`` does not hold the key."""
+        nbytes: int = await self._call(self._b.pull(key, src, region, blocks, timeout_s))
+        return nbytes
+
     async def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,
                       ttl_s: float | None = None, timeout_s: float | None = None) -> int:
         """Offer blocks under ``key`` in place (no copy) until unpublished."""

@@ -32,6 +32,7 @@ from kvd.protocol import (
     Ping,
     Pong,
     Publish,
+    Pull,
     Put,
     Register,
     Registered,
@@ -193,6 +194,13 @@ class RequestBuilder:
         wait_s = self._t(timeout_s)
         msg = Put(req_id=self.next_id(), key=key, region_id=_region_id(region),
                   blocks=_blocks(blocks), to=to or "", ttl_s=ttl_s, timeout_s=wait_s)
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int],
+             timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Pull(req_id=self.next_id(), key=key, src=src, region_id=_region_id(region),
+                   blocks=_blocks(blocks), timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int],

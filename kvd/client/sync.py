@@ -239,6 +239,13 @@ class KvdClient:
             self._send(call)
         return Transfer(self, call, started)
 
+    def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
+             timeout_s: float | None = None) -> int:
+        """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
+        ``blocks``; fails at once if ``src`` does not hold the key."""
+        nbytes: int = self._call(self._b.pull(key, src, region, blocks, timeout_s))
+        return nbytes
+
     def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,
                 ttl_s: float | None = None, timeout_s: float | None = None) -> int:
         """Offer blocks under ``key`` in place (no copy) until unpublished."""

@@ -36,10 +36,11 @@ from kvd.errors import (
     LayoutMismatch,
     UnknownKey,
 )
-from kvd.memory.pool import HostPool
+from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region, RegionTable, describe_layout, packed_offsets
 from kvd.protocol import TensorSpec
 from kvd.transport import local
+from kvd.transport.views import block_views, packed_views
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,20 @@ def _unfit(
     return None
 
 
+@dataclass(eq=False)
+class Arrival:
+    """Where the bytes of one incoming transfer go, and what to do when they are in."""
+
+    key: str
+    layout: Layout
+    num_blocks: int
+    expires_at: float | None
+    views: list[memoryview]
+    waiter: Waiter | None = None  # a get waiting for the key: its blocks
+    pool_block: PoolBlock | None = None  # else pool memory, stored as the key
+    region: Region | None = None  # a pull: the puller's blocks
+
+
 @dataclass(frozen=True)
 class _Delivered:
     """A waiter's get was served directly by a put: the bytes are already in place."""
@@ -95,6 +110,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._region_copies: dict[int, set[asyncio.Future[Any]]] = {}
         self.self_names = {"", "local", config.node_id}
+        self.remote: Any = None  # the peer transfers, when the daemon has a peer plane
 
     # ------------------------------------------------------------ helpers
 
@@ -370,12 +386,11 @@ class Engine:
         ttl_s: float | None, timeout_s: float,
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
-        if to not in self.self_names:
-            raise BadRequest(
-                f"unknown destination {to!r}: this daemon ({self.config.node_id}) "
-                "moves data only between its own clients"
-            )
         self._check_wait(timeout_s)
+        if to not in self.self_names:
+            if self.remote is None:
+                raise BadRequest(f"unknown destination {to!r}: this daemon has no peer plane")
+            return await self.remote.push_blocks(key, region, idx, to, ttl_s, timeout_s)
         expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
         if self.store.exists(key):
             raise BadRequest(f"key {key!r} already exists")
@@ -409,6 +424,20 @@ class Engine:
         if not waiter.future.done():
             waiter.future.set_result(_Delivered(nbytes))
         return nbytes
+
+    async def pull(
+        self, session: int, key: str, src: str, region_id: int, blocks: Sequence[int],
+        timeout_s: float,
+    ) -> int:
+        self._check_accepting()
+        region = self.regions.get(session, region_id)
+        idx = region.block_index(blocks, writing=True)
+        self._check_wait(timeout_s)
+        if src in self.self_names or (self.remote is not None and src == self.remote.address):
+            return await self.get(session, 0, key, region_id, blocks, 0.0)
+        if self.remote is None:
+            raise BadRequest(f"unknown source {src!r}: this daemon has no peer plane")
+        return await self.remote.pull(key, src, region, idx, timeout_s)
 
     def publish(
         self, session: int, key: str, region_id: int, blocks: Sequence[int],
@@ -444,6 +473,94 @@ class Engine:
         if item.owner != session and not (any_owner and item.owner is None):
             raise BadRequest(f"key {key!r} belongs to another client")
         return item
+
+    # ------------------------------------------------------------ data from other daemons
+
+    def arrival(self, key: str, layout: Layout, num_blocks: int, ttl_s: float | None,
+                ) -> Arrival:
+        """Where bytes for ``key`` from a peer go: the blocks of the oldest fitting get
+        that waits for it, else new pool memory (``PoolExhausted`` if none: the sender is
+        told BUSY). Gets that wait but cannot take it fail with the reason."""
+        self._check_accepting()
+        if self.store.exists(key):
+            raise BadRequest(f"key {key!r} already exists on {self.config.node_id}")
+        expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
+        while (waiter := self.store.next_waiter(key)) is not None:
+            problem = _unfit(key, layout, num_blocks, waiter.region, waiter.idx)
+            if problem is None:
+                waiter.delivering = True
+                views = block_views(waiter.region.tensors, waiter.idx.tolist())
+                return Arrival(key, layout, num_blocks, expires_at, views, waiter=waiter)
+            waiter.future.set_exception(problem)
+        _, packed = packed_offsets(layout, num_blocks)
+        block = self.pool.alloc(max(packed, 1))
+        self.store.reserve(key)
+        views = packed_views(self.pool.view(block), layout, num_blocks)
+        return Arrival(key, layout, num_blocks, expires_at, views, pool_block=block)
+
+    def arrival_into(self, key: str, region: Region, idx: torch.Tensor) -> Arrival:
+        """Bytes a pull asked for go straight into the puller's blocks."""
+        views = block_views(region.tensors, idx.tolist())
+        return Arrival(key, region.layout, len(idx), None, views, region=region)
+
+    def arrived(self, arrival: Arrival, nbytes: int) -> None:
+        self.counters.bytes_in += nbytes
+        if arrival.waiter is not None:
+            if not arrival.waiter.future.done():
+                arrival.waiter.future.set_result(_Delivered(nbytes))
+        elif arrival.pool_block is not None:
+            _, packed = packed_offsets(arrival.layout, arrival.num_blocks)
+            self._add_item(Item(
+                key=arrival.key, layout=arrival.layout, num_blocks=arrival.num_blocks,
+                nbytes=packed, owner=None, expires_at=arrival.expires_at, consume_once=True,
+                pool_block=arrival.pool_block, on_free=self._free_pool_item))
+
+    def arrival_failed(self, arrival: Arrival, error: KvdError) -> None:
+        if arrival.waiter is not None:
+            if not arrival.waiter.future.done():
+                arrival.waiter.future.set_exception(error)
+        elif arrival.pool_block is not None:
+            self.store.unreserve(arrival.key)
+            self.pool.free(arrival.pool_block)
+            arrival.pool_block = None
+
+    def source_views(self, item: Item) -> list[memoryview]:
+        """The bytes of a stored or published item, wire order (the caller holds a read)."""
+        if item.region is not None:
+            assert item.region_idx is not None
+            return block_views(item.region.tensors, item.region_idx.tolist())
+        assert item.pool_block is not None
+        return packed_views(self.pool.view(item.pool_block), item.layout, item.num_blocks)
+
+    def readable(self, key: str, layout: Layout, num_blocks: int) -> Item:
+        """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
+        item = self.store.find(key)
+        if item is None:
+            raise UnknownKey(f"no key {key!r} on {self.config.node_id}")
+        if item.layout != layout:
+            raise LayoutMismatch(
+                f"key {key!r} has layout {describe_layout(item.layout)}, the puller's "
+                f"region has {describe_layout(layout)}")
+        if item.num_blocks != num_blocks:
+            raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks, "
+                             f"{num_blocks} asked for")
+        self._claim(item)
+        return item
+
+    @contextlib.contextmanager
+    def using_regions(self, regions: Sequence[Region], fut: asyncio.Future[Any]) -> Any:
+        """Keep ``regions`` mapped until ``fut`` (bytes moving elsewhere) is settled."""
+        for region in regions:
+            self._region_copies.setdefault(region.region_id, set()).add(fut)
+        try:
+            yield
+        finally:
+            for region in regions:
+                pending = self._region_copies.get(region.region_id)
+                if pending is not None:
+                    pending.discard(fut)
+                    if not pending:
+                        del self._region_copies[region.region_id]
 
     # ------------------------------------------------------------ sessions and stats
 

@@ -50,6 +50,7 @@ from kvd.protocol import (
     Ping,
     Pong,
     Publish,
+    Pull,
     Put,
     Register,
     Registered,
@@ -84,7 +85,9 @@ class Session:
 
 
 class LocalServer:
-    def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int) -> None:
+    def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
+                 daemon: Any = None) -> None:
+        self.daemon = daemon  # for the peer plane's figures in stats
         self.config = config
         self.engine = engine
         self.epoch = epoch
@@ -278,6 +281,9 @@ class LocalServer:
                     self._spawn(s, msg.req_id, op, e.put(
                         s.sid, msg.key, msg.region_id, msg.blocks, msg.to, msg.ttl_s,
                         msg.timeout_s))
+                case Pull():
+                    self._spawn(s, msg.req_id, op, e.pull(
+                        s.sid, msg.key, msg.src, msg.region_id, msg.blocks, msg.timeout_s))
                 case Offload():
                     self._spawn(s, msg.req_id, op, e.offload(
                         s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s))
@@ -374,6 +380,11 @@ class LocalServer:
         stats["bad_messages"] = dict(self.bad_messages)
         stats["epoch"] = self.epoch
         stats["in_flight"] = len(self.pending_tasks())
+        peers = getattr(self.daemon, "peers", None)
+        transfers = getattr(self.daemon, "transfers", None)
+        if peers is not None and transfers is not None:
+            stats["peer"] = peers.stats()
+            stats["transfers"] = transfers.stats()
         return stats
 
 

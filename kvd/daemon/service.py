@@ -22,6 +22,8 @@ import zmq
 from kvd.config import Config, check_socket_path
 from kvd.daemon.engine import Engine
 from kvd.daemon.local_server import LocalServer
+from kvd.daemon.peers import PeerPlane
+from kvd.daemon.transfers import PeerTransfers
 from kvd.errors import Draining
 from kvd.memory.pool import HostPool
 from kvd.transport.local import CopyWorker
@@ -40,6 +42,8 @@ class Daemon:
         self.forced = False
         self.engine: Engine | None = None
         self.local: LocalServer | None = None
+        self.peers: PeerPlane | None = None
+        self.transfers: PeerTransfers | None = None
         self._signals = 0
         self._stop = asyncio.Event()
 
@@ -59,8 +63,10 @@ class Daemon:
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
             self.ready.set()
-            log.info("kvd ready node=%s epoch=%d socket=%s pool=%dB", self.config.node_id,
-                     self.epoch, self.config.socket_path, self.config.pool_size_bytes)
+            assert self.peers is not None
+            log.info("kvd ready node=%s epoch=%d socket=%s peer=%s pool=%dB",
+                     self.config.node_id, self.epoch, self.config.socket_path,
+                     self.peers.address, self.config.pool_size_bytes)
             await trigger
             await self.drain(self.config.drain_grace_s)
         log.info("kvd stopped")
@@ -89,7 +95,17 @@ class Daemon:
         self.engine = Engine(self.config, pool, worker)
         ctx: zmq.Context[Any] = zmq.Context()
         stack.callback(ctx.term)
-        self.local = LocalServer(self.config, self.engine, ctx, self.epoch)
+        transfers: list[PeerTransfers] = []
+        self.peers = PeerPlane(
+            self.config, ctx, self.epoch,
+            on_message=lambda link, msg: transfers[0].on_message(link, msg),
+            on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err))
+        self.transfers = PeerTransfers(self.engine, self.peers)
+        transfers.append(self.transfers)
+        self.engine.remote = self.transfers
+        stack.push_async_callback(self.peers.close)
+        self.peers.bind()
+        self.local = LocalServer(self.config, self.engine, ctx, self.epoch, self)
         stack.push_async_callback(self.local.close)
         self.local.bind()
 

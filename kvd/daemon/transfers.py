@@ -1,0 +1,422 @@
+"""Transfers between daemons: the OFFER / ACCEPT | BUSY | REFUSE / DONE | FAILED machine.
+
+Sender: ``push`` offers the bytes (key, layout, block count, size). The receiver picks the
+destination (``Engine.arrival``: a waiting get's blocks, else pool memory, else BUSY),
+registers a receive job for the transfer id on its channel, and ACCEPTs. The sender then
+queues the bytes on its send channel; the receiver answers XFER_DONE once they are in place
+(or XFER_FAILED). BUSY makes the sender retry with backoff until its deadline, then fail
+with ``PoolExhausted``.
+
+Pull: the puller sends PULL_REQUEST with a transfer id; the owner claims a read of the key
+and pushes it with that id; the puller recognises its id and takes the bytes into the
+blocks it asked for.
+
+Every log line carries the transfer id and key. A lost link fails every transfer with that
+peer (``PeerUnreachable``); late bytes never land in memory that was given back: cancelled
+receive jobs are discarded by the channel, and a cancelled send waits for its bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvd.daemon.engine import Arrival, Engine
+from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
+from kvd.errors import (
+    Cancelled,
+    KvdError,
+    KvdTimeout,
+    PoolExhausted,
+    ProtocolError,
+    TransferFailed,
+    error_from_code,
+)
+from kvd.memory.regions import Layout, Region
+from kvd.protocol import (
+    Accept,
+    Busy,
+    Offer,
+    PeerMessage,
+    PullRequest,
+    Refuse,
+    XferCancel,
+    XferDone,
+    XferFailed,
+)
+from kvd.transport.tcp import RecvJob, SendJob
+from kvd.transport.views import block_views, wire_bytes
+
+log = logging.getLogger(__name__)
+
+BUSY_RETRY_S = 0.05
+MAX_BACKOFF_S = 1.0
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    transfer_id: int
+    key: str
+    link: PeerLink
+    replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+
+
+@dataclass(eq=False)
+class _Incoming:
+    transfer_id: int
+    key: str
+    link: PeerLink
+    arrival: Arrival
+    job: RecvJob
+
+
+@dataclass(eq=False)
+class _PullWait:
+    key: str
+    region: Region
+    idx: torch.Tensor
+    future: asyncio.Future[int]
+
+
+@dataclass
+class TransferCounters:
+    sent: dict[str, int] = field(default_factory=dict)  # outcome -> count
+    received: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    busy_replies: int = 0
+
+    def count(self, table: dict[str, int], outcome: str) -> None:
+        table[outcome] = table.get(outcome, 0) + 1
+
+
+class PeerTransfers:
+    def __init__(self, engine: Engine, plane: PeerPlane) -> None:
+        self.engine = engine
+        self.plane = plane
+        self.counters = TransferCounters()
+        self._outgoing: dict[int, _Outgoing] = {}
+        self._incoming: dict[tuple[int, int], _Incoming] = {}  # (id(link), transfer id)
+        self._pulls: dict[int, _PullWait] = {}
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def address(self) -> str:
+        return self.plane.address
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ sending
+
+    async def push_blocks(self, key: str, region: Region, idx: torch.Tensor, to: str,
+                          ttl_s: float | None, timeout_s: float) -> int:
+        """A client's put to another daemon."""
+        deadline = self._loop.time() + timeout_s
+        link = await self.plane.link_to(to, timeout_s)
+        views = block_views(region.tensors, idx.tolist())
+        return await self._push(link, _new_id(), key, views, region.layout, len(idx), ttl_s,
+                                deadline, [region])
+
+    async def _push(self, link: PeerLink, tid: int, key: str, views: list[memoryview],
+                    layout: Layout, num_blocks: int, ttl_s: float | None, deadline: float,
+                    regions: Sequence[Region]) -> int:
+        out = _Outgoing(tid, key, link)
+        self._outgoing[tid] = out
+        nbytes = wire_bytes(layout, num_blocks)
+        outcome = "failed"
+        try:
+            async with asyncio.timeout_at(deadline):
+                channel = await self.plane.send_channel(link)
+            await self._offer_until_accepted(out, layout, num_blocks, nbytes, ttl_s, deadline)
+            job = SendJob(tid, views)
+            afut = asyncio.wrap_future(channel.submit(job))
+            with self.engine.using_regions(regions, afut):
+                try:
+                    await asyncio.shield(afut)
+                except asyncio.CancelledError:
+                    if not job.future.cancel():  # on the wire: let it finish first
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(asyncio.shield(afut), 60.0)
+                    raise
+            reply = await self._reply(out, deadline, "the receiver's confirmation")
+            if isinstance(reply, XferFailed):
+                raise error_from_code(reply.code, f"receiver {link.address}: {reply.message}")
+            if not isinstance(reply, XferDone):
+                raise ProtocolError(f"unexpected {type(reply).__name__} after the bytes")
+            outcome = "done"
+            self.counters.bytes_sent += nbytes
+            log.debug("transfer done transfer_id=%d key=%s to=%s bytes=%d", tid, key,
+                      link.address, nbytes)
+            return nbytes
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            self.plane.send(link, XferCancel(transfer_id=tid))
+            raise
+        except TimeoutError:
+            outcome = "timeout"
+            self.plane.send(link, XferCancel(transfer_id=tid))
+            raise KvdTimeout(f"transfer {tid} of key {key!r} to {link.address} missed its "
+                             "deadline") from None
+        except KvdError as exc:
+            log.info("transfer failed transfer_id=%d key=%s to=%s: [%s] %s", tid, key,
+                     link.address, exc.code, exc.message)
+            raise
+        finally:
+            self.counters.count(self.counters.sent, outcome)
+            self._outgoing.pop(tid, None)
+
+    async def _offer_until_accepted(self, out: _Outgoing, layout: Layout, num_blocks: int,
+                                    nbytes: int, ttl_s: float | None, deadline: float) -> None:
+        backoff = BUSY_RETRY_S
+        offer = Offer(transfer_id=out.transfer_id, key=out.key, src_dev=CPU_DEVICE,
+                      dst_dev=CPU_DEVICE, nbytes=nbytes, num_blocks=num_blocks,
+                      layout=list(layout), ttl_s=ttl_s)
+        while True:
+            self.plane.send(out.link, offer)
+            reply = await self._reply(out, deadline, "an answer to the offer")
+            if isinstance(reply, Accept):
+                return
+            if isinstance(reply, Refuse):
+                raise error_from_code(reply.code, f"{out.link.address} refused: {reply.message}")
+            if isinstance(reply, Busy):
+                self.counters.busy_replies += 1
+                wait = min(max(backoff, reply.retry_after_s), MAX_BACKOFF_S)
+                if self._loop.time() + wait >= deadline:
+                    raise PoolExhausted(
+                        f"{out.link.address} had no room for {nbytes} bytes of key "
+                        f"{out.key!r} before the deadline")
+                log.debug("receiver busy transfer_id=%d key=%s retry_in=%.2fs",
+                          out.transfer_id, out.key, wait)
+                await asyncio.sleep(wait)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            raise ProtocolError(f"unexpected {type(reply).__name__} in answer to an offer")
+
+    async def _reply(self, out: _Outgoing, deadline: float, what: str) -> Any:
+        try:
+            async with asyncio.timeout_at(deadline):
+                reply = await out.replies.get()
+        except TimeoutError:
+            raise KvdTimeout(f"transfer {out.transfer_id} of key {out.key!r}: no {what} from "
+                             f"{out.link.address} before the deadline") from None
+        if isinstance(reply, KvdError):
+            raise reply
+        return reply
+
+    # ------------------------------------------------------------ pulling
+
+    async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
+                   timeout_s: float) -> int:
+        link = await self.plane.link_to(src, timeout_s)
+        tid = _new_id()
+        wait = _PullWait(key, region, idx, self._loop.create_future())
+        self._pulls[tid] = wait
+        try:
+            self.plane.send(link, PullRequest(transfer_id=tid, key=key, dst_dev=CPU_DEVICE,
+                                              num_blocks=len(idx), layout=list(region.layout)))
+            def lost(_link: PeerLink, err: KvdError) -> None:
+                if not wait.future.done():
+                    wait.future.set_exception(err)
+
+            link.on_lost.append(lost)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await asyncio.shield(wait.future)
+            except TimeoutError:
+                raise KvdTimeout(f"pull {tid} of key {key!r} from {src} did not complete "
+                                 f"within {timeout_s:g}s") from None
+            finally:
+                with contextlib.suppress(ValueError):
+                    link.on_lost.remove(lost)
+        except BaseException:
+            # Stop the owner, and make sure no bytes land in the blocks after we return:
+            # bytes not yet arriving are discarded; bytes arriving now are waited for.
+            self.plane.send(link, XferCancel(transfer_id=tid))
+            incoming = self._incoming.get((id(link), tid))
+            if incoming is not None and link.recv_channel is not None and (
+                    not link.recv_channel.forget(tid)):
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(wait.future), 60.0)
+            raise
+        finally:
+            self._pulls.pop(tid, None)
+
+    # ------------------------------------------------------------ messages
+
+    def on_message(self, link: PeerLink, msg: PeerMessage) -> None:
+        if isinstance(msg, Offer):
+            self._on_offer(link, msg)
+        elif isinstance(msg, PullRequest):
+            self._on_pull_request(link, msg)
+        elif isinstance(msg, XferCancel):
+            self._on_cancel(link, msg.transfer_id)
+        elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
+            pull = self._pulls.get(msg.transfer_id)
+            if pull is not None and isinstance(msg, Refuse):
+                if not pull.future.done():
+                    pull.future.set_exception(error_from_code(
+                        msg.code, f"{link.address} refused the pull: {msg.message}"))
+                return
+            out = self._outgoing.get(msg.transfer_id)
+            if out is None or out.link is not link:
+                self.plane.bad_messages["unknown_transfer"] = (
+                    self.plane.bad_messages.get("unknown_transfer", 0) + 1)
+                log.info("message for unknown transfer_id=%d from %s ignored",
+                         msg.transfer_id, link.address)
+                return
+            out.replies.put_nowait(msg)
+
+    def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
+        for out in list(self._outgoing.values()):
+            if out.link is link:
+                out.replies.put_nowait(error)
+
+    def _refuse(self, link: PeerLink, tid: int, err: KvdError, bad: str | None = None) -> None:
+        if bad is not None:
+            self.plane.bad_messages[bad] = self.plane.bad_messages.get(bad, 0) + 1
+        log.info("transfer refused transfer_id=%d from=%s: [%s] %s", tid, link.address,
+                 err.code, err.message)
+        self.plane.send(link, Refuse(transfer_id=tid, code=err.code, message=err.message))
+
+    def _on_offer(self, link: PeerLink, offer: Offer) -> None:
+        tid = offer.transfer_id
+        layout = tuple(offer.layout)
+        if (id(link), tid) in self._incoming:
+            self._refuse(link, tid, ProtocolError(f"transfer id {tid} is already in use"),
+                         "duplicate_transfer")
+            return
+        if offer.nbytes != wire_bytes(layout, offer.num_blocks):
+            self._refuse(link, tid, ProtocolError(
+                f"offer of {offer.nbytes} bytes does not match {offer.num_blocks} blocks of "
+                f"its layout ({wire_bytes(layout, offer.num_blocks)} bytes)"), "bad_offer")
+            return
+        if offer.dst_dev != CPU_DEVICE:
+            self._refuse(link, tid, ProtocolError(f"no device {offer.dst_dev!r} here"),
+                         "bad_offer")
+            return
+        if offer.nbytes > self.engine.pool.capacity_bytes and tid not in self._pulls:
+            self._refuse(link, tid, PoolExhausted(
+                f"offer of {offer.nbytes} bytes exceeds the whole pool "
+                f"({self.engine.pool.capacity_bytes} bytes)"), "bad_offer")
+            return
+        pull = self._pulls.get(tid)
+        try:
+            if pull is not None:
+                if offer.key != pull.key or layout != pull.region.layout or (
+                        offer.num_blocks != len(pull.idx)):
+                    raise ProtocolError("offer does not match the pull it answers")
+                arrival = self.engine.arrival_into(pull.key, pull.region, pull.idx)
+            else:
+                arrival = self.engine.arrival(offer.key, layout, offer.num_blocks,
+                                              offer.ttl_s)
+        except PoolExhausted:
+            self.counters.busy_replies += 1
+            self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))
+            return
+        except KvdError as err:
+            self._refuse(link, tid, err)
+            if pull is not None and not pull.future.done():
+                pull.future.set_exception(err)
+            return
+        assert link.recv_channel is not None
+        job = RecvJob(tid, arrival.views, offer.nbytes)
+        link.recv_channel.expect(job)
+        incoming = _Incoming(tid, offer.key, link, arrival, job)
+        self._incoming[(id(link), tid)] = incoming
+        self.plane.send(link, Accept(transfer_id=tid))
+        self._spawn(self._receive(incoming, pull))
+
+    async def _receive(self, incoming: _Incoming, pull: _PullWait | None) -> None:
+        tid, link = incoming.transfer_id, incoming.link
+        afut = asyncio.wrap_future(incoming.job.future)
+        regions = [r for r in (incoming.arrival.region,
+                               incoming.arrival.waiter.region if incoming.arrival.waiter
+                               else None) if r is not None]
+        outcome = "failed"
+        try:
+            with self.engine.using_regions(regions, afut):
+                nbytes = await asyncio.shield(afut)
+        except (asyncio.CancelledError, Exception) as exc:
+            err = _as_kvd_error(exc, f"transfer {tid}")
+            outcome = "cancelled" if isinstance(err, Cancelled) else "failed"
+            self.engine.arrival_failed(incoming.arrival, err)
+            log.info("receive failed transfer_id=%d key=%s from=%s: [%s] %s", tid,
+                     incoming.key, link.address, err.code, err.message)
+            self.plane.send(link, XferFailed(transfer_id=tid, code=err.code,
+                                             message=err.message))
+            if pull is not None and not pull.future.done():
+                pull.future.set_exception(err)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        else:
+            outcome = "done"
+            self.counters.bytes_received += nbytes
+            self.engine.arrived(incoming.arrival, nbytes)
+            self.plane.send(link, XferDone(transfer_id=tid, nbytes=nbytes))
+            if pull is not None and not pull.future.done():
+                pull.future.set_result(nbytes)
+            log.debug("received transfer_id=%d key=%s from=%s bytes=%d", tid, incoming.key,
+                      link.address, nbytes)
+        finally:
+            self.counters.count(self.counters.received, outcome)
+            self._incoming.pop((id(link), tid), None)
+
+    def _on_cancel(self, link: PeerLink, tid: int) -> None:
+        incoming = self._incoming.get((id(link), tid))
+        if incoming is not None and link.recv_channel is not None:
+            link.recv_channel.forget(tid)  # not started: its bytes will be discarded
+        out = self._outgoing.get(tid)
+        if out is not None and out.link is link:  # the puller gave up
+            out.replies.put_nowait(Cancelled(f"transfer {tid} cancelled by {link.address}"))
+
+    def _on_pull_request(self, link: PeerLink, req: PullRequest) -> None:
+        tid = req.transfer_id
+        try:
+            item = self.engine.readable(req.key, tuple(req.layout), req.num_blocks)
+        except KvdError as err:
+            self._refuse(link, tid, err)
+            return
+        views = self.engine.source_views(item)
+        regions = [item.region] if item.region is not None else []
+        deadline = self._loop.time() + self.engine.config.max_wait_s
+
+        async def serve() -> None:
+            try:
+                await self._push(link, tid, req.key, views, item.layout, item.num_blocks,
+                                 None, deadline, regions)
+            except KvdError:
+                pass  # logged in _push; the puller has its own error
+            finally:
+                item.end_read()
+
+        self._spawn(serve())
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {"sent": dict(c.sent), "received": dict(c.received),
+                "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
+                "busy_replies": c.busy_replies, "in_flight_out": len(self._outgoing),
+                "in_flight_in": len(self._incoming)}
+
+
+def _as_kvd_error(exc: BaseException, what: str) -> KvdError:
+    if isinstance(exc, KvdError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return Cancelled(f"{what} cancelled")
+    return TransferFailed(f"{what}: {exc!r}")
+
+
+def _new_id() -> int:
+    return secrets.randbits(62) + 1

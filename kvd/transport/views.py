@@ -1,0 +1,61 @@
+"""Byte views of tensor memory, in the order blocks travel on the wire.
+
+A transfer of blocks ``idx`` of a region is, on the wire, tensor-major: every requested
+block of tensor 0, then of tensor 1, and so on — the packed layout of
+``memory.regions.packed_offsets`` without its alignment padding. Both ends turn their side
+(region blocks, or a packed pool buffer) into a list of memoryviews in that order, so a
+socket can send from and receive into the memory directly (``sendmsg``/``recvmsg_into``),
+with no staging copy. Adjacent pieces are merged, so a contiguous run of blocks is one view.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvd.memory.regions import Layout, packed_offsets
+
+
+def _pieces(view: torch.Tensor) -> list[tuple[int, int]]:
+    """(address, nbytes) of the contiguous runs that make up ``view``."""
+    if view.numel() == 0:
+        return []
+    if view.is_contiguous():
+        return [(view.data_ptr(), view.numel() * view.element_size())]
+    return [p for i in range(view.shape[0]) for p in _pieces(view[i])]
+
+
+def _coalesce(pieces: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for addr, n in pieces:
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((addr, n))
+    return out
+
+
+def _memoryview(addr: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B")
+
+
+def block_views(tensors: Sequence[torch.Tensor], blocks: Sequence[int]) -> list[memoryview]:
+    """Views of blocks ``blocks`` of every tensor (block dimension first), wire order.
+    The caller keeps the tensors alive while the views are in use."""
+    pieces = [p for t in tensors for b in blocks for p in _pieces(t[b])]
+    return [_memoryview(a, n) for a, n in _coalesce(pieces)]
+
+
+def packed_views(buf: torch.Tensor, layout: Layout, num_blocks: int) -> list[memoryview]:
+    """Views of the sections of a packed uint8 buffer, wire order (padding skipped)."""
+    offsets, _ = packed_offsets(layout, num_blocks)
+    base = buf.data_ptr()
+    pieces = [(base + off, e.bytes_per_block * num_blocks)
+              for off, e in zip(offsets, layout, strict=True)]
+    return [_memoryview(a, n) for a, n in _coalesce(pieces) if n]
+
+
+def wire_bytes(layout: Layout, num_blocks: int) -> int:
+    return sum(e.bytes_per_block for e in layout) * num_blocks

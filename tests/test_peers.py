@@ -1,0 +1,278 @@
+"""Daemons talking to daemons: `kvd serve` subprocesses on loopback, real bytes over TCP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+import kvd
+from kvd import KvdClient, shared_empty, shared_zeros
+from kvd.protocol import PROTOCOL_VERSION, PeerError, PeerWelcome, decode_peer
+from tests.conftest import ProcessDaemon, wait_until
+
+pack = msgspec.msgpack.encode
+BLOCK = 64 * 1024  # bytes per block in these tests (one uint8 tensor per region)
+
+
+def random_region(blocks: int, seed: int, block_bytes: int = BLOCK) -> torch.Tensor:
+    t = shared_empty((blocks, block_bytes), torch.uint8)
+    gen = torch.Generator().manual_seed(seed)
+    t.copy_(torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen))
+    return t
+
+
+class Node:
+    """A daemon process and a client on it."""
+
+    def __init__(self, root: str, name: str, *extra: str) -> None:
+        self.dir = os.path.join(root, name)
+        os.makedirs(self.dir, exist_ok=True)
+        self.extra = extra
+        self.start()
+
+    def start(self, *more: str) -> None:
+        self.proc = ProcessDaemon(self.dir, "--node-id", os.path.basename(self.dir),
+                                  "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2",
+                                  *self.extra, *more).wait_ready()
+        self.client = KvdClient(self.proc.socket_path, timeout_s=30)
+        self.client.connect()
+        self.address = self.client.stats()["peer"]["address"]
+
+    def stop(self) -> int:
+        self.client.close()
+        return self.proc.stop()
+
+
+@pytest.fixture
+def nodes(sock_dir: str) -> Iterator[list[Node]]:
+    started: list[Node] = []
+
+    def make(n: int, *extra: str) -> list[Node]:
+        for _ in range(n):
+            started.append(Node(sock_dir, f"n{len(started)}", *extra))
+        return started
+
+    yield make  # type: ignore[misc]
+    for node in started:
+        code = node.stop()
+        assert code in (0, -9), f"{node.dir}: exit code {code}\n{node.proc.log()}"
+
+
+def test_put_get_before_after_and_never(nodes: object) -> None:
+    a, b = nodes(2)  # type: ignore[operator]
+    src, dst = random_region(16, 1), shared_zeros((16, BLOCK), torch.uint8)
+    r_src, r_dst = a.client.register("kv", [src]), b.client.register("kv", [dst])
+
+    # get posted before the data comes: bytes go straight into its blocks
+    with KvdClient(b.proc.socket_path) as waiter:
+        waiter_dst = shared_zeros((16, BLOCK), torch.uint8)
+        r_w = waiter.register("kv", [waiter_dst])
+        result: dict[str, object] = {}
+        t = threading.Thread(target=lambda: result.setdefault(
+            "n", waiter.get("before", r_w, [0, 1, 2], timeout_s=10)))
+        t.start()
+        wait_until(lambda: b.client.stats()["waiting_gets"] == 1)
+        assert a.client.put("before", r_src, [5, 6, 7], to=b.address).wait(10) == 3 * BLOCK
+        t.join(10)
+        assert result["n"] == 3 * BLOCK
+        assert torch.equal(waiter_dst[0:3], src[5:8])
+    assert b.client.stats()["pool"]["used_bytes"] == 0
+
+    # get posted after the data came: it waited in the pool
+    a.client.put("after", r_src, [9, 3], to=b.address).wait(10)
+    stats = b.client.stats()
+    assert stats["keys"] == 1 and stats["pool"]["used_bytes"] >= 2 * BLOCK
+    b.client.get("after", r_dst, [14, 15], timeout_s=5)
+    assert torch.equal(dst[14], src[9]) and torch.equal(dst[15], src[3])
+    assert b.client.stats()["pool"]["used_bytes"] == 0
+
+    # nobody ever asks: the TTL frees it
+    a.client.put("never", r_src, [0], to=b.address, ttl_s=0.5).wait(10)
+    assert b.client.stats()["keys"] == 1
+    stats = wait_until(lambda: (s := b.client.stats())["keys"] == 0 and s, timeout_s=5)
+    assert stats["expired_keys"] == 1 and stats["pool"]["used_bytes"] == 0
+    assert a.client.stats()["transfers"]["sent"]["done"] == 3
+    assert b.client.stats()["transfers"]["received"]["done"] == 3
+
+
+def test_pull_published_and_offloaded(nodes: object) -> None:
+    a, b, c = nodes(3)  # type: ignore[operator]
+    src = random_region(8, 2)
+    r_src = a.client.register("kv", [src])
+    a.client.publish("prefix", r_src, [1, 2, 3])
+    a.client.offload("saved", r_src, [7])
+    for node in (b, c):
+        dst = shared_zeros((8, BLOCK), torch.uint8)
+        r_dst = node.client.register("kv", [dst])
+        assert node.client.pull("prefix", a.address, r_dst, [4, 5, 6], timeout_s=10) == 3 * BLOCK
+        assert torch.equal(dst[4:7], src[1:4])
+        node.client.pull("saved", a.address, r_dst, [0], timeout_s=10)
+        assert torch.equal(dst[0], src[7])
+        with pytest.raises(kvd.UnknownKey, match="nothing"):
+            node.client.pull("nothing", a.address, r_dst, [0], timeout_s=5)
+        with pytest.raises(kvd.BadRequest, match="holds 3 blocks"):
+            node.client.pull("prefix", a.address, r_dst, [0], timeout_s=5)
+    # c forwards to b what it pulled: three daemons, one chain
+    dst_c = shared_zeros((8, BLOCK), torch.uint8)
+    r_c = c.client.register("kv2", [dst_c])
+    c.client.pull("prefix", a.address, r_c, [0, 1, 2], timeout_s=10)
+    c.client.put("fwd", r_c, [0, 1, 2], to=b.address).wait(10)
+    dst_b = shared_zeros((8, BLOCK), torch.uint8)
+    r_b = b.client.register("kv2", [dst_b])
+    b.client.get("fwd", r_b, [5, 6, 7], timeout_s=5)
+    assert torch.equal(dst_b[5:8], src[1:4])
+
+
+def test_busy_then_success_and_exhausted_at_deadline(nodes: object) -> None:
+    a, b = nodes(1)[0], nodes(1, "--pool-size-bytes", "4MiB")[1]  # type: ignore[operator]
+    src = random_region(4, 5, 2 * 2**20)  # 2 MiB blocks
+    dst = shared_zeros((4, 2 * 2**20), torch.uint8)
+    r_src, r_dst = a.client.register("kv", [src]), b.client.register("kv", [dst])
+    a.client.put("first", r_src, [0, 1], to=b.address).wait(10)  # fills b's pool
+    second = a.client.put("second", r_src, [2], to=b.address, timeout_s=20)
+    wait_until(lambda: a.client.stats()["transfers"]["busy_replies"] >= 1)
+    assert not second.done()
+    b.client.get("first", r_dst, [0, 1], timeout_s=5)  # frees b's pool
+    assert second.wait(20) == 2 * 2**20
+    b.client.get("second", r_dst, [2], timeout_s=5)
+    assert torch.equal(dst[:3], src[:3])
+    a.client.put("third", r_src, [0, 1], to=b.address).wait(10)  # full again
+    with pytest.raises(kvd.PoolExhausted, match="no room"):
+        a.client.put("fourth", r_src, [3], to=b.address, timeout_s=1).wait(10)
+
+
+def test_sigkill_of_peer_mid_transfer_then_restart(nodes: object) -> None:
+    a, b = nodes(2, "--pool-size-bytes", "1GiB")  # type: ignore[operator]
+    big = shared_empty((2, 256 * 2**20), torch.uint8)
+    big.view(torch.int64).copy_(torch.arange(big.numel() // 8).view(2, -1))
+    r_big = a.client.register("big", [big])
+    transfer = a.client.put("big", r_big, [0, 1], to=b.address, timeout_s=60)
+    wait_until(lambda: b.client.stats()["transfers"]["in_flight_in"] == 1, interval_s=0.005)
+    b.proc.proc.kill()
+    killed = time.monotonic()
+    with pytest.raises(kvd.PeerUnreachable):
+        transfer.wait(30)
+    elapsed = time.monotonic() - killed
+    assert elapsed < 2 + 0.5 + 1.0  # grace + one heartbeat (+ scheduling slack)
+    assert a.client.ping() > 0  # the survivor keeps serving
+    stats = a.client.stats()
+    assert stats["peer"]["links"] == [] and stats["transfers"]["in_flight_out"] == 0
+    b.proc.stop()
+    b.client.close()
+    b.start("--pool-size-bytes", "1GiB")
+    small = random_region(2, 6)
+    r_small = a.client.register("small", [small])
+    a.client.put("again", r_small, [0, 1], to=b.address).wait(10)
+    dst = shared_zeros((2, BLOCK), torch.uint8)
+    b.client.get("again", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
+    assert torch.equal(dst, small)
+
+
+def test_cancel_during_transfer(nodes: object) -> None:
+    a, b = nodes(2, "--pool-size-bytes", "512MiB")  # type: ignore[operator]
+    big = shared_empty((4, 64 * 2**20), torch.uint8)
+    big.fill_(3)
+    r_big = a.client.register("big", [big])
+    transfer = a.client.put("c", r_big, [0, 1, 2, 3], to=b.address, timeout_s=30)
+    time.sleep(0.01)
+    transfer.cancel()
+    try:
+        transfer.wait(10)
+        assert b.client.stats()["keys"] == 1  # it was done before the cancel reached it
+    except kvd.Cancelled:
+        stats = wait_until(lambda: (s := b.client.stats())["transfers"]["in_flight_in"] == 0
+                           and s)
+        assert stats["keys"] == 0 and stats["pool"]["used_bytes"] == 0
+    # the channel is still in step: the next transfer works
+    small = random_region(2, 7)
+    a.client.put("next", a.client.register("s", [small]), [0, 1], to=b.address).wait(10)
+    dst = shared_zeros((2, BLOCK), torch.uint8)
+    b.client.get("next", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
+    assert torch.equal(dst, small)
+
+
+def test_unreachable_peer_is_a_clear_error(nodes: object) -> None:
+    (a,) = nodes(1)  # type: ignore[operator]
+    r = a.client.register("kv", [random_region(1, 8)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(kvd.PeerUnreachable, match=str(port)):
+        a.client.put("x", r, [0], to=f"127.0.0.1:{port}", timeout_s=2).wait(10)
+    assert time.monotonic() - t0 < 8
+    with pytest.raises(kvd.BadRequest, match="host:port"):
+        a.client.put("x", r, [0], to="nocolon", timeout_s=2).wait(10)
+
+
+def test_bad_input_on_peer_socket(nodes: object) -> None:
+    (a,) = nodes(1)  # type: ignore[operator]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://{a.address}")
+
+    def send(obj: object) -> object:
+        sock.send(obj if isinstance(obj, bytes) else pack(obj))
+        return decode_peer(sock.recv())
+
+    try:
+        reply = send(os.urandom(32))
+        assert isinstance(reply, PeerError) and reply.code == "protocol"
+        reply = send({"op": "accept", "transfer_id": 1})
+        assert isinstance(reply, PeerError) and "hello" in reply.message
+        hello = {"op": "peer_hello", "protocol_version": 999, "node_id": "evil", "epoch": 1,
+                 "address": "127.0.0.1:1", "data_port": 1, "data_token": b"t" * 32,
+                 "devices": ["cpu"]}
+        reply = send(hello)
+        assert isinstance(reply, PeerError) and "999" in reply.message
+        reply = send({**hello, "protocol_version": PROTOCOL_VERSION})
+        assert isinstance(reply, PeerWelcome)
+        absurd = {"op": "offer", "transfer_id": 5, "key": "k", "src_dev": "cpu",
+                  "dst_dev": "cpu", "nbytes": 2**60, "num_blocks": 1,
+                  "layout": [[2**60, "uint8"]]}
+        reply = send(absurd)
+        assert reply.__struct_config__.tag == "refuse" and "pool" in reply.message
+        reply = send({**absurd, "nbytes": 7})
+        assert reply.__struct_config__.tag == "refuse" and "does not match" in reply.message
+        sock.send(pack({"op": "xfer_done", "transfer_id": 42, "nbytes": 1}))
+        sock.send(pack({"op": "accept", "transfer_id": 43}))
+        with socket.create_connection(("127.0.0.1", a.client.stats()["peer"]["data_port"])) as d:
+            d.sendall(b"KVDD" + b"x" * 32)
+            d.settimeout(5)
+            assert d.recv(1) == b""  # refused: closed
+        stats = wait_until(lambda: (s := a.client.stats())["peer"]["bad_messages"].get(
+            "data_token") and s)
+        bad = stats["peer"]["bad_messages"]
+        assert bad["malformed"] == 1 and bad["no_link"] == 1 and bad["version"] == 1
+        assert bad["bad_offer"] == 2 and bad["unknown_transfer"] == 2
+        assert a.client.ping() > 0
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_second_peer_unaffected_by_first_dying(nodes: object) -> None:
+    a, b, c = nodes(3)  # type: ignore[operator]
+    src = random_region(4, 9)
+    r = a.client.register("kv", [src])
+    a.client.put("to-b", r, [0], to=b.address).wait(10)
+    a.client.put("to-c", r, [1], to=c.address).wait(10)
+    b.proc.proc.send_signal(signal.SIGKILL)
+    wait_until(lambda: len(a.client.stats()["peer"]["links"]) == 1, timeout_s=10)
+    a.client.put("to-c-2", r, [2], to=c.address).wait(10)
+    dst = shared_zeros((4, BLOCK), torch.uint8)
+    rc = c.client.register("kv", [dst])
+    c.client.get("to-c", rc, [1], timeout_s=5)
+    c.client.get("to-c-2", rc, [2], timeout_s=5)
+    assert torch.equal(dst[1:3], src[1:3])
