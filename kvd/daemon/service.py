@@ -52,13 +52,21 @@ class Daemon:
         return f"ipc://{self.config.socket_path}"
 
     async def serve(self, shutdown_trigger: ShutdownTrigger | None = None) -> None:
+        with contextlib.ExitStack() as outer:
+            await self._serve(outer, shutdown_trigger)
+        log.info("kvd stopped")
+
+    async def _serve(self, outer: contextlib.ExitStack,
+                     shutdown_trigger: ShutdownTrigger | None) -> None:
         async with contextlib.AsyncExitStack() as stack:
             await self._startup(stack)
             loop = asyncio.get_running_loop()
             if shutdown_trigger is None:
+                # Installed until serve returns, so a second signal during teardown is
+                # still ours (it forces the exit) and not the default action.
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, self._on_signal, sig)
-                    stack.callback(loop.remove_signal_handler, sig)
+                    outer.callback(loop.remove_signal_handler, sig)
                 trigger: Awaitable[Any] = self._stop.wait()
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
@@ -69,7 +77,6 @@ class Daemon:
                      self.peers.address, self.config.pool_size_bytes)
             await trigger
             await self.drain(self.config.drain_grace_s)
-        log.info("kvd stopped")
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -94,7 +101,8 @@ class Daemon:
         stack.callback(worker.stop, 30.0)
         self.engine = Engine(self.config, pool, worker)
         ctx: zmq.Context[Any] = zmq.Context()
-        stack.callback(ctx.term)
+        # destroy, not term: a socket some error path left open must not hang the exit.
+        stack.callback(ctx.destroy, 0)
         transfers: list[PeerTransfers] = []
         self.peers = PeerPlane(
             self.config, ctx, self.epoch,
@@ -104,10 +112,10 @@ class Daemon:
         transfers.append(self.transfers)
         self.engine.remote = self.transfers
         stack.push_async_callback(self.peers.close)
-        self.peers.bind()
         self.local = LocalServer(self.config, self.engine, ctx, self.epoch, self)
         stack.push_async_callback(self.local.close)
         self.local.bind()
+        self.peers.bind()
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new work, let in-flight requests finish within ``grace_s``."""
