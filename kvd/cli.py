@@ -1,4 +1,4 @@
-"""The ``kvd`` command: ``serve``, ``demo``, ``stats``, ``ping``, ``--version``.
+"""The ``kvd`` command: ``serve``, ``demo``, ``stats``, ``ping``, ``keygen``, ``--version``.
 
 Errors are one line on stderr and a non-zero exit: 2 for bad configuration or usage,
 1 for a failed operation.
@@ -66,6 +66,18 @@ def _cmd_ping(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from kvd.daemon.auth import write_keys
+
+    public_file, secret_file, public = write_keys(args.dir, args.name)
+    print(f"public key:  {public_file}\nsecret key:  {secret_file} (mode 0600)")
+    print("this daemon's config:")
+    print(f'  curve_secret_key_file = "{secret_file}"')
+    print("line for the allow-list (curve_allowed_keys_file) of every peer:")
+    print(f"  {public} <this daemon's host:peer_port>")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon")
     parser.add_argument("--version", action="version",
@@ -83,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--block-kib", type=int, default=64, help="KiB per block per tensor")
     demo.add_argument("--layers", type=int, default=4, help="tensors in each region")
     demo.set_defaults(func=_cmd_demo)
+
+    keygen = sub.add_parser("keygen", help="create a CurveZMQ key pair for the peer plane")
+    keygen.add_argument("--dir", default=".", help="where to write NAME.key[_secret]")
+    keygen.add_argument("--name", default="kvd", help="file name stem")
+    keygen.set_defaults(func=_cmd_keygen)
 
     for name, func, help_text in (
         ("stats", _cmd_stats, "print the daemon's counters as JSON"),

@@ -276,3 +276,62 @@ def test_second_peer_unaffected_by_first_dying(nodes: object) -> None:
     c.client.get("to-c", rc, [1], timeout_s=5)
     c.client.get("to-c-2", rc, [2], timeout_s=5)
     assert torch.equal(dst[1:3], src[1:3])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_curve_keys_refuse_strangers(nodes: object, sock_dir: str) -> None:
+    from kvd.daemon.auth import write_keys
+
+    keydir = os.path.join(sock_dir, "keys")
+    ports = {name: free_port() for name in ("a", "b", "c")}
+    keys = {name: write_keys(keydir, name) for name in ports}
+    # a and b know each other; c knows a (so it can try) but a does not know c.
+    lists = {"a": ["b"], "b": ["a"], "c": ["a"]}
+    args = {}
+    for name, known in lists.items():
+        path = os.path.join(keydir, f"{name}.allowed")
+        with open(path, "w") as f:
+            f.write("# allow-list\n")
+            for other in known:
+                f.write(f"{keys[other][2]} 127.0.0.1:{ports[other]}\n")
+        args[name] = ("--peer-port", str(ports[name]), "--curve-secret-key-file",
+                      keys[name][1], "--curve-allowed-keys-file", path)
+    a = nodes(1, *args["a"])[0]  # type: ignore[operator]
+    b = nodes(1, *args["b"])[1]  # type: ignore[operator]
+    c = nodes(1, *args["c"])[2]  # type: ignore[operator]
+    plain = nodes(1)[3]  # type: ignore[operator]
+    src = random_region(2, 10)
+    r = a.client.register("kv", [src])
+    a.client.put("ok", r, [0, 1], to=b.address).wait(10)
+    dst = shared_zeros((2, BLOCK), torch.uint8)
+    b.client.get("ok", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
+    assert torch.equal(dst, src)
+    for stranger in (c, plain):
+        rs = stranger.client.register("kv", [random_region(1, 11)])
+        with pytest.raises(kvd.PeerUnreachable):
+            stranger.client.put("no", rs, [0], to=a.address, timeout_s=3).wait(10)
+    bad = a.client.stats()["peer"]["bad_messages"]
+    assert bad.get("auth", 0) >= 1 and bad.get("handshake", 0) >= 1, bad
+    assert a.client.stats()["keys"] == 0 and len(a.client.stats()["peer"]["links"]) == 1
+    # without a key for the address, an authenticated daemon does not even try
+    with pytest.raises(kvd.PeerUnreachable, match="no public key"):
+        a.client.put("no", r, [0], to=plain.address, timeout_s=3).wait(10)
+
+
+def test_keygen_cli(sock_dir: str) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
+                             "--name", "n1"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert os.path.exists(os.path.join(sock_dir, "n1.key_secret"))
+    assert oct(os.stat(os.path.join(sock_dir, "n1.key_secret")).st_mode)[-3:] == "600"
+    again = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
+                            "--name", "n1"], capture_output=True, text=True, timeout=30)
+    assert again.returncode == 2 and "not overwriting" in again.stderr

@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from kvd.config import Config
+from kvd.daemon.auth import ZapHandler, load_keys
 from kvd.errors import KvdError, PeerUnreachable, ProtocolError
 from kvd.protocol import (
     PROTOCOL_VERSION,
@@ -96,6 +97,9 @@ class PeerPlane:
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.keys = load_keys(config)
+        self._zap: ZapHandler | None = None
+        self._router_monitor: zmq.Socket[Any] | None = None
         self._data_listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
@@ -105,6 +109,17 @@ class PeerPlane:
 
     def bind(self) -> None:
         cfg = self.config
+        if self.keys is not None:
+            self._zap = ZapHandler(self.ctx, self.keys, self.bad_messages)
+            self._watch(self._zap.sock)
+            self._router.curve_server = True
+            self._router.curve_publickey = self.keys.public
+            self._router.curve_secretkey = self.keys.secret
+            self._router.zap_domain = b"kvd"
+        # Handshakes that fail inside ZMQ (wrong mechanism, bad key) are counted too.
+        self._router_monitor = self._router.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self._watch(self._router_monitor)
         try:
             self._router.bind(f"tcp://{cfg.peer_host}:{cfg.peer_port}")
         except zmq.ZMQError as exc:
@@ -145,6 +160,14 @@ class PeerPlane:
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
         await asyncio.sleep(0)
+        if self._zap is not None:
+            self._unwatch(self._zap.sock)
+            self._zap.close()
+        if self._router_monitor is not None:
+            self._unwatch(self._router_monitor)
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.disable_monitor()
+            self._router_monitor.close(linger=0)
         for sock in [self._router, *self._pending_hello]:
             self._unwatch(sock)
             sock.close(linger=0)
@@ -180,6 +203,16 @@ class PeerPlane:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.IMMEDIATE, 1)
+        if self.keys is not None:
+            server_key = self.keys.by_address.get(address)
+            if server_key is None:
+                dealer.close(linger=0)
+                raise PeerUnreachable(
+                    f"no public key for peer {address}: add '<key> {address}' to "
+                    f"curve_allowed_keys_file")
+            dealer.curve_serverkey = server_key
+            dealer.curve_publickey = self.keys.public
+            dealer.curve_secretkey = self.keys.secret
         dealer.connect(f"tcp://{address}")
         token = secrets.token_bytes(32)
         welcome_fut: asyncio.Future[PeerWelcome] = self._loop.create_future()
@@ -201,7 +234,9 @@ class PeerPlane:
             dealer.close(linger=0)
             if isinstance(exc, KvdError):
                 raise
-            raise PeerUnreachable(f"no answer from peer {address}") from None
+            hint = (" (with CurveZMQ: is our public key on its allow-list?)"
+                    if self.keys is not None else "")
+            raise PeerUnreachable(f"no answer from peer {address}{hint}") from None
         del self._pending_hello[dealer]
         link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
                         data_port=welcome.data_port, token_for_them=token,
@@ -316,8 +351,20 @@ class PeerPlane:
 
     # ------------------------------------------------------------ reading
 
+    def _drain_side_sockets(self) -> None:
+        if self._zap is not None:
+            self._zap.handle_pending()
+        while self._router_monitor is not None:
+            try:
+                self._router_monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.bad_messages["handshake"] = self.bad_messages.get("handshake", 0) + 1
+            log.warning("peer handshake failed (wrong or missing CurveZMQ keys?)")
+
     async def _read_loop(self) -> None:
         while True:
+            self._drain_side_sockets()
             handled = 0
             for sock in [self._router, *self._by_dealer, *self._pending_hello]:
                 while handled < _BATCH:
