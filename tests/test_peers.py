@@ -335,3 +335,45 @@ def test_keygen_cli(sock_dir: str) -> None:
     again = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
                             "--name", "n1"], capture_output=True, text=True, timeout=30)
     assert again.returncode == 2 and "not overwriting" in again.stderr
+
+
+def test_200_concurrent_transfers_from_4_clients_to_2_peers(nodes: object) -> None:
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b, c = nodes(3, "--pool-size-bytes", "512MiB")  # type: ignore[operator]
+    unit = 4096
+    blocks_per_region = 64 * 2**20 // unit
+    # per client: 20 x 4 KiB, 15 x 64 KiB, 10 x 1 MiB, 4 x 16 MiB, 1 x 64 MiB
+    plan_sizes = [4096] * 20 + [65536] * 15 + [2**20] * 10 + [16 * 2**20] * 4 + [64 * 2**20]
+    sources = [random_region(blocks_per_region, 100 + i, unit) for i in range(4)]
+    rng = random.Random(1)
+    plans = []  # per client: (key, peer, blocks)
+    for i in range(4):
+        plan = []
+        for n, size in enumerate(rng.sample(plan_sizes, len(plan_sizes))):
+            count = size // unit
+            start = rng.randrange(0, blocks_per_region - count + 1)
+            plan.append((f"c{i}-t{n}", (b, c)[n % 2], list(range(start, start + count))))
+        plans.append(plan)
+
+    def send(i: int) -> list[int]:
+        with KvdClient(a.proc.socket_path, timeout_s=60) as client:
+            region = client.register("src", [sources[i]])
+            transfers = [client.put(key, region, blocks, to=peer.address, timeout_s=120)
+                         for key, peer, blocks in plans[i]]
+            return [t.wait(120) for t in transfers]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(send, range(4)))
+    assert [sum(r) for r in results] == [sum(plan_sizes)] * 4
+    dst = {peer: shared_zeros((blocks_per_region, unit), torch.uint8) for peer in (b, c)}
+    regions = {peer: peer.client.register("dst", [dst[peer]]) for peer in (b, c)}
+    for i, plan in enumerate(plans):
+        for key, peer, blocks in plan:
+            peer.client.get(key, regions[peer], list(range(len(blocks))), timeout_s=10)
+            assert torch.equal(dst[peer][: len(blocks)], sources[i][blocks]), key
+    for peer in (b, c):
+        stats = peer.client.stats()
+        assert stats["transfers"]["received"]["done"] == 100
+        assert stats["keys"] == 0 and stats["pool"]["used_bytes"] == 0

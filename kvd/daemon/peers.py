@@ -92,6 +92,7 @@ class PeerPlane:
         self._by_dealer: dict[zmq.Socket[Any], PeerLink] = {}
         self._by_token: dict[bytes, PeerLink] = {}
         self._pending_hello: dict[zmq.Socket[Any], asyncio.Future[PeerWelcome]] = {}
+        self._linking: dict[str, asyncio.Task[PeerLink]] = {}
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._router = ctx.socket(zmq.ROUTER)
@@ -189,10 +190,20 @@ class PeerPlane:
                 "data_token": token, "devices": [CPU_DEVICE]}
 
     async def link_to(self, address: str, timeout_s: float) -> PeerLink:
-        """The live link to ``address``, after a handshake if there is none."""
+        """The live link to ``address``, after a handshake if there is none. Concurrent
+        callers share one handshake."""
         link = self.links.get(address)
         if link is not None and link.alive:
             return link
+        pending = self._linking.get(address)
+        if pending is None:
+            pending = self._loop.create_task(self._handshake(address, timeout_s))
+            self._linking[address] = pending
+            pending.add_done_callback(lambda _t: self._linking.pop(address, None))
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(pending)
+
+    async def _handshake(self, address: str, timeout_s: float) -> PeerLink:
         if address == self.address:
             raise PeerUnreachable(f"{address} is this daemon")
         host, sep, port = address.rpartition(":")
