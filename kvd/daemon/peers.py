@@ -200,8 +200,11 @@ class PeerPlane:
             pending = self._loop.create_task(self._handshake(address, timeout_s))
             self._linking[address] = pending
             pending.add_done_callback(lambda _t: self._linking.pop(address, None))
-        async with asyncio.timeout(timeout_s):
-            return await asyncio.shield(pending)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(pending)
+        except TimeoutError:
+            raise PeerUnreachable(f"no answer from peer {address} within {timeout_s:g}s") from None
 
     async def _handshake(self, address: str, timeout_s: float) -> PeerLink:
         if address == self.address:

@@ -145,10 +145,18 @@ class PeerTransfers:
                 try:
                     await asyncio.shield(afut)
                 except asyncio.CancelledError:
-                    if not job.future.cancel():  # on the wire: let it finish first
-                        with contextlib.suppress(Exception):
-                            await asyncio.wait_for(asyncio.shield(afut), 60.0)
-                    raise
+                    if job.future.cancel():  # not started: nothing was sent
+                        raise
+                    # On the wire: stop at the next chunk, and wait so that no byte is
+                    # read from the client's blocks after we answer.
+                    job.stop.set()
+                    try:
+                        await asyncio.wait_for(asyncio.shield(afut), 60.0)
+                    except (Exception, asyncio.CancelledError):
+                        raise asyncio.CancelledError from None
+                    # Every byte had gone out before the stop was seen: the transfer
+                    # completes, and its result, not a cancellation, is the truth.
+                    _uncancel()
             reply = await self._reply(out, deadline, "the receiver's confirmation")
             if isinstance(reply, XferFailed):
                 raise error_from_code(reply.code, f"receiver {link.address}: {reply.message}")
@@ -244,8 +252,8 @@ class PeerTransfers:
             # bytes not yet arriving are discarded; bytes arriving now are waited for.
             self.plane.send(link, XferCancel(transfer_id=tid))
             incoming = self._incoming.get((id(link), tid))
-            if incoming is not None and link.recv_channel is not None and (
-                    not link.recv_channel.forget(tid)):
+            if incoming is not None and link.recv_channel is not None:
+                link.recv_channel.forget(tid)
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(wait.future), 60.0)
             raise
@@ -375,7 +383,7 @@ class PeerTransfers:
     def _on_cancel(self, link: PeerLink, tid: int) -> None:
         incoming = self._incoming.get((id(link), tid))
         if incoming is not None and link.recv_channel is not None:
-            link.recv_channel.forget(tid)  # not started: its bytes will be discarded
+            link.recv_channel.forget(tid)  # its bytes, if any come, are discarded
         out = self._outgoing.get(tid)
         if out is not None and out.link is link:  # the puller gave up
             out.replies.put_nowait(Cancelled(f"transfer {tid} cancelled by {link.address}"))
@@ -416,6 +424,12 @@ def _as_kvd_error(exc: BaseException, what: str) -> KvdError:
     if isinstance(exc, asyncio.CancelledError):
         return Cancelled(f"{what} cancelled")
     return TransferFailed(f"{what}: {exc!r}")
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
+        task.uncancel()
 
 
 def _new_id() -> int:

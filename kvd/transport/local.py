@@ -31,13 +31,42 @@ def _section(buf: torch.Tensor, offset: int, like: torch.Tensor, num_blocks: int
     return buf[offset : offset + nbytes].view(like.dtype).view(num_blocks, *like.shape[1:])
 
 
+# Up to this many contiguous runs, blocks are moved run by run with plain slice copies
+# (memcpy speed, ~9 GB/s here); beyond it, the per-call overhead loses to one
+# index_select / index_copy_ (~1.7 GB/s here, but one call for any number of blocks).
+MAX_RUNS_FOR_SLICES = 64
+
+
+def runs(src: Sequence[int], dst: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the stretches where consecutive ids are
+    consecutive in ``src`` (and in ``dst``; positions 0.. when ``dst`` is None)."""
+    out: list[tuple[int, int, int]] = []
+    for i, s in enumerate(src):
+        d = i if dst is None else dst[i]
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
+def _few_runs(found: list[tuple[int, int, int]]) -> bool:
+    return len(found) <= MAX_RUNS_FOR_SLICES
+
+
 def gather(
     tensors: Sequence[torch.Tensor], layout: Layout, idx: torch.Tensor, out: torch.Tensor
 ) -> int:
     """Blocks ``idx`` of every tensor into the packed uint8 buffer ``out``."""
     offsets, total = packed_offsets(layout, len(idx))
+    found = runs(idx.tolist())
     for t, off in zip(tensors, offsets, strict=True):
-        torch.index_select(t, 0, idx, out=_section(out, off, t, len(idx)))
+        section = _section(out, off, t, len(idx))
+        if _few_runs(found):
+            for s, p, n in found:
+                section[p : p + n].copy_(t[s : s + n])
+        else:
+            torch.index_select(t, 0, idx, out=section)
     return total
 
 
@@ -46,8 +75,14 @@ def scatter(
 ) -> int:
     """The packed uint8 buffer ``buf`` into blocks ``idx`` of every tensor."""
     offsets, total = packed_offsets(layout, len(idx))
+    found = runs(idx.tolist())
     for t, off in zip(tensors, offsets, strict=True):
-        t.index_copy_(0, idx, _section(buf, off, t, len(idx)))
+        section = _section(buf, off, t, len(idx))
+        if _few_runs(found):
+            for d, p, n in found:
+                t[d : d + n].copy_(section[p : p + n])
+        else:
+            t.index_copy_(0, idx, section)
     return total
 
 
@@ -59,10 +94,16 @@ def copy_blocks(
 ) -> int:
     """Blocks of one region into blocks of another with the same layout."""
     nbytes = 0
+    found = runs(src_idx.tolist(), dst_idx.tolist())
     for s, d in zip(src, dst, strict=True):
-        picked = s.index_select(0, src_idx)
-        d.index_copy_(0, dst_idx, picked.view(len(dst_idx), *d.shape[1:]))
-        nbytes += picked.numel() * picked.element_size()
+        block_shape = d.shape[1:]
+        if _few_runs(found):
+            for a, b, n in found:
+                d[b : b + n].copy_(s[a : a + n].reshape(n, *block_shape))
+        else:
+            picked = s.index_select(0, src_idx)
+            d.index_copy_(0, dst_idx, picked.view(len(dst_idx), *block_shape))
+        nbytes += len(src_idx) * s[0].numel() * s.element_size() if len(s) else 0
     return nbytes
 
 

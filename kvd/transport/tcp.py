@@ -5,12 +5,13 @@ blocking socket (with a timeout, so no call waits forever) and moves bytes strai
 the socket and tensor memory with ``sendmsg`` / ``recvmsg_into`` on memoryviews, in chunks
 of ``chunk_bytes``; the event loop only submits jobs and awaits their futures.
 
-Every transfer on the wire is a 21-byte header — magic, transfer id, byte count, flags —
-then the bytes. The receiving side is driven by the stream: it reads a header, looks up the
-job registered for that transfer id, and receives into its views. A job cancelled before
-its bytes arrive is dropped from the table, and its bytes are read into a scratch buffer
-and discarded, so the stream stays in step and nothing lands in memory that was given back.
-A sender whose job is cancelled before it starts sends only a header flagged CANCELLED.
+On the wire a transfer is a series of chunks, each a 21-byte header — magic, transfer id,
+chunk length, flags (LAST, CANCELLED) — then its bytes. The receiver is driven by the
+stream: the first chunk of a transfer selects the job registered for its id, and each
+chunk is received straight into the next bytes of that job's views. Either side can stop a
+transfer at a chunk boundary: the sender by sending a CANCELLED chunk, the receiver by
+``forget``, after which the rest of its bytes are read into scratch and dropped. Either
+way the stream stays in step and no byte lands in memory that was given back.
 
 ``abort`` shuts the socket down: a worker blocked in a call returns at once, and every job
 fails. The peer plane aborts the channels of a peer it declares dead.
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("!4sQQB")
 MAGIC = b"KVD1"
 FLAG_CANCELLED = 1
+FLAG_LAST = 2
 DATA_HELLO = struct.Struct("!4s32s")  # magic, token: first bytes on a data connection
 DATA_MAGIC = b"KVDD"
 _STOP = object()
@@ -47,6 +49,7 @@ class SendJob:
     transfer_id: int
     views: Sequence[memoryview]
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+    stop: threading.Event = field(default_factory=threading.Event)  # cancel mid-transfer
 
 
 @dataclass(eq=False)
@@ -55,6 +58,29 @@ class RecvJob:
     views: Sequence[memoryview]
     nbytes: int
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+    abandoned: bool = False  # the receiver gave up: discard its bytes
+
+
+class _Cursor:
+    """Walks a list of views: ``take(n)`` is the next n bytes as views."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._pending = [v for v in views if len(v)]
+
+    def take(self, n: int) -> list[memoryview]:
+        out: list[memoryview] = []
+        while n:
+            if not self._pending:
+                raise ProtocolError("more bytes than the transfer's views hold")
+            head = self._pending[0]
+            if len(head) <= n:
+                out.append(self._pending.pop(0))
+                n -= len(head)
+            else:
+                out.append(head[:n])
+                self._pending[0] = head[n:]
+                n = 0
+        return out
 
 
 class Channel:
@@ -150,7 +176,7 @@ def _settle(fut: concurrent.futures.Future[int], *, result: int | None = None,
 
 
 class SendChannel(Channel):
-    """Sends jobs in the order they were submitted."""
+    """Sends jobs in the order they were submitted, chunk by chunk."""
 
     def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
                  on_broken: Callable[[KvdError], None] | None = None) -> None:
@@ -172,44 +198,35 @@ class SendChannel(Channel):
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not _STOP:
-            cancelled = not job.future.set_running_or_notify_cancel()
+            if not job.future.set_running_or_notify_cancel():
+                job.stop.set()
             if self._error is not None:
-                if not cancelled:
-                    _settle(job.future, error=self._error)
+                _settle(job.future, error=self._error)
                 continue
             try:
-                sock = self._wait_socket()
-                if cancelled:
-                    sock.sendall(HEADER.pack(MAGIC, job.transfer_id, 0, FLAG_CANCELLED))
-                    continue
-                nbytes = sum(len(v) for v in job.views)
-                sock.sendall(HEADER.pack(MAGIC, job.transfer_id, nbytes, 0))
-                self._send_views(sock, job.views)
-                _settle(job.future, result=nbytes)
+                self._send(self._wait_socket(), job)
             except BaseException as exc:
-                err = self._broken(exc)
-                if not cancelled:
-                    _settle(job.future, error=err)
+                _settle(job.future, error=self._broken(exc))
 
-    def _send_views(self, sock: socket.socket, views: Sequence[memoryview]) -> None:
-        pending = list(views)
-        while pending:
-            batch, size = [], 0
-            for v in pending:
-                batch.append(v)
-                size += len(v)
-                if size >= self.chunk_bytes or len(batch) >= 512:
-                    break
-            sent = sock.sendmsg(batch)
-            # Drop what went out; a partly sent view continues from where it stopped.
-            while sent and pending:
-                head = pending[0]
-                if sent >= len(head):
-                    sent -= len(head)
-                    pending.pop(0)
-                else:
-                    pending[0] = head[sent:]
-                    sent = 0
+    def _send(self, sock: socket.socket, job: SendJob) -> None:
+        total = sum(len(v) for v in job.views)
+        cursor, left = _Cursor(job.views), total
+        while True:
+            if job.stop.is_set():
+                sock.sendall(HEADER.pack(MAGIC, job.transfer_id, 0, FLAG_CANCELLED))
+                _settle(job.future, error=Cancelled(
+                    f"transfer {job.transfer_id} cancelled after {total - left} bytes"))
+                return
+            n = min(left, self.chunk_bytes)
+            left -= n
+            sock.sendall(HEADER.pack(MAGIC, job.transfer_id, n, 0 if left else FLAG_LAST))
+            pending = cursor.take(n)
+            while pending:
+                sent = sock.sendmsg(pending[:512])
+                _advance(pending, sent)
+            if not left:
+                _settle(job.future, result=total)
+                return
 
 
 class RecvChannel(Channel):
@@ -218,10 +235,11 @@ class RecvChannel(Channel):
     def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
                  on_broken: Callable[[KvdError], None] | None = None) -> None:
         self._expected: dict[int, RecvJob] = {}
-        self._running: RecvJob | None = None
+        self._current: RecvJob | None = None  # the transfer whose chunks are arriving
+        self._writing = False  # bytes are going into the current job's views right now
         self._stopping = False
         super().__init__(name, chunk_bytes, io_timeout_s, on_broken)
-        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._scratch = memoryview(bytearray(max(chunk_bytes, _SCRATCH_BYTES)))
 
     def expect(self, job: RecvJob) -> concurrent.futures.Future[int]:
         """Register a job before telling the sender to go."""
@@ -232,15 +250,22 @@ class RecvChannel(Channel):
                 self._expected[job.transfer_id] = job
         return job.future
 
-    def forget(self, transfer_id: int) -> bool:
-        """Drop a job whose bytes have not started to arrive (they will be discarded).
-        False if they are arriving now: wait for its future instead."""
+    def forget(self, transfer_id: int) -> None:
+        """The receiver gives up on a transfer: from now on its bytes are discarded. Its
+        future fails with ``Cancelled`` at once, or, if a chunk is being written into its
+        views right now, as soon as that chunk is in: await the future before reusing
+        the memory."""
         with self._lock:
             job = self._expected.pop(transfer_id, None)
-        if job is None:
-            return False
-        _settle(job.future, error=Cancelled(f"transfer {transfer_id} cancelled"))
-        return True
+            current = self._current
+            if job is None and current is not None and current.transfer_id == transfer_id:
+                job = current
+            if job is None:
+                return
+            job.abandoned = True
+            settle_now = not (job is current and self._writing)
+        if settle_now:
+            _settle(job.future, error=Cancelled(f"transfer {transfer_id} cancelled"))
 
     def _stop(self) -> None:
         self._stopping = True
@@ -248,11 +273,15 @@ class RecvChannel(Channel):
     def _fail_pending(self, error: KvdError) -> None:
         with self._lock:
             jobs, self._expected = list(self._expected.values()), {}
+            if self._current is not None and not self._writing:
+                jobs.append(self._current)
         for job in jobs:
             _settle(job.future, error=error)
 
     def _run(self) -> None:
         header = bytearray(HEADER.size)
+        received = 0
+        cursor: _Cursor | None = None
         while not self._stopping:
             try:
                 if not self._attached.wait(0.2):
@@ -260,74 +289,115 @@ class RecvChannel(Channel):
                 if self._error is not None:
                     return
                 sock = self._wait_socket()
-                if not self._recv_exactly(sock, [memoryview(header)], first=True):
+                idle = self._current is None
+                if not self._recv_exactly(sock, [memoryview(header)], idle_ok=idle):
                     continue
-                magic, tid, nbytes, flags = HEADER.unpack(header)
+                magic, tid, n, flags = HEADER.unpack(header)
                 if magic != MAGIC:
                     raise ProtocolError(f"channel {self.name}: bad data header {magic!r}")
-                with self._lock:
-                    job = self._expected.pop(tid, None)
-                    self._running = job
+                job = self._start(tid)
+                if job is not None and cursor is None:
+                    cursor, received = _Cursor(job.views), 0
                 if flags & FLAG_CANCELLED:
                     if job is not None:
                         _settle(job.future, error=Cancelled(
                             f"transfer {tid} was cancelled by the sender"))
+                    self._finish()
+                    cursor = None
                     continue
-                if job is None or job.future.done():
-                    self._discard(sock, nbytes)
-                    continue
-                if nbytes != job.nbytes:
+                if job is not None and received + n > job.nbytes:
                     raise ProtocolError(
-                        f"transfer {tid}: {nbytes} bytes announced, {job.nbytes} expected")
-                self._recv_exactly(sock, job.views)
-                _settle(job.future, result=nbytes)
+                        f"transfer {tid}: more than the {job.nbytes} bytes announced")
+                if self._begin_write(job):
+                    assert job is not None and cursor is not None
+                    try:
+                        self._recv_exactly(sock, cursor.take(n))
+                    finally:
+                        self._end_write(job)
+                    received += n
+                else:
+                    self._discard(sock, n)
+                if flags & FLAG_LAST:
+                    if job is not None:
+                        if received != job.nbytes:
+                            raise ProtocolError(f"transfer {tid}: {received} bytes arrived, "
+                                                f"{job.nbytes} announced")
+                        _settle(job.future, result=received)
+                    self._finish()
+                    cursor = None
             except BaseException as exc:
                 err = self._broken(exc)
-                running, self._running = self._running, None
-                if running is not None:
-                    _settle(running.future, error=err)
+                with self._lock:
+                    current, self._current = self._current, None
+                if current is not None:
+                    _settle(current.future, error=err)
                 return
-            finally:
-                self._running = None
+
+    def _start(self, tid: int) -> RecvJob | None:
+        """The job the chunk with id ``tid`` belongs to (None: discard its bytes)."""
+        with self._lock:
+            if self._current is not None and self._current.transfer_id == tid:
+                return self._current
+            if self._current is not None:
+                raise ProtocolError(f"channel {self.name}: transfer {tid} began before "
+                                    f"transfer {self._current.transfer_id} ended")
+            self._current = self._expected.pop(tid, None)
+            return self._current
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._current = None
+
+    def _begin_write(self, job: RecvJob | None) -> bool:
+        with self._lock:
+            if job is None or job.abandoned or job.future.done():
+                return False
+            self._writing = True
+            return True
+
+    def _end_write(self, job: RecvJob) -> None:
+        with self._lock:
+            self._writing = False
+            abandoned = job.abandoned
+        if abandoned:
+            _settle(job.future, error=Cancelled(f"transfer {job.transfer_id} cancelled"))
 
     def _discard(self, sock: socket.socket, nbytes: int) -> None:
-        scratch = memoryview(self._scratch)
         while nbytes:
-            n = min(nbytes, len(scratch))
-            self._recv_exactly(sock, [scratch[:n]])
+            n = min(nbytes, len(self._scratch))
+            self._recv_exactly(sock, [self._scratch[:n]])
             nbytes -= n
 
     def _recv_exactly(self, sock: socket.socket, views: Sequence[memoryview],
-                      first: bool = False) -> bool:
-        """Fill ``views`` completely. With ``first``, a timeout before any byte arrived is
-        not an error (an idle channel): returns False."""
+                      idle_ok: bool = False) -> bool:
+        """Fill ``views`` completely. With ``idle_ok``, a timeout before any byte arrived
+        is not an error (an idle channel): returns False."""
         pending = [v for v in views if len(v)]
         got_any = False
         while pending:
-            batch, size = [], 0
-            for v in pending:
-                batch.append(v)
-                size += len(v)
-                if size >= self.chunk_bytes or len(batch) >= 512:
-                    break
             try:
-                n = sock.recvmsg_into(batch)[0]
+                n = sock.recvmsg_into(pending[:512])[0]
             except TimeoutError:
-                if first and not got_any and not self._stopping:
+                if idle_ok and not got_any and not self._stopping:
                     return False
                 raise
             if n == 0:
                 raise PeerUnreachable(f"channel {self.name}: connection closed by peer")
             got_any = True
-            while n and pending:
-                head = pending[0]
-                if n >= len(head):
-                    n -= len(head)
-                    pending.pop(0)
-                else:
-                    pending[0] = head[n:]
-                    n = 0
+            _advance(pending, n)
         return True
+
+
+def _advance(pending: list[memoryview], n: int) -> None:
+    """Drop ``n`` bytes from the front of ``pending`` (a partly done view is cut)."""
+    while n and pending:
+        head = pending[0]
+        if n >= len(head):
+            n -= len(head)
+            pending.pop(0)
+        else:
+            pending[0] = head[n:]
+            n = 0
 
 
 def data_hello(token: bytes) -> bytes:
