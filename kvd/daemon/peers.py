@@ -93,6 +93,7 @@ class PeerPlane:
         self._by_token: dict[bytes, PeerLink] = {}
         self._pending_hello: dict[zmq.Socket[Any], asyncio.Future[PeerWelcome]] = {}
         self._linking: dict[str, asyncio.Task[PeerLink]] = {}
+        self._warmups: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._router = ctx.socket(zmq.ROUTER)
@@ -155,9 +156,10 @@ class PeerPlane:
         log.info("peer socket listening address=%s data_port=%d", self.address, self.data_port)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._warmups, *self._linking.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
         await asyncio.sleep(0)
@@ -260,6 +262,7 @@ class PeerPlane:
         self._by_dealer[dealer] = link
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
                  link.epoch)
+        self._warm_up(link)
         return link
 
     def _add_link(self, link: PeerLink) -> None:
@@ -285,6 +288,17 @@ class PeerPlane:
     def _io_timeout(self) -> float:
         return max(self.config.peer_grace_s * 2, 10.0)
 
+    def _warm_up(self, link: PeerLink) -> None:
+        """Open our data connection right after the handshake, so the first transfer does
+        not wait for it (a failure here is retried by that transfer)."""
+        async def connect() -> None:
+            with contextlib.suppress(KvdError):
+                await self.send_channel(link)
+
+        task = self._loop.create_task(connect())
+        self._warmups.add(task)
+        task.add_done_callback(self._warmups.discard)
+
     async def send_channel(self, link: PeerLink) -> SendChannel:
         """The channel for bytes we send to ``link``, connected on first use."""
         if link.send_channel is not None:
@@ -295,30 +309,33 @@ class PeerPlane:
         return await asyncio.shield(link.connecting)
 
     async def _connect_data(self, link: PeerLink) -> None:
-        assert link.connecting is not None
+        connecting = link.connecting
+        assert connecting is not None
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             async with asyncio.timeout(self.config.peer_connect_timeout_s):
                 await self._loop.sock_connect(sock, (link.host, link.data_port))
                 await self._loop.sock_sendall(sock, data_hello(link.token_for_us))
-            channel = SendChannel(f"kvd-send-{link.node_id}-{CPU_DEVICE}",
-                                  self.config.tcp_chunk_bytes, self._io_timeout(),
-                                  self._on_broken(link))
             sock.setblocking(True)
-            channel.attach(sock)
         except (OSError, TimeoutError) as exc:
             sock.close()
-            link.connecting.set_exception(
-                PeerUnreachable(f"data connection to {link.address} failed: {exc!r}"))
             link.connecting = None
+            if not connecting.done():
+                connecting.set_exception(
+                    PeerUnreachable(f"data connection to {link.address} failed: {exc!r}"))
             return
-        if not link.alive:
-            channel.close(1.0)
-            link.connecting.set_exception(PeerUnreachable(f"peer {link.address} is gone"))
+        if not link.alive or connecting.done():
+            sock.close()
+            if not connecting.done():
+                connecting.set_exception(PeerUnreachable(f"peer {link.address} is gone"))
             return
+        channel = SendChannel(f"kvd-send-{link.node_id}-{CPU_DEVICE}",
+                              self.config.tcp_chunk_bytes, self._io_timeout(),
+                              self._on_broken(link))
+        channel.attach(sock)
         link.send_channel = channel
-        link.connecting.set_result(channel)
+        connecting.set_result(channel)
 
     def send(self, link: PeerLink, msg: Any) -> None:
         """Send a message on the link (dropped silently if the link is gone)."""
@@ -482,6 +499,7 @@ class PeerPlane:
         with contextlib.suppress(zmq.ZMQError):
             self._router.send_multipart(
                 [identity, encode(PeerWelcome(**self._hello_fields(token)))], zmq.NOBLOCK)
+        self._warm_up(link)
 
     # ------------------------------------------------------------ data connections
 
