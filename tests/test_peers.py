@@ -377,3 +377,36 @@ def test_200_concurrent_transfers_from_4_clients_to_2_peers(nodes: object) -> No
         stats = peer.client.stats()
         assert stats["transfers"]["received"]["done"] == 100
         assert stats["keys"] == 0 and stats["pool"]["used_bytes"] == 0
+
+
+def test_frozen_peer_is_declared_dead_by_heartbeats(nodes: object) -> None:
+    # SIGSTOP keeps the peer's sockets open: only kvd's heartbeats can tell it is gone.
+    a, b = nodes(2, "--pool-size-bytes", "1GiB")  # type: ignore[operator]
+    big = shared_empty((2, 256 * 2**20), torch.uint8)
+    big.fill_(1)
+    r = a.client.register("big", [big])
+    transfer = a.client.put("big", r, [0, 1], to=b.address, timeout_s=60)
+    wait_until(lambda: b.client.stats()["transfers"]["in_flight_in"] == 1, interval_s=0.002)
+    b.proc.proc.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        with pytest.raises(kvd.PeerUnreachable, match="silent"):
+            transfer.wait(30)
+        elapsed = time.monotonic() - stopped
+        assert elapsed < 2 + 0.5 + 1.0, elapsed  # grace + one heartbeat (+ slack)
+    finally:
+        b.proc.proc.send_signal(signal.SIGCONT)
+    # Once it runs again, the pair transfers again (new handshake, same epoch).
+    small = random_region(2, 12)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            a.client.put("again", a.client.register(f"s{time.monotonic()}", [small]), [0, 1],
+                         to=b.address, timeout_s=5).wait(10)
+            break
+        except kvd.PeerUnreachable:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    dst = shared_zeros((2, BLOCK), torch.uint8)
+    b.client.get("again", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
+    assert torch.equal(dst, small)
