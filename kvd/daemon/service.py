@@ -127,6 +127,8 @@ class Daemon:
             if not waiter.delivering and not waiter.future.done():
                 waiter.future.set_exception(Draining("daemon is draining"))
         pending = self.local.pending_tasks()
+        if self.transfers is not None:  # bytes arriving from peers finish too
+            pending += self.transfers.pending_tasks()
         if pending:
             log.info("draining: waiting for %d requests (grace %.1fs)", len(pending), grace_s)
             done_waiting = asyncio.ensure_future(asyncio.wait(pending, timeout=grace_s))

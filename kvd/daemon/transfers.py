@@ -410,6 +410,9 @@ class PeerTransfers:
 
         self._spawn(serve())
 
+    def pending_tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in self._tasks if not t.done()]
+
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {"sent": dict(c.sent), "received": dict(c.received),
