@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any
 import uvloop
 import zmq
 import zmq.asyncio
+from daemons import stop_daemon  # benchmarks/daemons.py (run as a script)
 
 from kvd.protocol import Delete, Done, Get, Offload, Ping, Pong, encode
 
@@ -247,22 +247,6 @@ async def kvd_async(path: str, n_ping: int, n_op: int, warmup: int) -> dict[str,
             await c.delete(key_of("async", i))
         return {"ping": await time_async(lambda i: c.ping(), n_ping, warmup),
                 "op": await time_async(op, n_op, warmup)}
-
-
-def stop_daemon(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None:
-        return
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(30)
-    except subprocess.TimeoutExpired:
-        print("warning: kvd daemon did not stop in 30s; killing it", file=sys.stderr)
-        proc.kill()
-        proc.wait(5)
-        return
-    if code != 0:
-        print(f"warning: kvd daemon exited with code {code}", file=sys.stderr)
 
 
 def stop_echo(proc: Any) -> None:

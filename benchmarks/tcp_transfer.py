@@ -47,7 +47,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -58,6 +57,8 @@ import time
 import zlib
 from collections.abc import Callable
 from typing import Any
+
+from daemons import stop_daemon  # benchmarks/daemons.py (run as a script)
 
 MiB, GiB = 2**20, 2**30
 CHUNK_BYTES = 4 * MiB  # kvd's default tcp_chunk_bytes
@@ -245,22 +246,6 @@ def start_daemon(root: str, name: str, pool_bytes: int) -> tuple[subprocess.Pope
         log_text = f.read()
     stop_daemon(proc)
     raise RuntimeError(f"kvd daemon {name} not ready (exit code {proc.poll()}):\n{log_text}")
-
-
-def stop_daemon(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None:
-        return
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(30)
-    except subprocess.TimeoutExpired:
-        print("warning: kvd daemon did not stop in 30s; killing it", file=sys.stderr)
-        proc.kill()
-        proc.wait(5)
-        return
-    if code != 0:
-        print(f"warning: kvd daemon exited with code {code}", file=sys.stderr)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -149,22 +149,14 @@ class Engine:
             return fn(*args)
         cfut = self.worker.submit(fn, *args)
         afut = asyncio.wrap_future(cfut)
-        for region in regions:
-            self._region_copies.setdefault(region.region_id, set()).add(afut)
-        try:
-            return await asyncio.shield(afut)
-        except asyncio.CancelledError:
-            if not cfut.cancel():
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
-            raise
-        finally:
-            for region in regions:
-                pending = self._region_copies.get(region.region_id)
-                if pending is not None:
-                    pending.discard(afut)
-                    if not pending:
-                        del self._region_copies[region.region_id]
+        with self.using_regions(regions, afut):
+            try:
+                return await asyncio.shield(afut)
+            except asyncio.CancelledError:
+                if not cfut.cancel():
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
+                raise
 
     def _schedule_expiry(self, item: Item) -> None:
         if item.expires_at is None:
