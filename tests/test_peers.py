@@ -410,3 +410,19 @@ def test_frozen_peer_is_declared_dead_by_heartbeats(nodes: object) -> None:
     dst = shared_zeros((2, BLOCK), torch.uint8)
     b.client.get("again", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
     assert torch.equal(dst, small)
+
+
+def test_receiver_frees_memory_when_sender_dies(nodes: object) -> None:
+    a, b = nodes(2, "--pool-size-bytes", "1GiB")  # type: ignore[operator]
+    big = shared_empty((2, 256 * 2**20), torch.uint8)
+    big.fill_(2)
+    r = a.client.register("big", [big])
+    free0 = b.client.stats()["pool"]["free_bytes"]
+    a.client.put("big", r, [0, 1], to=b.address, timeout_s=60)
+    wait_until(lambda: b.client.stats()["transfers"]["in_flight_in"] == 1, interval_s=0.002)
+    a.proc.proc.kill()
+    stats = wait_until(lambda: (s := b.client.stats())["transfers"]["in_flight_in"] == 0 and s,
+                       timeout_s=5)
+    assert stats["pool"]["free_bytes"] == free0 and stats["keys"] == 0
+    assert stats["transfers"]["received"].get("failed") == 1
+    assert stats["peer"]["links"] == []
