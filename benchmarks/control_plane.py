@@ -180,7 +180,8 @@ def start_daemon(tmp: str) -> tuple[subprocess.Popen[bytes], str, str, int]:
     path, log_path = os.path.join(tmp, "kvd.sock"), os.path.join(tmp, "daemon.log")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", path,
-           "--pool-size-bytes", "256MiB", "--log-level", "warning"]
+           "--pool-size-bytes", "256MiB", "--log-level", "warning", "--peer-port", "0",
+           "--data-port", "0", "--http-port", "0"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30

@@ -229,7 +229,7 @@ def start_daemon(root: str, name: str, pool_bytes: int) -> tuple[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", path,
            "--node-id", f"bench-{name}", "--peer-port", "0", "--data-port", "0",
-           "--pool-size-bytes", str(pool_bytes), "--log-level", "warning"]
+           "--http-port", "0", "--pool-size-bytes", str(pool_bytes), "--log-level", "warning"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60

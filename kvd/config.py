@@ -354,11 +354,13 @@ class Config:
     tcp_chunk_bytes: int = _opt(4 * MiB, _SIZE, _at_least(64 * KiB))
     curve_secret_key_file: str = _opt("", _STR)
     curve_allowed_keys_file: str = _opt("", _STR)
+    peers: str = _opt("", _STR)  # comma-separated host:port kept linked; /readyz needs them
     http_host: str = _opt("127.0.0.1", _STR, _non_empty)
     http_port: int = _opt(9400, _INT, _port)
     pool_size_bytes: int = _opt(1 * GiB, _SIZE)
     pool_min_block_bytes: int = _opt(4096, _SIZE, _at_least(64), _power_of_two)
     pool_pin: bool = _opt(False, _BOOL)
+    pool_prefault: bool = _opt(True, _BOOL)  # touch every page at start, not on first use
     drain_grace_s: float = _opt(30.0, _SECONDS, _at_least(0))
     max_ttl_s: float = _opt(86400.0, _SECONDS, _positive)
     put_ttl_s: float = _opt(300.0, _SECONDS, _positive)

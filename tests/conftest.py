@@ -49,6 +49,7 @@ def make_config(sock_dir: str, **overrides: Any) -> Config:
         "drain_grace_s": 10.0,
         "peer_port": 0,
         "data_port": 0,
+        "http_port": 0,
     }
     values.update(overrides)
     return load_config(env={}, overrides=values)
@@ -161,7 +162,7 @@ class ProcessDaemon:
         self.log_path = os.path.join(sock_dir, "daemon.log")
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", self.socket_path,
                "--pool-size-bytes", "64MiB", "--log-level", "info", "--peer-port", "0",
-               "--data-port", "0", *extra]
+               "--data-port", "0", "--http-port", "0", *extra]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         full_env.update(env or {})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()

@@ -90,6 +90,8 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "tcp_chunk_bytes": 4 * 2**20,
         "curve_secret_key_file": "",
         "curve_allowed_keys_file": "",
+        "pool_prefault": True,
+        "peers": "",
         "max_message_bytes": MiB,
         "client_request_timeout_s": 30.0,
         "max_wait_s": 3600.0,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvd.config import Config
+from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
 from kvd.errors import (
     BadRequest,
@@ -51,14 +52,27 @@ INLINE_COPY_BYTES = 256 * 1024
 class Counters:
     """Plain counters; the metrics module exports them."""
 
-    ops: dict[str, int] = field(default_factory=dict)
-    op_errors: dict[str, int] = field(default_factory=dict)
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, code)
     bytes_in: int = 0  # written into regions
     bytes_out: int = 0  # read from regions
     expired_keys: int = 0
 
-    def count(self, table: dict[str, int], name: str) -> None:
-        table[name] = table.get(name, 0) + 1
+    def request(self, op: str, code: str) -> None:
+        self.requests[(op, code)] = self.requests.get((op, code), 0) + 1
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float]:
+    """Run ``fn`` in the worker, with when it started and ended (for the metrics)."""
+    started = time.monotonic()
+    result = fn(*args)
+    return started, result, time.monotonic()
+
+
+def _sum_by(table: dict[tuple[str, str], int], part: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, n in table.items():
+        out[key[part]] = out.get(key[part], 0) + n
+    return out
 
 
 def _unfit(
@@ -99,8 +113,11 @@ class _Delivered:
 
 
 class Engine:
-    def __init__(self, config: Config, pool: HostPool, worker: local.CopyWorker) -> None:
+    def __init__(self, config: Config, pool: HostPool, worker: local.CopyWorker,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or Metrics()
+        self._copies_in_flight: dict[int, int] = {}  # id -> bytes
         self.pool = pool
         self.worker = worker
         self.regions = RegionTable()
@@ -145,18 +162,45 @@ class Engine:
 
         A copy of at most INLINE_COPY_BYTES runs on the loop: it takes microseconds, less
         than the two thread hand-offs (and GIL switches) the worker would cost."""
+        submitted = time.monotonic()
         if nbytes <= INLINE_COPY_BYTES:
-            return fn(*args)
-        cfut = self.worker.submit(fn, *args)
-        afut = asyncio.wrap_future(cfut)
-        with self.using_regions(regions, afut):
             try:
-                return await asyncio.shield(afut)
-            except asyncio.CancelledError:
-                if not cfut.cancel():
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
+                result = fn(*args)
+            except Exception:
+                self._record_copy("failed", nbytes, 0.0, None)
                 raise
+            self._record_copy("done", nbytes, 0.0, time.monotonic() - submitted)
+            return result
+        cfut = self.worker.submit(_timed, fn, *args)
+        afut = asyncio.wrap_future(cfut)
+        self._copies_in_flight[id(afut)] = nbytes
+        outcome, started, ended = "failed", None, None
+        try:
+            with self.using_regions(regions, afut):
+                try:
+                    started, result, ended = await asyncio.shield(afut)
+                    outcome = "done"
+                    return int(result)
+                except asyncio.CancelledError:
+                    outcome = "cancelled"
+                    if not cfut.cancel():
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
+                    raise
+        finally:
+            del self._copies_in_flight[id(afut)]
+            self._record_copy(outcome, nbytes,
+                              None if started is None else started - submitted,
+                              None if started is None or ended is None else ended - started)
+
+    def _record_copy(self, outcome: str, nbytes: int, queue_s: float | None,
+                     wire_s: float | None) -> None:
+        self.metrics.transfer(peer="local", direction="local", transport="local",
+                              outcome=outcome, nbytes=nbytes, queue_s=queue_s, wire_s=wire_s)
+
+    def in_flight(self) -> tuple[int, int]:
+        """Local copies running or queued: how many, how many bytes."""
+        return len(self._copies_in_flight), sum(self._copies_in_flight.values())
 
     def _schedule_expiry(self, item: Item) -> None:
         if item.expires_at is None:
@@ -581,8 +625,9 @@ class Engine:
             "keys": len(self.store),
             "keys_pool_bytes": self.store.pool_bytes(),
             "waiting_gets": self.store.waiting_count(),
-            "ops": dict(self.counters.ops),
-            "op_errors": dict(self.counters.op_errors),
+            "ops": _sum_by(self.counters.requests, 0),
+            "op_errors": _sum_by({k: v for k, v in self.counters.requests.items()
+                                  if k[1] != "ok"}, 1),
             "bytes_in": self.counters.bytes_in,
             "bytes_out": self.counters.bytes_out,
             "expired_keys": self.counters.expired_keys,

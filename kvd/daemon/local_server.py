@@ -113,7 +113,7 @@ class LocalServer:
             raise ConfigError(f"socket_path: another daemon is serving {path}")
         old_umask = os.umask(0o117)  # socket mode 0660
         try:
-            os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+            prepare_socket_dir(path)
             # A socket file left by a daemon that died (a live one answered above).
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -245,7 +245,6 @@ class LocalServer:
     def _dispatch(self, s: Session, msg: Any) -> None:
         e = self.engine
         op = msg.__struct_config__.tag
-        e.counters.count(e.counters.ops, op)
         if msg.req_id in s.tasks:
             self._bad(s.identity, "duplicate_req_id", msg.req_id, ProtocolError(
                 f"request {msg.req_id} is still pending; req_ids must be unique"))
@@ -256,7 +255,8 @@ class LocalServer:
                     self._send(s.identity, Pong(req_id=msg.req_id, node_id=self.config.node_id,
                                                 epoch=self.epoch, draining=e.draining))
                 case Stats():
-                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=self.stats()))
+                    stats = self.daemon.status() if self.daemon is not None else self.stats()
+                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=stats))
                 case Register():
                     r = e.register(s.sid, msg.name, msg.tensors, msg.block_dim)
                     self._send(s.identity, Registered(
@@ -293,6 +293,8 @@ class LocalServer:
                     self._spawn(s, msg.req_id, op, self._cancel(s, msg.target))
                 case _:  # pragma: no cover - the decoder admits only the types above
                     raise ProtocolError(f"unsupported operation {op!r}")
+            if msg.req_id not in s.tasks:  # answered inline (a task counts when it ends)
+                e.counters.request(op, "ok")
         except KvdError as err:
             self._error(s, msg.req_id, op, err)
         except Exception as exc:
@@ -315,6 +317,7 @@ class LocalServer:
             log.exception("internal error op=%s req_id=%d", op, req_id)
             self._error(s, req_id, op, InternalError(f"{op} failed: {exc!r}"))
         else:
+            self.engine.counters.request(op, "ok")
             self._done(s, req_id, result if isinstance(result, int) else 0)
         finally:
             s.tasks.pop(req_id, None)
@@ -342,8 +345,7 @@ class LocalServer:
         self._send(s.identity, Done(req_id=req_id, nbytes=nbytes))
 
     def _error(self, s: Session, req_id: int, op: str, err: KvdError) -> None:
-        counters = self.engine.counters
-        counters.count(counters.op_errors, err.code)
+        self.engine.counters.request(op, err.code)
         log.info("request failed op=%s req_id=%d session=%d code=%s: %s",
                  op, req_id, s.sid, err.code, err.message)
         self._send(s.identity, ErrorReply(req_id=req_id, code=err.code, message=err.message))
@@ -386,6 +388,16 @@ class LocalServer:
             stats["peer"] = peers.stats()
             stats["transfers"] = transfers.stats()
         return stats
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory (first thing at startup: an unusable path is a
+    config error before anything else happens)."""
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"socket_path: cannot create the directory of {path}: "
+                          f"{exc.strerror}") from None
 
 
 def _socket_answers(path: str) -> bool:

@@ -71,10 +71,12 @@ class PeerLink:
     def host(self) -> str:
         return self.address.rsplit(":", 1)[0]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, now: float) -> dict[str, Any]:
         return {"address": self.address, "node_id": self.node_id, "epoch": self.epoch,
                 "direction": "out" if self.dealer is not None else "in",
-                "alive": self.alive}
+                "alive": self.alive, "last_heard_s_ago": round(now - self.last_seen, 3),
+                "channels": {"send": self.send_channel is not None,
+                             "recv": self.recv_channel is not None}}
 
 
 class PeerPlane:
@@ -106,6 +108,7 @@ class PeerPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
         self.data_port = 0
+        self.configured = [a.strip() for a in config.peers.split(",") if a.strip()]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -537,6 +540,7 @@ class PeerPlane:
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         while True:
+            self._link_configured()
             await asyncio.sleep(interval)
             now = self._loop.time()
             for link in list(self.links.values()):
@@ -548,9 +552,23 @@ class PeerPlane:
                 else:
                     self.send(link, Heartbeat(epoch=self.epoch))
 
+    def _link_configured(self) -> None:
+        """Keep a link to every configured peer (retried each heartbeat)."""
+        for address in self.configured:
+            link = self.links.get(address)
+            if (link is None or not link.alive) and address not in self._linking:
+                async def connect(address: str = address) -> None:
+                    with contextlib.suppress(KvdError):
+                        await self.link_to(address, self.config.peer_connect_timeout_s)
+
+                task = self._loop.create_task(connect())
+                self._warmups.add(task)
+                task.add_done_callback(self._warmups.discard)
+
     def stats(self) -> dict[str, Any]:
         return {"address": self.address, "data_port": self.data_port,
-                "links": [link.describe() for link in self.links.values()],
+                "links": [link.describe(self._loop.time()) for link in self.links.values()],
+                "configured": list(self.configured),
                 "bad_messages": dict(self.bad_messages)}
 
 

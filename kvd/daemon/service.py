@@ -22,7 +22,10 @@ import zmq
 
 from kvd.config import Config, check_socket_path
 from kvd.daemon.engine import Engine
-from kvd.daemon.local_server import LocalServer
+from kvd.daemon.http import HttpServer
+from kvd.daemon.local_server import LocalServer, prepare_socket_dir
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.notify import Notifier
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.transfers import PeerTransfers
 from kvd.errors import Draining
@@ -45,6 +48,11 @@ class Daemon:
         self.local: LocalServer | None = None
         self.peers: PeerPlane | None = None
         self.transfers: PeerTransfers | None = None
+        self.metrics = Metrics()
+        self.metrics.attach(self)
+        self.notifier = Notifier()
+        self.http: HttpServer | None = None
+        self.pool_allocated = False
         self._signals = 0
         self._stop = asyncio.Event()
 
@@ -72,11 +80,15 @@ class Daemon:
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
             self.ready.set()
-            assert self.peers is not None
-            log.info("kvd ready node=%s epoch=%d socket=%s peer=%s pool=%dB",
+            assert self.peers is not None and self.http is not None
+            log.info("kvd ready node=%s epoch=%d socket=%s peer=%s http=%s pool=%dB",
                      self.config.node_id, self.epoch, self.config.socket_path,
-                     self.peers.address, self.config.pool_size_bytes)
+                     self.peers.address, self.http.address, self.config.pool_size_bytes)
+            self.notifier.ready(f"serving on {self.config.socket_path}, peers on "
+                                f"{self.peers.address}")
+            self.notifier.start_watchdog()
             await trigger
+            self.notifier.stopping("draining")
             await self.drain(self.config.drain_grace_s)
 
     def request_stop(self) -> None:
@@ -96,11 +108,20 @@ class Daemon:
     async def _startup(self, stack: contextlib.AsyncExitStack) -> None:
         self._force = asyncio.Event()
         check_socket_path(self.config)
-        pool = HostPool(self.config.pool_size_bytes, self.config.pool_min_block_bytes,
-                        pin=self.config.pool_pin)
+        prepare_socket_dir(self.config.socket_path)
+        # HTTP first: /healthz answers and /readyz says why not while the pool is taken.
+        self.http = HttpServer(self.config, self)
+        await self.http.start()
+        stack.push_async_callback(self.http.close)
+        stack.push_async_callback(self.notifier.close)
+        self.notifier.status("allocating the host pool")
+        pool = await asyncio.to_thread(
+            HostPool, self.config.pool_size_bytes, self.config.pool_min_block_bytes,
+            pin=self.config.pool_pin, prefault=self.config.pool_prefault)
+        self.pool_allocated = True
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
-        self.engine = Engine(self.config, pool, worker)
+        self.engine = Engine(self.config, pool, worker, self.metrics)
         ctx: zmq.Context[Any] = zmq.Context()
         # destroy, not term: a socket some error path left open must not hang the exit.
         stack.callback(ctx.destroy, 0)
@@ -117,6 +138,31 @@ class Daemon:
         stack.push_async_callback(self.local.close)
         self.local.bind()
         self.peers.bind()
+
+    # ------------------------------------------------------------ what operators see
+
+    def not_ready_reasons(self) -> list[str]:
+        reasons = []
+        if not self.pool_allocated:
+            reasons.append("host pool not allocated yet")
+        if self.local is None or self.peers is None or not self.ready.is_set():
+            reasons.append("listeners not up yet")
+        if self.engine is not None and self.engine.draining:
+            reasons.append("draining")
+        if self.peers is not None:
+            for address in self.peers.configured:
+                link = self.peers.links.get(address)
+                if link is None or not link.alive:
+                    reasons.append(f"configured peer {address} unreachable")
+        return reasons
+
+    def status(self) -> dict[str, Any]:
+        if self.local is None:
+            return {"node_id": self.config.node_id, "epoch": self.epoch, "starting": True}
+        status = self.local.stats()
+        status["http"] = self.http.address if self.http is not None else ""
+        status["ready"] = not self.not_ready_reasons()
+        return status
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new work, let in-flight requests finish within ``grace_s``."""

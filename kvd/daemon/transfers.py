@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,7 @@ class _Outgoing:
     transfer_id: int
     key: str
     link: PeerLink
+    nbytes: int = 0
     replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
 
@@ -131,10 +133,12 @@ class PeerTransfers:
     async def _push(self, link: PeerLink, tid: int, key: str, views: list[memoryview],
                     layout: Layout, num_blocks: int, ttl_s: float | None, deadline: float,
                     regions: Sequence[Region]) -> int:
-        out = _Outgoing(tid, key, link)
-        self._outgoing[tid] = out
         nbytes = wire_bytes(layout, num_blocks)
+        out = _Outgoing(tid, key, link, nbytes)
+        self._outgoing[tid] = out
         outcome = "failed"
+        requested = time.monotonic()
+        job: SendJob | None = None
         try:
             async with asyncio.timeout_at(deadline):
                 channel = await self.plane.send_channel(link)
@@ -183,6 +187,11 @@ class PeerTransfers:
         finally:
             self.counters.count(self.counters.sent, outcome)
             self._outgoing.pop(tid, None)
+            started = job.started_at if job is not None and job.started_at else None
+            self.engine.metrics.transfer(
+                peer=link.address, direction="send", transport="tcp", outcome=outcome,
+                nbytes=nbytes, queue_s=None if started is None else started - requested,
+                wire_s=None if started is None else time.monotonic() - started)
 
     async def _offer_until_accepted(self, out: _Outgoing, layout: Layout, num_blocks: int,
                                     nbytes: int, ttl_s: float | None, deadline: float) -> None:
@@ -347,6 +356,7 @@ class PeerTransfers:
 
     async def _receive(self, incoming: _Incoming, pull: _PullWait | None) -> None:
         tid, link = incoming.transfer_id, incoming.link
+        offered = time.monotonic()
         afut = asyncio.wrap_future(incoming.job.future)
         regions = [r for r in (incoming.arrival.region,
                                incoming.arrival.waiter.region if incoming.arrival.waiter
@@ -379,6 +389,12 @@ class PeerTransfers:
         finally:
             self.counters.count(self.counters.received, outcome)
             self._incoming.pop((id(link), tid), None)
+            started = incoming.job.started_at or None
+            self.engine.metrics.transfer(
+                peer=link.address, direction="recv", transport="tcp", outcome=outcome,
+                nbytes=incoming.job.nbytes,
+                queue_s=None if started is None else started - offered,
+                wire_s=None if started is None else time.monotonic() - started)
 
     def _on_cancel(self, link: PeerLink, tid: int) -> None:
         incoming = self._incoming.get((id(link), tid))
@@ -409,6 +425,12 @@ class PeerTransfers:
                 item.end_read()
 
         self._spawn(serve())
+
+    def in_flight(self) -> dict[str, tuple[int, int]]:
+        """Transfers with peers in progress, by direction: how many, how many bytes."""
+        return {"send": (len(self._outgoing), sum(o.nbytes for o in self._outgoing.values())),
+                "recv": (len(self._incoming),
+                         sum(i.job.nbytes for i in self._incoming.values()))}
 
     def pending_tasks(self) -> list[asyncio.Task[Any]]:
         return [t for t in self._tasks if not t.done()]

@@ -31,7 +31,8 @@ class PoolBlock:
 class HostPool:
     """A fixed host buffer handing out :class:`PoolBlock` regions; thread-safe."""
 
-    def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096, pin: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096, pin: bool = False,
+                 prefault: bool = False) -> None:
         self._allocator = BuddyAllocator(capacity_bytes, min_block_bytes)
         # Pinned memory lets copies to and from a GPU run asynchronously. The faster
         # route, registering pages with cudaHostRegister in place, arrives with the GPU
@@ -39,6 +40,10 @@ class HostPool:
         # queried when pinning was asked for, so a CPU-only daemon never initialises it.
         pinned = pin and torch.cuda.is_available()
         self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
+        if prefault and not pinned:
+            # Touch every page now: the memory is committed at start (or the start fails),
+            # and no transfer pays for page faults later.
+            self.buffer.zero_()
         self.pinned = pinned
         # The allocator knows rounded sizes only; the requested size is what a view
         # exposes, and a block whose size disagrees is someone else's (stale) handle.

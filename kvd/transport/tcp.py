@@ -26,6 +26,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ class SendJob:
     views: Sequence[memoryview]
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     stop: threading.Event = field(default_factory=threading.Event)  # cancel mid-transfer
+    started_at: float = 0.0  # time.monotonic() of the first byte (for the metrics)
 
 
 @dataclass(eq=False)
@@ -59,6 +61,7 @@ class RecvJob:
     nbytes: int
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     abandoned: bool = False  # the receiver gave up: discard its bytes
+    started_at: float = 0.0  # time.monotonic() of the first chunk (for the metrics)
 
 
 class _Cursor:
@@ -209,6 +212,7 @@ class SendChannel(Channel):
                 _settle(job.future, error=self._broken(exc))
 
     def _send(self, sock: socket.socket, job: SendJob) -> None:
+        job.started_at = time.monotonic()
         total = sum(len(v) for v in job.views)
         cursor, left = _Cursor(job.views), total
         while True:
@@ -343,6 +347,8 @@ class RecvChannel(Channel):
                 raise ProtocolError(f"channel {self.name}: transfer {tid} began before "
                                     f"transfer {self._current.transfer_id} ended")
             self._current = self._expected.pop(tid, None)
+            if self._current is not None:
+                self._current.started_at = time.monotonic()
             return self._current
 
     def _finish(self) -> None:

@@ -1,0 +1,142 @@
+"""Prometheus metrics: one registry per daemon (so tests can run several in a process).
+
+Events that need a distribution or a per-peer breakdown (transfers, their bytes, queue wait
+and wire time) are recorded as they happen through ``Metrics.transfer``. Everything that is
+state (pool, keys, peers, clients, channels, in-flight work) or already counted by the
+daemon's own tables (requests, bad messages, expiries) is read at scrape time by a custom
+collector, so there is one source of truth and nothing to keep in step.
+
+Names follow ``kvd_<noun>_<unit>``; docs/operations.md lists them with one line each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvd import __version__
+from kvd.protocol import PROTOCOL_VERSION
+
+# 10 µs … 60 s: a small control round trip up to a multi-GB transfer over a slow link.
+DURATION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+def _nccl_version() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            v = torch.cuda.nccl.version()
+            return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+    except Exception:  # no NCCL in a CPU build: that is an answer, not an error
+        pass
+    return "none"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.started = time.time()
+        self._transfers = Counter(
+            "kvd_transfers", "Transfers finished, by peer, direction, transport and outcome.",
+            ["peer", "direction", "transport", "outcome"], registry=self.registry)
+        self._bytes = Counter(
+            "kvd_transfer_bytes", "Bytes moved by finished transfers.",
+            ["peer", "direction", "transport"], registry=self.registry)
+        self._queue = Histogram(
+            "kvd_transfer_queue_wait_seconds",
+            "From the request to the first byte: offers, BUSY back-off, channel queue.",
+            ["direction", "transport"], buckets=DURATION_BUCKETS, registry=self.registry)
+        self._wire = Histogram(
+            "kvd_transfer_wire_seconds", "From the first byte to the last.",
+            ["direction", "transport"], buckets=DURATION_BUCKETS, registry=self.registry)
+
+    def transfer(self, *, peer: str, direction: str, transport: str, outcome: str,
+                 nbytes: int = 0, queue_s: float | None = None,
+                 wire_s: float | None = None) -> None:
+        self._transfers.labels(peer, direction, transport, outcome).inc()
+        if outcome == "done":
+            self._bytes.labels(peer, direction, transport).inc(nbytes)
+            if wire_s is not None:
+                self._wire.labels(direction, transport).observe(max(wire_s, 0.0))
+        if queue_s is not None:
+            self._queue.labels(direction, transport).observe(max(queue_s, 0.0))
+
+    def attach(self, daemon: Any) -> None:
+        """Expose the daemon's state (read at scrape time)."""
+        self.registry.register(_StateCollector(daemon))
+
+
+class _StateCollector(Collector):
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+        self.nccl = _nccl_version()
+
+    def collect(self) -> Iterator[Any]:
+        d = self.daemon
+        engine, local, peers, transfers = d.engine, d.local, d.peers, d.transfers
+        build = GaugeMetricFamily(
+            "kvd_build_info", "Versions of kvd, its protocol, torch and NCCL.",
+            labels=["version", "protocol_version", "torch_version", "nccl_version"])
+        import torch
+
+        build.add_metric([__version__, str(PROTOCOL_VERSION), torch.__version__, self.nccl], 1)
+        yield build
+        if engine is None:
+            return
+        pool = engine.pool
+        for name, value, text in (
+            ("kvd_pool_capacity_bytes", pool.capacity_bytes, "Host pool size."),
+            ("kvd_pool_used_bytes", pool.used_bytes, "Host pool bytes allocated."),
+            ("kvd_pool_free_bytes", pool.free_bytes, "Host pool bytes free."),
+            ("kvd_pool_largest_free_bytes", pool.largest_free_bytes,
+             "Largest allocation the host pool could serve now."),
+            ("kvd_stored_keys", len(engine.store), "Keys stored or published."),
+            ("kvd_clients_connected", len(local.sessions) if local else 0,
+             "Local clients with a session."),
+            ("kvd_peers_connected", len(peers.links) if peers else 0, "Peer daemons linked."),
+        ):
+            yield GaugeMetricFamily(name, text, value=value)
+        expiries = CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.")
+        expiries.add_metric([], engine.counters.expired_keys)
+        yield expiries
+        requests = CounterMetricFamily("kvd_requests", "Client requests by operation and "
+                                       "result code ('ok' or an error code).",
+                                       labels=["op", "code"])
+        for (op, code), n in sorted(engine.counters.requests.items()):
+            requests.add_metric([op, code], n)
+        yield requests
+        bad = CounterMetricFamily("kvd_bad_messages", "Messages refused, by socket and reason.",
+                                  labels=["socket", "reason"])
+        for socket_name, table in (("local", local.bad_messages if local else {}),
+                                   ("peer", peers.bad_messages if peers else {})):
+            for reason, n in sorted(table.items()):
+                bad.add_metric([socket_name, reason], n)
+        yield bad
+        in_flight = GaugeMetricFamily("kvd_in_flight_transfers", "Transfers in progress.",
+                                      labels=["direction"])
+        in_bytes = GaugeMetricFamily("kvd_in_flight_bytes", "Bytes of transfers in progress.",
+                                     labels=["direction"])
+        flights = transfers.in_flight() if transfers else {}
+        flights["local"] = engine.in_flight()
+        for direction, (count, nbytes) in sorted(flights.items()):
+            in_flight.add_metric([direction], count)
+            in_bytes.add_metric([direction], nbytes)
+        yield in_flight
+        yield in_bytes
+        channels = GaugeMetricFamily("kvd_channels", "Data channels open.",
+                                     labels=["direction", "transport"])
+        sends = sum(1 for link in peers.links.values() if link.send_channel) if peers else 0
+        recvs = len(peers.links) if peers else 0
+        channels.add_metric(["send", "tcp"], sends)
+        channels.add_metric(["recv", "tcp"], recvs)
+        channels.add_metric(["local", "local"], 1)
+        yield channels
