@@ -1,4 +1,5 @@
-"""The ``kvd`` command: ``serve``, ``demo``, ``stats``, ``ping``, ``keygen``, ``--version``.
+"""The ``kvd`` command: ``serve``, ``status``, ``peers``, ``drain``, ``bench``, ``demo``,
+``keygen``, ``stats``, ``ping``, ``--version``.
 
 Errors are one line on stderr and a non-zero exit: 2 for bad configuration or usage,
 1 for a failed operation.
@@ -11,6 +12,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvd import __version__
 from kvd.config import add_config_arguments, config_from_args
@@ -44,26 +46,118 @@ def _client_socket(args: argparse.Namespace) -> str:
     return str(config_from_args(args, check_paths=False).socket_path)
 
 
-def _cmd_stats(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace) -> Any:
     from kvd.client import KvdClient
 
-    with KvdClient(_client_socket(args), name="kvd-cli", timeout_s=args.timeout) as client:
+    return KvdClient(_client_socket(args), name="kvd-cli", timeout_s=args.timeout)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, sort_keys=True))
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
         stats = client.stats()
     print(json.dumps(stats, indent=None if args.json else 2, sort_keys=True))
     return 0
 
 
-def _cmd_ping(args: argparse.Namespace) -> int:
-    from kvd.client import KvdClient
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        st = client.stats()
+    if args.json:
+        _print_json(st)
+        return 0
+    pool, peer, xfer = st["pool"], st.get("peer", {}), st.get("transfers", {})
+    rows = [
+        ("node", f"{st['node_id']} (epoch {st['epoch']})"),
+        ("ready", "yes" if st.get("ready") else "no" + (" (draining)" if st["draining"] else "")),
+        ("local socket", _client_socket(args)),
+        ("peer address", f"{peer.get('address', '-')} (data port {peer.get('data_port', '-')})"),
+        ("http", st.get("http") or "-"),
+        ("clients", st["clients"]),
+        ("regions", st["regions"]),
+        ("keys", f"{st['keys']} ({_size(st['keys_pool_bytes'])} in the pool), "
+                 f"{st['expired_keys']} expired"),
+        ("waiting gets", st["waiting_gets"]),
+        ("host pool", f"{_size(pool['used_bytes'])} used of {_size(pool['capacity_bytes'])}, "
+                      f"largest free {_size(pool['largest_free_bytes'])}"),
+        ("in flight", f"{st['in_flight']} requests, {xfer.get('in_flight_out', 0)} out, "
+                      f"{xfer.get('in_flight_in', 0)} in"),
+        ("peers", f"{len(peer.get('links', []))} linked"),
+        ("transfers sent", _outcomes(xfer.get("sent", {}))),
+        ("transfers received", _outcomes(xfer.get("received", {}))),
+        ("bad messages", _outcomes({**{f"local/{k}": v for k, v in st["bad_messages"].items()},
+                                    **{f"peer/{k}": v for k, v in
+                                       peer.get("bad_messages", {}).items()}})),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
 
-    with KvdClient(_client_socket(args), name="kvd-cli", timeout_s=args.timeout) as client:
+
+def _cmd_peers(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        peer = client.stats().get("peer", {})
+    links = peer.get("links", [])
+    if args.json:
+        _print_json(links)
+        return 0
+    if not links:
+        print(f"no peers linked (this daemon: {peer.get('address', '-')})")
+        return 0
+    header = ("ADDRESS", "NODE", "EPOCH", "DIR", "LAST HEARD", "CHANNELS")
+    table = [header] + [
+        (link["address"], link["node_id"], str(link["epoch"]), link["direction"],
+         f"{link['last_heard_s_ago']:.1f}s ago",
+         ",".join(k for k, v in link.get("channels", {}).items() if v) or "-")
+        for link in links]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        report = client.drain(grace_s=args.grace, timeout_s=(args.grace or 3600) + 30)
+    if args.json:
+        _print_json(report)
+    else:
+        print(f"drained in {report['waited_s']:.2f}s: {report['finished']} of "
+              f"{report['in_flight_at_start']} in-flight requests finished, "
+              f"{report['cancelled']} cancelled at the grace, "
+              f"{report['gets_refused']} waiting gets refused; the daemon is exiting")
+    return 0 if report["cancelled"] == 0 else 1
+
+
+def _cmd_ping(args: argparse.Namespace) -> int:
+    with _client(args) as client:
         rtt = client.ping()
         node, epoch = client.node_id, client.epoch
     if args.json:
-        print(json.dumps({"node_id": node, "epoch": epoch, "rtt_s": rtt}))
+        _print_json({"node_id": node, "epoch": epoch, "rtt_s": rtt})
     else:
         print(f"kvd daemon {node} (epoch {epoch}) answered in {rtt * 1e6:.0f} µs")
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvd.bench import run_bench
+
+    return run_bench(args, _client(args))
+
+
+def _size(n: int) -> str:
+    from kvd.config import format_size
+
+    return format_size(int(n)) if n else "0"
+
+
+def _outcomes(table: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(table.items())) or "-"
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -102,14 +196,26 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.set_defaults(func=_cmd_keygen)
 
     for name, func, help_text in (
-        ("stats", _cmd_stats, "print the daemon's counters as JSON"),
+        ("status", _cmd_status, "what the daemon is doing, as a table"),
+        ("peers", _cmd_peers, "the peer daemons this one is linked to"),
+        ("stats", _cmd_stats, "the daemon's counters as JSON"),
         ("ping", _cmd_ping, "check that the daemon answers"),
+        ("drain", _cmd_drain, "stop taking work, finish in-flight work, exit; report"),
+        ("bench", _cmd_bench, "move data to a peer and back; throughput and latency"),
     ):
         p = sub.add_parser(name, help=help_text)
         add_config_arguments(p)
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
         p.add_argument("--json", action="store_true", help="one line of JSON")
         p.set_defaults(func=func)
+        if name == "drain":
+            p.add_argument("--grace", type=float, default=None,
+                           help="seconds in-flight work may take (default: drain_grace_s)")
+        if name == "bench":
+            p.add_argument("--to", required=True, help="peer daemon host:port")
+            p.add_argument("--size", default="256MiB", help="bytes per transfer (e.g. 1GiB)")
+            p.add_argument("--blocks", type=int, default=16, help="blocks per transfer")
+            p.add_argument("--repeat", type=int, default=5, help="transfers each way")
     return parser
 
 

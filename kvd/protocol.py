@@ -193,9 +193,17 @@ class Stats(_Msg, tag="stats", frozen=True):
     req_id: ReqId
 
 
+class Drain(_Msg, tag="drain", frozen=True):
+    """Stop taking new work, let in-flight work finish (within ``grace_s``), then exit;
+    replied with a report once the in-flight work is done."""
+
+    req_id: ReqId
+    grace_s: Seconds | None = None
+
+
 Request = (
     Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Pull | Publish
-    | Unpublish | Delete | Cancel | Stats
+    | Unpublish | Delete | Cancel | Stats | Drain
 )
 
 # ---------------------------------------------------------------- replies

@@ -141,6 +141,8 @@ class AsyncKvdClient:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                # Replies sent just before the daemon closed may trail the event.
+                await asyncio.sleep(0.1)
                 self._dead = self._b.disconnected()
                 for fut in self._pending.values():
                     if not fut.done():
@@ -156,7 +158,6 @@ class AsyncKvdClient:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.msg.req_id] = fut
         try:
-            # With IMMEDIATE, the send waits while no connection is up.
             async with asyncio.timeout(call.timeout_s):
                 await self._sock.send(encode(call.msg))
         except TimeoutError:
@@ -195,6 +196,13 @@ class AsyncKvdClient:
         """Round-trip time to the daemon, in seconds."""
         result: float = await self._call(self._b.ping(timeout_s))
         return result
+
+    async def drain(self, *, grace_s: float | None = None,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+        """Make the daemon stop taking work, finish what is in flight, and exit; returns
+        its report (how much finished, how much was cancelled at the grace)."""
+        report: dict[str, Any] = await self._call(self._b.drain(grace_s, timeout_s))
+        return report
 
     async def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         result: dict[str, Any] = await self._call(self._b.stats(timeout_s))

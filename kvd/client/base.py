@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.client.shm import tensor_spec
+from kvd.client.shm import share_with_daemon, tensor_spec
 from kvd.errors import BadRequest, DaemonUnavailable, KvdError, KvdTimeout, error_from_code
 from kvd.protocol import (
     PROTOCOL_VERSION,
@@ -24,6 +24,7 @@ from kvd.protocol import (
     Cancel,
     Delete,
     Done,
+    Drain,
     ErrorReply,
     Get,
     Hello,
@@ -85,7 +86,9 @@ def open_dealer(ctx: Any, builder: RequestBuilder) -> tuple[Any, Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, builder.identity)
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a daemon not there
+    # No IMMEDIATE: with it, replies already received are dropped when the connection
+    # closes (a drain report, the last answers of a stopping daemon). A daemon that is not
+    # there is found by the socket check, the hello timeout and the monitor instead.
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(builder.endpoint)
     return sock, monitor
@@ -169,6 +172,7 @@ class RequestBuilder:
         if not tensors:
             raise BadRequest("register needs at least one tensor")
         specs = [tensor_spec(t, i) for i, t in enumerate(tensors)]
+        share_with_daemon({spec.path for spec in specs}, self.socket_path)
         msg = Register(req_id=self.next_id(), name=name, tensors=specs, block_dim=block_dim)
         return Call(msg, self._t(timeout_s), "region", tuple(tensors))
 
@@ -214,6 +218,10 @@ class RequestBuilder:
 
     def delete(self, key: str, timeout_s: float | None) -> Call:
         return Call(Delete(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+
+    def drain(self, grace_s: float | None, timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        return Call(Drain(req_id=self.next_id(), grace_s=grace_s), wait_s, "stats")
 
     def cancel(self, target: int, timeout_s: float | None) -> Call:
         return Call(Cancel(req_id=self.next_id(), target=target), self._t(timeout_s), "none")

@@ -85,6 +85,22 @@ def _itemsize(dtype: Any) -> int:
     return int(torch.empty(0, dtype=dtype).element_size())
 
 
+def share_with_daemon(paths: set[str], socket_path: str) -> None:
+    """Let a daemon running as another user map these files: give them the group of the
+    daemon's socket directory (``kvd`` under systemd) when we are a member of it, and mode
+    0660 whatever our umask. Best effort: a daemon of the same user needs neither."""
+    try:
+        gid = os.stat(os.path.dirname(socket_path)).st_gid
+    except OSError:
+        return
+    mine = gid == os.getegid() or gid in os.getgroups()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if mine and os.stat(path).st_gid != gid:
+                os.chown(path, -1, gid)
+            os.chmod(path, 0o660)
+
+
 def _dtype_name(dtype: Any, index: int) -> Any:
     name = str(dtype).removeprefix("torch.")
     if name not in get_args(DType):

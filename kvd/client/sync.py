@@ -81,6 +81,7 @@ class KvdClient:
         self._monitor: zmq.Socket[Any] | None = None
         self._poller = zmq.Poller()
         self._dead: DaemonUnavailable | None = None
+        self._disconnected = False  # the monitor saw the connection drop
         self._lock = threading.RLock()
         self._stash: dict[int, Reply] = {}
         self._outstanding: set[int] = set()
@@ -123,7 +124,7 @@ class KvdClient:
                 return
             if self._monitor is not None:
                 self._check_monitor()
-            if self._sock is not None and self.epoch and self._dead is None:
+            if self._sock is not None and self.epoch and not self._disconnected:
                 with contextlib.suppress(KvdError, OSError):
                     self._call(self._b.bye())
             self._closed = True
@@ -136,7 +137,6 @@ class KvdClient:
             raise DaemonUnavailable("client is not connected")
         if self._dead is not None:
             raise self._dead
-        # With IMMEDIATE, POLLOUT means a connection to the daemon is up.
         if not self._sock.poll(int(call.timeout_s * 1000), zmq.POLLOUT):
             raise DaemonUnavailable(f"cannot reach kvd daemon at {self._b.socket_path}")
         self._sock.send(encode(call.msg))
@@ -157,7 +157,12 @@ class KvdClient:
                 ready = dict(self._poller.poll(remaining_ms))
                 if self._monitor in ready:
                     self._check_monitor()
-                    continue
+                if self._disconnected and self._sock not in ready:
+                    # Replies sent just before the daemon closed may trail the event.
+                    if self._sock.poll(100, zmq.POLLIN):
+                        continue
+                    self._dead = self._b.disconnected()
+                    raise self._dead
                 if self._sock not in ready:
                     if poll_only or remaining_ms == 0:
                         return None
@@ -178,7 +183,7 @@ class KvdClient:
         while self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._dead = self._b.disconnected()
+                self._disconnected = True
 
     def _call(self, call: Call) -> Any:
         with self._lock:
@@ -203,6 +208,13 @@ class KvdClient:
         """Round-trip time to the daemon, in seconds."""
         result: float = self._call(self._b.ping(timeout_s))
         return result
+
+    def drain(self, *, grace_s: float | None = None,
+              timeout_s: float | None = None) -> dict[str, Any]:
+        """Make the daemon stop taking work, finish what is in flight, and exit; returns
+        its report (how much finished, how much was cancelled at the grace)."""
+        report: dict[str, Any] = self._call(self._b.drain(grace_s, timeout_s))
+        return report
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         result: dict[str, Any] = self._call(self._b.stats(timeout_s))

@@ -43,6 +43,7 @@ from kvd.protocol import (
     Cancel,
     Delete,
     Done,
+    Drain,
     ErrorReply,
     Get,
     Hello,
@@ -97,6 +98,7 @@ class LocalServer:
         self._by_fd: dict[int, Session] = {}
         self._next_sid = 1
         self._closers: set[asyncio.Task[None]] = set()
+        self._drain_requests: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._sock = ctx.socket(zmq.ROUTER)
@@ -132,6 +134,8 @@ class LocalServer:
             self._reader.cancel()
 
     async def close(self) -> None:
+        if self._drain_requests:  # let the drain reports go out first
+            await asyncio.wait(set(self._drain_requests), timeout=5.0)
         self.stop_reading()
         for session in list(self.sessions.values()):
             await self._close_session(session, "daemon stopping", unlink_files=False)
@@ -143,7 +147,8 @@ class LocalServer:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        # Replies already queued (a drain report, say) get a moment to leave.
+        self._sock.close(linger=500)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket_path)
 
@@ -289,6 +294,13 @@ class LocalServer:
                         s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s))
                 case Unregister():
                     self._spawn(s, msg.req_id, op, e.unregister(s.sid, msg.region_id))
+                case Drain():
+                    if self.daemon is None:
+                        raise ProtocolError("this daemon cannot be drained over its socket")
+                    task = self._loop.create_task(self._drain(s, msg.req_id, msg.grace_s),
+                                                  name="kvd-drain-request")
+                    self._drain_requests.add(task)
+                    task.add_done_callback(self._drain_requests.discard)
                 case Cancel():
                     self._spawn(s, msg.req_id, op, self._cancel(s, msg.target))
                 case _:  # pragma: no cover - the decoder admits only the types above
@@ -321,6 +333,11 @@ class LocalServer:
             self._done(s, req_id, result if isinstance(result, int) else 0)
         finally:
             s.tasks.pop(req_id, None)
+
+    async def _drain(self, s: Session, req_id: int, grace_s: float | None) -> None:
+        report = await self.daemon.drain_on_request(grace_s)
+        self.engine.counters.request("drain", "ok")
+        self._send(s.identity, StatsReply(req_id=req_id, stats=report))
 
     async def _cancel(self, s: Session, target: int) -> int:
         task = s.tasks.get(target)
@@ -372,8 +389,12 @@ class LocalServer:
         files = await self.engine.drop_session(session.sid, reason)
         if unlink_files:
             for path in files:
-                with contextlib.suppress(OSError):
+                try:
                     os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # e.g. another user's file in sticky /dev/shm
+                    log.warning("cannot unlink %s of a dead client: %s", path, exc.strerror)
         log.info("client gone session=%d pid=%d reason=%s", session.sid, session.pid, reason)
 
     def stats(self) -> dict[str, Any]:

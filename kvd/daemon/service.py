@@ -53,6 +53,9 @@ class Daemon:
         self.notifier = Notifier()
         self.http: HttpServer | None = None
         self.pool_allocated = False
+        self.drained = asyncio.Event()
+        self.drain_report: dict[str, Any] = {}
+        self._grace_s: float | None = None
         self._signals = 0
         self._stop = asyncio.Event()
 
@@ -89,10 +92,19 @@ class Daemon:
             self.notifier.start_watchdog()
             await trigger
             self.notifier.stopping("draining")
-            await self.drain(self.config.drain_grace_s)
+            self.drain_report = await self.drain(self._grace_s or self.config.drain_grace_s)
+            self.drained.set()
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    async def drain_on_request(self, grace_s: float | None) -> dict[str, Any]:
+        """``kvd drain``: drain as on SIGTERM, and report once in-flight work is done."""
+        log.info("drain requested over the local socket (grace %s)", grace_s)
+        self._grace_s = grace_s
+        self._stop.set()
+        await self.drained.wait()
+        return self.drain_report
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -164,17 +176,21 @@ class Daemon:
         status["ready"] = not self.not_ready_reasons()
         return status
 
-    async def drain(self, grace_s: float) -> None:
+    async def drain(self, grace_s: float) -> dict[str, Any]:
         """Refuse new work, let in-flight requests finish within ``grace_s``."""
         assert self.engine is not None and self.local is not None
+        started = time.monotonic()
         engine = self.engine
         engine.draining = True
+        failed_waiters = 0
         for waiter in engine.store.all_waiters():
             if not waiter.delivering and not waiter.future.done():
                 waiter.future.set_exception(Draining("daemon is draining"))
+                failed_waiters += 1
         pending = self.local.pending_tasks()
         if self.transfers is not None:  # bytes arriving from peers finish too
             pending += self.transfers.pending_tasks()
+        left: list[asyncio.Task[Any]] = []
         if pending:
             log.info("draining: waiting for %d requests (grace %.1fs)", len(pending), grace_s)
             done_waiting = asyncio.ensure_future(asyncio.wait(pending, timeout=grace_s))
@@ -185,6 +201,9 @@ class Daemon:
                 for t in left:
                     t.cancel()
                 await asyncio.wait(left, timeout=5.0)
+        return {"in_flight_at_start": len(pending), "finished": len(pending) - len(left),
+                "cancelled": len(left), "gets_refused": failed_waiters,
+                "waited_s": round(time.monotonic() - started, 3)}
 
 
 async def _first(*aws: Awaitable[Any]) -> None:

@@ -1,0 +1,248 @@
+"""Operating kvd with real tools: promtool, a Prometheus server, systemd-analyze, a notify
+socket, HTTP probes, and every CLI command against a daemon and against none."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+
+from kvd import KvdClient, shared_zeros
+from tests.conftest import ProcessDaemon, wait_until
+from tests.test_peers import Node, free_port, random_region
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def two_nodes(sock_dir: str) -> Any:
+    a, b = Node(sock_dir, "a"), Node(sock_dir, "b")
+    yield a, b
+    for node in (a, b):
+        node.stop()
+
+
+def move_some_data(a: Node, b: Node) -> None:
+    src = random_region(4, 1)
+    r = a.client.register("kv", [src])
+    a.client.put("k1", r, [0, 1], to=b.address).wait(10)
+    a.client.offload("k2", r, [2])
+    dst = shared_zeros((4, 64 * 1024), torch.uint8)
+    b.client.get("k1", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
+
+
+def test_metrics_pass_promtool_and_prometheus_scrapes_them(two_nodes: Any,
+                                                           sock_dir: str) -> None:
+    a, b = two_nodes
+    move_some_data(a, b)
+    http = a.client.stats()["http"]
+    status, text = http_get(f"http://{http}/metrics")
+    assert status == 200
+    for name in ("kvd_transfers_total", "kvd_transfer_bytes_total",
+                 "kvd_transfer_wire_seconds_bucket", "kvd_transfer_queue_wait_seconds_bucket",
+                 "kvd_pool_used_bytes", "kvd_stored_keys", "kvd_peers_connected",
+                 "kvd_clients_connected", "kvd_requests_total", "kvd_build_info",
+                 "kvd_in_flight_transfers", "kvd_channels"):
+        assert name in text, name
+    assert f'kvd_transfers_total{{direction="send",outcome="done",peer="{b.address}"' in text
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (.ci/run installs Debian's prometheus)")
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    prometheus = shutil.which("prometheus")
+    assert prometheus is not None
+    port = free_port()
+    cfg = os.path.join(sock_dir, "prometheus.yml")
+    with open(cfg, "w") as f:
+        f.write("global:\n  scrape_interval: 1s\n"
+                "scrape_configs:\n  - job_name: kvd\n"
+                f"    static_configs:\n      - targets: ['{http}']\n")
+    proc = subprocess.Popen(
+        [prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={sock_dir}/tsdb",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        query = (f"http://127.0.0.1:{port}/api/v1/query?query=sum(kvd_transfers_total"
+                 "%7Bdirection%3D%22send%22%2Coutcome%3D%22done%22%7D)")
+
+        def scraped() -> Any:
+            try:
+                status, body = http_get(query, timeout=2)
+            except OSError:
+                return None
+            result = json.loads(body)["data"]["result"] if status == 200 else []
+            return result and float(result[0]["value"][1])
+
+        assert wait_until(scraped, timeout_s=60, interval_s=0.5) == 1.0
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_health_status_and_peers_endpoints(two_nodes: Any) -> None:
+    a, b = two_nodes
+    move_some_data(a, b)
+    http = a.client.stats()["http"]
+    assert http_get(f"http://{http}/healthz") == (200, '{"ok": true}')
+    status, body = http_get(f"http://{http}/readyz")
+    assert status == 200 and json.loads(body)["ready"] is True
+    status, body = http_get(f"http://{http}/v1/status")
+    st = json.loads(body)
+    assert status == 200 and st["node_id"] == "a" and st["keys"] == 1
+    status, body = http_get(f"http://{http}/v1/peers")
+    peers = json.loads(body)
+    assert [link["address"] for link in peers["links"]] == [b.address]
+    assert peers["links"][0]["epoch"] > 0 and "last_heard_s_ago" in peers["links"][0]
+
+
+def test_readyz_waits_for_the_pool_and_configured_peers(sock_dir: str) -> None:
+    peer_port = free_port()
+    d = ProcessDaemon(sock_dir, "--pool-size-bytes", "3GiB", "--http-port",
+                      str(http_port := free_port()), "--peers", f"127.0.0.1:{peer_port}",
+                      "--heartbeat-interval-s", "0.2")
+    other = None
+    try:
+        url = f"http://127.0.0.1:{http_port}/readyz"
+        seen: list[str] = []
+
+        def answered() -> Any:
+            try:
+                status, body = http_get(url, timeout=1)
+            except OSError:
+                return None
+            seen.extend(json.loads(body)["reasons"])
+            return status
+
+        wait_until(answered, timeout_s=30, interval_s=0.01)
+        # The pool is being allocated: not ready, and it says why.
+        wait_until(lambda: any("peer" in r for r in seen) or answered() is None, timeout_s=60)
+        assert any("pool" in r for r in seen), seen
+        status, body = http_get(url)
+        assert status == 503 and f"127.0.0.1:{peer_port} unreachable" in body
+        other_dir = os.path.join(sock_dir, "other")
+        os.makedirs(other_dir)
+        other = ProcessDaemon(other_dir, "--peer-port", str(peer_port))
+        other.wait_ready()
+        assert wait_until(lambda: http_get(url)[0] == 200, timeout_s=20)
+    finally:
+        if other is not None:
+            other.stop()
+        d.stop()
+
+
+def test_systemd_unit_verifies(sock_dir: str) -> None:
+    analyze = shutil.which("systemd-analyze")
+    kvd_bin = shutil.which("kvd") or os.path.join(os.path.dirname(sys.executable), "kvd")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed (.ci/run installs Debian's systemd)")
+    with open(os.path.join(REPO, "systemd", "kvd.service")) as f:
+        unit = f.read()
+    assert "\nExecStart=/usr/local/bin/kvd " in unit and "Type=notify" in unit
+    path = os.path.join(sock_dir, "kvd.service")
+    with open(path, "w") as f:  # the installed binary's path differs in a venv
+        f.write(unit.replace("ExecStart=/usr/local/bin/kvd ", f"ExecStart={kvd_bin} "))
+    result = subprocess.run([analyze, "verify", path], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
+        result.stdout + result.stderr)
+    from kvd.config import load_config
+
+    cfg = load_config(config_file=os.path.join(REPO, "systemd", "kvd.toml"), env={},
+                      check_paths=False)
+    assert cfg.socket_path == "/run/kvd/kvd.sock"
+
+
+def test_notify_socket_ready_watchdog_stopping(sock_dir: str) -> None:
+    notify_path = os.path.join(sock_dir, "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify_path)
+    listener.settimeout(30)
+    d = ProcessDaemon(sock_dir, env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000"})
+    try:
+        messages: list[str] = []
+
+        def until(word: str) -> None:
+            while not any(word in m for m in messages):
+                messages.append(listener.recv(4096).decode())
+
+        until("READY=1")
+        # READY means clients are served now, not soon.
+        with KvdClient(d.socket_path, timeout_s=2) as c:
+            assert c.ping() > 0
+        ready_at = len(messages)
+        t0 = time.monotonic()
+        while sum("WATCHDOG=1" in m for m in messages[ready_at:]) < 3:
+            messages.append(listener.recv(4096).decode())
+        assert time.monotonic() - t0 < 2.0  # every ~0.1 s (half of WATCHDOG_USEC)
+        d.signal(signal.SIGTERM)
+        until("STOPPING=1")
+        assert d.proc.wait(30) == 0
+        assert any("STATUS=" in m for m in messages)
+    finally:
+        d.stop()
+        listener.close()
+
+
+def test_cli_commands_against_a_daemon(two_nodes: Any) -> None:
+    a, b = two_nodes
+    move_some_data(a, b)
+    sock = a.proc.socket_path
+    result = run_cli("status", "--socket-path", sock)
+    assert result.returncode == 0, result.stderr
+    assert "host pool" in result.stdout and "ready" in result.stdout
+    assert "transfers sent" in result.stdout and "done 1" in result.stdout
+    result = run_cli("status", "--socket-path", sock, "--json")
+    assert json.loads(result.stdout)["node_id"] == "a"
+    result = run_cli("peers", "--socket-path", sock)
+    assert result.returncode == 0 and b.address in result.stdout and "ADDRESS" in result.stdout
+    result = run_cli("bench", "--socket-path", sock, "--to", b.address, "--size", "8MiB",
+                     "--blocks", "4", "--repeat", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["intact"] is True and report["put_gbps_median"] > 0
+    assert b.client.stats()["keys"] == 0  # the pulls took everything back
+    result = run_cli("drain", "--socket-path", sock, "--json")
+    assert result.returncode == 0, result.stderr + a.proc.log()
+    assert json.loads(result.stdout)["cancelled"] == 0
+    assert a.proc.proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("command", [["status"], ["peers"], ["drain"], ["stats"], ["ping"],
+                                     ["bench", "--to", "127.0.0.1:1"]])
+def test_cli_commands_without_a_daemon(command: list[str]) -> None:
+    missing = os.path.join(tempfile.gettempdir(), f"kvd-none-{os.getpid()}", "kvd.sock")
+    t0 = time.monotonic()
+    result = run_cli(*command, "--socket-path", missing, "--timeout", "2", timeout=30)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and missing in lines[0], result.stderr
+    assert time.monotonic() - t0 < 20
