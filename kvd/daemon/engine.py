@@ -143,6 +143,16 @@ class Engine:
         region = self.regions.get(session, region_id)
         return region, region.block_index(blocks, writing=False)
 
+    def _destination(
+        self, session: int, region_id: int, blocks: Sequence[int], timeout_s: float
+    ) -> tuple[Region, torch.Tensor]:
+        """New work writing into ``blocks`` of one of the session's regions."""
+        self._check_accepting()
+        region = self.regions.get(session, region_id)
+        idx = region.block_index(blocks, writing=True)
+        self._check_wait(timeout_s)
+        return region, idx
+
     def _ttl_deadline(self, ttl_s: float | None) -> float | None:
         if ttl_s is None:
             return None
@@ -361,10 +371,7 @@ class Engine:
         self, session: int, req_id: int, key: str, region_id: int, blocks: Sequence[int],
         timeout_s: float,
     ) -> int:
-        self._check_accepting()
-        region = self.regions.get(session, region_id)
-        idx = region.block_index(blocks, writing=True)
-        self._check_wait(timeout_s)
+        region, idx = self._destination(session, region_id, blocks, timeout_s)
         item = self.store.find(key)
         if item is not None:
             problem = _unfit(key, item.layout, item.num_blocks, region, idx)
@@ -465,10 +472,7 @@ class Engine:
         self, session: int, key: str, src: str, region_id: int, blocks: Sequence[int],
         timeout_s: float,
     ) -> int:
-        self._check_accepting()
-        region = self.regions.get(session, region_id)
-        idx = region.block_index(blocks, writing=True)
-        self._check_wait(timeout_s)
+        region, idx = self._destination(session, region_id, blocks, timeout_s)
         if src in self.self_names or (self.remote is not None and src == self.remote.address):
             return await self.get(session, 0, key, region_id, blocks, 0.0)
         if self.remote is None:
