@@ -365,7 +365,6 @@ class Config:
     max_ttl_s: float = _opt(86400.0, _SECONDS, _positive)
     put_ttl_s: float = _opt(300.0, _SECONDS, _positive)
     max_message_bytes: int = _opt(1 * MiB, _SIZE, _at_least(4096))
-    client_request_timeout_s: float = _opt(30.0, _SECONDS, _positive)
     max_wait_s: float = _opt(3600.0, _SECONDS, _positive)
     log_level: str = _opt("info", _STR, _log_level)
 

@@ -93,7 +93,6 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "pool_prefault": True,
         "peers": "",
         "max_message_bytes": MiB,
-        "client_request_timeout_s": 30.0,
         "max_wait_s": 3600.0,
         "log_level": "info",
     }
@@ -401,7 +400,7 @@ def test_wrong_type_in_file(tmp_path: Path, sock: str, line: str, key: str, reas
         ("KVD_DRAIN_GRACE_S", "-1", "drain_grace_s: must be >= 0, got -1.0"),
         ("KVD_MAX_TTL_S", "0", "max_ttl_s: must be > 0, got 0.0"),
         ("KVD_MAX_WAIT_S", "soon", "max_wait_s: expected a number of seconds, got 'soon'"),
-        ("KVD_CLIENT_REQUEST_TIMEOUT_S", "nan", "client_request_timeout_s: expected a finite"),
+        ("KVD_PUT_TTL_S", "nan", "put_ttl_s: expected a finite"),
         ("KVD_MAX_TTL_S", "inf", "max_ttl_s: expected a finite"),
         ("KVD_NODE_ID", "", "node_id: must not be empty"),
         ("KVD_NODE_ID", "a b", "node_id: must not contain whitespace"),

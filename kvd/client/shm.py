@@ -108,10 +108,6 @@ def _dtype_name(dtype: Any, index: int) -> Any:
     return name
 
 
-def is_shared(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _segments
-
-
 def tensor_spec(tensor: torch.Tensor, index: int = 0) -> ShmTensor:
     """Describe a shared CPU tensor for ``Register``; refuse anything else clearly."""
     if tensor.device.type != "cpu":

@@ -59,10 +59,6 @@ class Daemon:
         self._signals = 0
         self._stop = asyncio.Event()
 
-    @property
-    def endpoint(self) -> str:
-        return f"ipc://{self.config.socket_path}"
-
     async def serve(self, shutdown_trigger: ShutdownTrigger | None = None) -> None:
         with contextlib.ExitStack() as outer:
             await self._serve(outer, shutdown_trigger)
@@ -94,9 +90,6 @@ class Daemon:
             self.notifier.stopping("draining")
             self.drain_report = await self.drain(self._grace_s or self.config.drain_grace_s)
             self.drained.set()
-
-    def request_stop(self) -> None:
-        self._stop.set()
 
     async def drain_on_request(self, grace_s: float | None) -> dict[str, Any]:
         """``kvd drain``: drain as on SIGTERM, and report once in-flight work is done."""

@@ -144,7 +144,6 @@ class Region:
     layout: Layout
     files: list[str] = field(default_factory=list)
     mappings: list[Any] = field(default_factory=list, repr=False)
-    busy: int = 0  # copies in flight that touch this region
 
     @property
     def bytes_per_block(self) -> int:
@@ -248,6 +247,3 @@ class RegionTable:
 
     def owned_by(self, owner: int) -> list[Region]:
         return [r for r in self._by_id.values() if r.owner == owner]
-
-    def all(self) -> list[Region]:
-        return list(self._by_id.values())

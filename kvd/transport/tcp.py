@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.errors import Cancelled, KvdError, PeerUnreachable, ProtocolError, TransferFailed
+from kvd.errors import Cancelled, KvdError, PeerUnreachable, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +426,6 @@ __all__ = [
     "RecvJob",
     "SendChannel",
     "SendJob",
-    "TransferFailed",
     "data_hello",
     "parse_data_hello",
 ]
