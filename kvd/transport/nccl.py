@@ -1,0 +1,133 @@
+"""The NCCL binding kvd uses, through nccl4py (``nccl.core``), and nothing else of it.
+
+Every call is bounded: communicators are non-blocking (``NCCLConfig(blocking=False)``), so
+init, send and recv return at once and leave the communicator ``InProgress``; we poll
+``get_async_error()`` back to ``Success`` before the next call (the next call fails
+otherwise), against a deadline, and ``abort()`` on a timeout or an error. Completion of the
+bytes is a CUDA event on the channel's stream, also polled against a deadline: NCCL does
+not notice a peer that died on the same node (its kernel just never finishes), so these
+deadlines and the peer plane's heartbeats are the only detectors. A communicator is never
+destroyed from ``__del__``.
+
+Buffers must be contiguous ``uint8`` CUDA tensors (nccl4py does not check contiguity, and
+sends ``numel()`` elements from ``data_ptr()``). nccl4py is imported on first use, so CPU
+machines import kvd without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvd.errors import KvdTimeout, PeerUnreachable, TransferFailed
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.0002
+
+
+def nccl_available() -> bool:
+    """nccl4py importable and a GPU present (the NCCL transport can be used)."""
+    try:
+        import nccl.core  # noqa: F401
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def nccl_version() -> str:
+    import torch
+
+    v = torch.cuda.nccl.version()
+    return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+
+
+def new_unique_id() -> bytes:
+    """The 128 bytes rank 0 creates and sends to rank 1 over the peer plane."""
+    import nccl.core as nc
+
+    return bytes(nc.get_unique_id())
+
+
+class Communicator:
+    """A 2-rank non-blocking communicator with deadlines on everything."""
+
+    def __init__(self, comm: Any, name: str) -> None:
+        self._comm = comm
+        self.name = name
+        self.aborted = False
+
+    @classmethod
+    def init(cls, unique_id: bytes, rank: int, timeout_s: float, name: str) -> Communicator:
+        """Join the 2-rank communicator ``unique_id`` as ``rank``; abort past the timeout."""
+        import nccl.core as nc
+
+        cfg = nc.NCCLConfig(blocking=False, comm_name=name)
+        comm = cls(nc.Communicator.init(2, rank, nc.UniqueId.from_bytes(unique_id), cfg),
+                   name)
+        started = time.monotonic()
+        comm._settle(timeout_s, "init")
+        log.info("nccl communicator up name=%s rank=%d in %.3fs", name, rank,
+                 time.monotonic() - started)
+        return comm
+
+    def _settle(self, timeout_s: float, what: str) -> None:
+        """Poll until the last call is accepted (``Success``); abort on error or timeout."""
+        from nccl.bindings import nccl as nb
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self._comm.get_async_error()
+            if result == nb.Result.Success:
+                return
+            if result != nb.Result.InProgress:
+                self.abort()
+                raise TransferFailed(f"nccl {what} on {self.name} failed: {result}")
+            if time.monotonic() > deadline:
+                self.abort()
+                raise PeerUnreachable(f"nccl {what} on {self.name} did not complete within "
+                                      f"{timeout_s:g}s (peer gone?); communicator aborted")
+            time.sleep(_POLL_S)
+
+    def _call(self, op: str, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
+        if self.aborted:
+            raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
+        if not (buf.is_cuda and buf.is_contiguous()):
+            raise TransferFailed(f"nccl {op} needs a contiguous CUDA buffer")
+        import torch
+
+        u8 = buf.view(-1).view(dtype=torch.uint8)
+        getattr(self._comm, op)(u8, peer, stream=int(stream.cuda_stream))
+        self._settle(timeout_s, op)
+
+    def send(self, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
+        """Enqueue a send on ``stream``; completion is an event on that stream."""
+        self._call("send", buf, peer, stream, timeout_s)
+
+    def recv(self, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
+        self._call("recv", buf, peer, stream, timeout_s)
+
+    def wait(self, event: Any, timeout_s: float, what: str) -> None:
+        """Wait for ``event`` (recorded after the op) with a deadline; abort if it passes."""
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise KvdTimeout(f"nccl {what} on {self.name} did not finish within "
+                                 f"{timeout_s:g}s; communicator aborted")
+            time.sleep(_POLL_S)
+
+    def abort(self) -> None:
+        """Abort (idempotent). Frees the stream's pending NCCL work; never blocks for long."""
+        if self.aborted:
+            return
+        self.aborted = True
+        started = time.monotonic()
+        try:
+            self._comm.abort()
+        except Exception as exc:  # aborting a broken comm may complain; it is gone anyway
+            log.warning("nccl abort of %s reported %r", self.name, exc)
+        log.warning("nccl communicator aborted name=%s in %.3fs", self.name,
+                    time.monotonic() - started)

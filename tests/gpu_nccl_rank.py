@@ -1,0 +1,101 @@
+"""One rank of tests/test_gpu_nccl.py, run as its own process (not a test module).
+
+    python tests/gpu_nccl_rank.py RANK MODE XDIR    # MODE: once | until-killed
+
+Rank 0 writes the NCCL unique id to XDIR/uid, rank 1 reads it. Each rank prints one JSON
+line with what it saw. Files, not multiprocessing queues: gVisor lacks their semaphores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+NBYTES = 256 * 2**20
+
+
+def _wait_file(path: str, timeout_s: float = 60) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.01)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.rename(path + ".tmp", path)
+
+
+def main(rank: int, mode: str, xdir: str) -> dict[str, Any]:
+    import torch
+
+    from kvd.transport.nccl import Communicator, nccl_version, new_unique_id
+
+    torch.cuda.set_device(rank)
+    if rank == 0:
+        uid = new_unique_id()
+        _write_file(f"{xdir}/uid", uid)
+    else:
+        uid = _wait_file(f"{xdir}/uid")
+    t0 = time.perf_counter()
+    comm = Communicator.init(uid, rank, timeout_s=60, name=f"test-{rank}")
+    result: dict[str, Any] = {"rank": rank, "init_s": round(time.perf_counter() - t0, 3),
+                              "nccl": nccl_version()}
+    stream = torch.cuda.Stream()
+    gen = torch.Generator(device=f"cuda:{rank}").manual_seed(11)
+    if rank == 0:
+        buf = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=rank, generator=gen)
+    else:
+        buf = torch.empty(NBYTES, dtype=torch.uint8, device=rank)
+    torch.cuda.synchronize()
+    event = torch.cuda.Event()
+    op = comm.send if rank == 0 else comm.recv
+    if mode == "once":
+        for i in range(4):  # the first one sets the connection up
+            t0 = time.perf_counter()
+            op(buf, 1 - rank, stream, timeout_s=30)
+            event.record(stream)
+            comm.wait(event, 30, "transfer")
+            result[f"s{i}"] = round(time.perf_counter() - t0, 5)
+        result["gbps"] = round(NBYTES / result["s3"] / 1e9, 1)
+        if rank == 1:
+            ref = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=rank,
+                                generator=torch.Generator(device="cuda:1").manual_seed(11))
+            result["equal"] = bool(torch.equal(ref, buf))
+        comm.abort()  # done: no blocking destroy
+        return result
+    if rank == 1:
+        _write_file(f"{xdir}/pid1", str(os.getpid()).encode())
+        while True:  # until killed
+            comm.recv(buf, 0, stream, timeout_s=30)
+            event.record(stream)
+            comm.wait(event, 30, "recv")
+    sent, killed_at, error = 0, None, None
+    try:
+        while True:
+            comm.send(buf, 1, stream, timeout_s=3)
+            event.record(stream)
+            comm.wait(event, 3, "send")
+            sent += 1
+            if sent == 5:
+                _write_file(f"{xdir}/kill", b"1")
+                _wait_file(f"{xdir}/killed")
+                killed_at = time.monotonic()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    x = torch.ones(1 << 20, device=rank)
+    result.update(sent=sent, error=error, aborted=comm.aborted,
+                  detected_s=round(time.monotonic() - killed_at, 3) if killed_at else None,
+                  gpu_usable=float(x.sum().item()) == float(1 << 20))
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2], sys.argv[3])), flush=True)

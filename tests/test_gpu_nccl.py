@@ -1,0 +1,77 @@
+"""The NCCL adapter on two GPUs in two processes (skipped without 2 GPUs and nccl4py):
+bytes arrive intact, and a peer that dies mid-transfer is caught by the deadline, the
+communicator is aborted promptly, and the GPU stays usable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from kvd.transport.nccl import nccl_available
+
+pytestmark = pytest.mark.gpu
+RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_nccl_rank.py")
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+requires_two_gpus = pytest.mark.skipif(
+    not nccl_available() or _gpus() < 2, reason="needs 2 CUDA GPUs and nccl4py")
+
+
+def _start(mode: str, xdir: str) -> list[subprocess.Popen[str]]:
+    root = os.path.dirname(os.path.dirname(RANK))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return [subprocess.Popen([sys.executable, RANK, str(r), mode, xdir], env=env,
+                             stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+
+
+def _result(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+@requires_two_gpus
+def test_nccl_send_recv_between_two_gpus(tmp_path: Any) -> None:
+    procs = _start("once", str(tmp_path))
+    try:
+        r0, r1 = _result(procs[0]), _result(procs[1])
+        print(f"\nnccl GPU0 -> GPU1, 256 MiB: rank0 {r0} rank1 {r1}")
+        assert r1["equal"] is True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@requires_two_gpus
+def test_nccl_peer_death_is_caught_by_the_deadline(tmp_path: Any) -> None:
+    procs = _start("until-killed", str(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(tmp_path / "kill"):
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.01)
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        (tmp_path / "killed").write_text("1")
+        result = _result(procs[0])
+        print(f"\nnccl peer death: {result}")
+        assert result["error"] is not None and result["aborted"] is True
+        assert result["detected_s"] is not None and result["detected_s"] < 3 + 3 + 2
+        assert result["gpu_usable"] is True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
