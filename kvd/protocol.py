@@ -77,7 +77,27 @@ class ShmTensor(Struct, tag="shm", tag_field="kind", frozen=True, forbid_unknown
     dtype: DType
 
 
-TensorSpec = ShmTensor
+class CudaIpcTensor(Struct, tag="cuda_ipc", tag_field="kind", frozen=True,
+                    forbid_unknown_fields=True):
+    """A CUDA tensor shared through CUDA IPC: the fields of torch's ``reduce_tensor`` as
+    plain bytes and ints (never pickled). The daemon maps the device by GPU UUID, since
+    the two processes may see different ``CUDA_VISIBLE_DEVICES``."""
+
+    gpu_uuid: Annotated[str, Meta(min_length=1, max_length=64)]
+    handle: Annotated[bytes, Meta(min_length=1, max_length=256)]
+    storage_size_bytes: NonNeg
+    storage_offset_bytes: NonNeg
+    ref_counter_handle: Annotated[bytes, Meta(max_length=4096)]
+    ref_counter_offset: NonNeg
+    event_handle: Annotated[bytes, Meta(max_length=256)]
+    event_sync_required: bool
+    tensor_offset: NonNeg  # in elements
+    shape: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
+    stride: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
+    dtype: DType
+
+
+TensorSpec = ShmTensor | CudaIpcTensor
 
 
 class LayoutEntry(Struct, frozen=True, array_like=True):

@@ -38,6 +38,7 @@ from kvd.protocol import (
     Register,
     Registered,
     Reply,
+    ShmTensor,
     Stats,
     StatsReply,
     Unpublish,
@@ -172,7 +173,8 @@ class RequestBuilder:
         if not tensors:
             raise BadRequest("register needs at least one tensor")
         specs = [tensor_spec(t, i) for i, t in enumerate(tensors)]
-        share_with_daemon({spec.path for spec in specs}, self.socket_path)
+        share_with_daemon({spec.path for spec in specs if isinstance(spec, ShmTensor)},
+                          self.socket_path)
         msg = Register(req_id=self.next_id(), name=name, tensors=specs, block_dim=block_dim)
         return Call(msg, self._t(timeout_s), "region", tuple(tensors))
 

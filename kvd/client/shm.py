@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, get_args
 
 from kvd.errors import BadRequest
-from kvd.protocol import SHM_PREFIX, DType, ShmTensor, shm_dir
+from kvd.protocol import SHM_PREFIX, CudaIpcTensor, DType, ShmTensor, shm_dir
 
 if TYPE_CHECKING:
     import torch
@@ -108,12 +108,35 @@ def _dtype_name(dtype: Any, index: int) -> Any:
     return name
 
 
-def tensor_spec(tensor: torch.Tensor, index: int = 0) -> ShmTensor:
+def cuda_tensor_spec(tensor: torch.Tensor, index: int = 0) -> CudaIpcTensor:
+    """What torch's ``reduce_tensor`` would pickle, as plain fields: the daemon rebuilds the
+    tensor with ``rebuild_cuda_tensor``. The storage must come from torch's caching
+    allocator (a custom allocator's memory cannot be exported)."""
+    import torch
+
+    storage = tensor._typed_storage()
+    try:
+        (_device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+         event_sync) = storage._share_cuda_()
+    except RuntimeError as exc:
+        raise BadRequest(f"tensor {index} on {tensor.device} cannot be shared through CUDA "
+                         f"IPC: {exc}") from None
+    return CudaIpcTensor(
+        gpu_uuid=str(torch.cuda.get_device_properties(tensor.device).uuid),
+        handle=bytes(handle), storage_size_bytes=int(size_bytes),
+        storage_offset_bytes=int(offset_bytes), ref_counter_handle=bytes(ref_handle or b""),
+        ref_counter_offset=int(ref_offset or 0), event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync), tensor_offset=int(tensor.storage_offset()),
+        shape=list(tensor.shape), stride=list(tensor.stride()),
+        dtype=_dtype_name(tensor.dtype, index))
+
+
+def tensor_spec(tensor: torch.Tensor, index: int = 0) -> ShmTensor | CudaIpcTensor:
     """Describe a shared CPU tensor for ``Register``; refuse anything else clearly."""
+    if tensor.device.type == "cuda":
+        return cuda_tensor_spec(tensor, index)
     if tensor.device.type != "cpu":
-        raise BadRequest(
-            f"tensor {index} is on {tensor.device}; GPU regions arrive with the GPU transport"
-        )
+        raise BadRequest(f"tensor {index} is on {tensor.device}, which kvd cannot map")
     storage = tensor.untyped_storage()
     with _lock:
         seg = _segments.get(storage.data_ptr())

@@ -38,8 +38,15 @@ from kvd.errors import (
     UnknownKey,
 )
 from kvd.memory.pool import HostPool, PoolBlock
-from kvd.memory.regions import Layout, Region, RegionTable, describe_layout, packed_offsets
-from kvd.protocol import TensorSpec
+from kvd.memory.regions import (
+    Layout,
+    Region,
+    RegionTable,
+    build_region_tensors,
+    describe_layout,
+    packed_offsets,
+)
+from kvd.protocol import CudaIpcTensor, TensorSpec
 from kvd.transport import local
 from kvd.transport.views import block_views, packed_views
 
@@ -173,7 +180,7 @@ class Engine:
         A copy of at most INLINE_COPY_BYTES runs on the loop: it takes microseconds, less
         than the two thread hand-offs (and GIL switches) the worker would cost."""
         submitted = time.monotonic()
-        if nbytes <= INLINE_COPY_BYTES:
+        if nbytes <= INLINE_COPY_BYTES and not any(r.on_gpu for r in regions):
             try:
                 result = fn(*args)
             except Exception:
@@ -324,11 +331,17 @@ class Engine:
 
     # ------------------------------------------------------------ operations
 
-    def register(
+    async def register(
         self, session: int, name: str, tensors: Sequence[TensorSpec], block_dim: int
     ) -> Region:
         self._check_accepting()
-        region = self.regions.register(session, name, tensors, block_dim)
+        self.regions.check_name(session, name)
+        if any(isinstance(spec, CudaIpcTensor) for spec in tensors):
+            # Opening CUDA IPC handles (and CUDA itself, the first time) takes a while.
+            built = await asyncio.to_thread(build_region_tensors, name, tensors, block_dim)
+        else:
+            built = build_region_tensors(name, tensors, block_dim)
+        region = self.regions.add(session, name, *built)
         log.info(
             "region registered session=%d region=%d name=%s tensors=%d blocks=%d",
             session, region.region_id, name, len(region.tensors), region.num_blocks,

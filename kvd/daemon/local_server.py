@@ -74,6 +74,13 @@ HARD_FRAME_LIMIT = 64 * 1024 * 1024
 _BATCH = 256
 
 
+class _Replied:
+    """A task's result when it sent its own (typed) reply."""
+
+
+_REPLIED = _Replied()
+
+
 @dataclass(eq=False)
 class Session:
     sid: int
@@ -263,10 +270,7 @@ class LocalServer:
                     stats = self.daemon.status() if self.daemon is not None else self.stats()
                     self._send(s.identity, StatsReply(req_id=msg.req_id, stats=stats))
                 case Register():
-                    r = e.register(s.sid, msg.name, msg.tensors, msg.block_dim)
-                    self._send(s.identity, Registered(
-                        req_id=msg.req_id, region_id=r.region_id, num_blocks=r.num_blocks,
-                        layout=list(r.layout)))
+                    self._spawn(s, msg.req_id, op, self._register(s, msg))
                 case Publish():
                     n = e.publish(s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s)
                     self._done(s, msg.req_id, n)
@@ -330,9 +334,16 @@ class LocalServer:
             self._error(s, req_id, op, InternalError(f"{op} failed: {exc!r}"))
         else:
             self.engine.counters.request(op, "ok")
-            self._done(s, req_id, result if isinstance(result, int) else 0)
+            if result is not _REPLIED:
+                self._done(s, req_id, result if isinstance(result, int) else 0)
         finally:
             s.tasks.pop(req_id, None)
+
+    async def _register(self, s: Session, msg: Register) -> _Replied:
+        r = await self.engine.register(s.sid, msg.name, msg.tensors, msg.block_dim)
+        self._send(s.identity, Registered(req_id=msg.req_id, region_id=r.region_id,
+                                          num_blocks=r.num_blocks, layout=list(r.layout)))
+        return _REPLIED
 
     async def _drain(self, s: Session, req_id: int, grace_s: float | None) -> None:
         report = await self.daemon.drain_on_request(grace_s)

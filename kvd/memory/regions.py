@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from kvd.errors import BadRequest, LayoutMismatch
-from kvd.protocol import SHM_PREFIX, DType, LayoutEntry, ShmTensor, TensorSpec, shm_dir
+from kvd.protocol import (
+    SHM_PREFIX,
+    CudaIpcTensor,
+    DType,
+    LayoutEntry,
+    ShmTensor,
+    TensorSpec,
+    shm_dir,
+)
 
 # Sections of a packed buffer start on this boundary so that every dtype view is aligned.
 PACK_ALIGN_BYTES = 64
@@ -146,6 +154,10 @@ class Region:
     mappings: list[Any] = field(default_factory=list, repr=False)
 
     @property
+    def on_gpu(self) -> bool:
+        return any(t.is_cuda for t in self.tensors)
+
+    @property
     def bytes_per_block(self) -> int:
         return sum(e.bytes_per_block for e in self.layout)
 
@@ -170,11 +182,38 @@ def _build_tensors(
     for i, spec in enumerate(specs):
         if len(spec.shape) <= block_dim:
             raise BadRequest(f"tensor {i} has {len(spec.shape)} dims, block_dim is {block_dim}")
+        if isinstance(spec, CudaIpcTensor):
+            from kvd.memory.cuda_ipc import open_cuda_tensor
+
+            tensors.append(open_cuda_tensor(spec, torch_dtype(spec.dtype)).movedim(block_dim, 0))
+            continue
         mapping = maps.get(spec.path)
         if mapping is None:
             mapping = maps[spec.path] = _ShmMapping(spec.path)
         tensors.append(mapping.tensor(spec).movedim(block_dim, 0))
     return tensors
+
+
+def build_region_tensors(
+    name: str, specs: Sequence[TensorSpec], block_dim: int
+) -> tuple[list[torch.Tensor], dict[str, _ShmMapping]]:
+    """Map a region's tensors and check they share one block count. No shared state:
+    safe in a thread (opening CUDA IPC handles can take a while)."""
+    maps: dict[str, _ShmMapping] = {}
+    try:
+        tensors = _build_tensors(specs, block_dim, maps)
+        num_blocks = tensors[0].shape[0]
+        for i, t in enumerate(tensors):
+            if t.shape[0] != num_blocks:
+                raise LayoutMismatch(
+                    f"region {name!r}: tensor {i} has {t.shape[0]} blocks along dim "
+                    f"{block_dim}, tensor 0 has {num_blocks}"
+                )
+    except BaseException:
+        for m in maps.values():
+            m.close()
+        raise
+    return tensors, maps
 
 
 class RegionTable:
@@ -191,24 +230,18 @@ class RegionTable:
     def register(
         self, owner: int, name: str, specs: Sequence[TensorSpec], block_dim: int
     ) -> Region:
+        self.check_name(owner, name)
+        return self.add(owner, name, *build_region_tensors(name, specs, block_dim))
+
+    def check_name(self, owner: int, name: str) -> None:
         if (owner, name) in self._by_name:
             raise BadRequest(f"region {name!r} is already registered by this client")
-        maps: dict[str, _ShmMapping] = {}
-        try:
-            tensors = _build_tensors(specs, block_dim, maps)
-        except BaseException:
-            for m in maps.values():
-                m.close()
-            raise
+
+    def add(self, owner: int, name: str, tensors: list[torch.Tensor],
+            maps: dict[str, _ShmMapping]) -> Region:
+        """Record a region whose tensors ``build_region_tensors`` made (on the loop)."""
+        self.check_name(owner, name)
         num_blocks = tensors[0].shape[0]
-        for i, t in enumerate(tensors):
-            if t.shape[0] != num_blocks:
-                for m in maps.values():
-                    m.close()
-                raise LayoutMismatch(
-                    f"region {name!r}: tensor {i} has {t.shape[0]} blocks along dim "
-                    f"{block_dim}, tensor 0 has {num_blocks}"
-                )
         layout = tuple(
             LayoutEntry(
                 bytes_per_block=(t[0].numel() if num_blocks else 0) * t.element_size(),

@@ -65,8 +65,11 @@ def gather(
         if _few_runs(found):
             for s, p, n in found:
                 section[p : p + n].copy_(t[s : s + n])
+        elif t.device != section.device:
+            section.copy_(t.index_select(0, idx.to(t.device)))
         else:
             torch.index_select(t, 0, idx, out=section)
+    _finish_writes(out)
     return total
 
 
@@ -82,7 +85,8 @@ def scatter(
             for d, p, n in found:
                 t[d : d + n].copy_(section[p : p + n])
         else:
-            t.index_copy_(0, idx, section)
+            t.index_copy_(0, idx.to(t.device), section.to(t.device))
+    _finish_writes(*tensors)
     return total
 
 
@@ -101,10 +105,19 @@ def copy_blocks(
             for a, b, n in found:
                 d[b : b + n].copy_(s[a : a + n].reshape(n, *block_shape))
         else:
-            picked = s.index_select(0, src_idx)
-            d.index_copy_(0, dst_idx, picked.view(len(dst_idx), *block_shape))
+            picked = s.index_select(0, src_idx.to(s.device)).to(d.device)
+            d.index_copy_(0, dst_idx.to(d.device), picked.view(len(dst_idx), *block_shape))
         nbytes += len(src_idx) * s[0].numel() * s.element_size() if len(s) else 0
+    _finish_writes(*dst)
     return nbytes
+
+
+def _finish_writes(*written: torch.Tensor) -> None:
+    """Copies into GPU memory are asynchronous: wait for them in this worker thread before
+    the daemon answers, so the client reads complete blocks. (Interprocess CUDA events
+    will replace this wait with stream ordering on the client's side.)"""
+    for device in {t.device for t in written if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 class CopyWorker:

@@ -1,0 +1,105 @@
+"""GPU regions through CUDA IPC (skipped without CUDA): a client shares CUDA tensors with a
+`kvd serve` subprocess, which moves their blocks to its host pool and back, and between
+GPUs, bytes checked; a client that exits takes its mappings with it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kvd
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPE = (64, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
+
+
+@pytest.fixture
+def daemon() -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix="kvd-gpu-", dir="/tmp")
+    sock = os.path.join(tmp, "kvd.sock")
+    log = open(os.path.join(tmp, "log"), "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock, "--peer-port", "0",
+         "--data-port", "0", "--http-port", "0", "--pool-size-bytes", "1GiB"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with kvd.KvdClient(sock, timeout_s=1) as c:
+                c.ping()
+            break
+        except kvd.DaemonUnavailable:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    yield sock
+    proc.terminate()
+    assert proc.wait(60) == 0
+    log.close()
+
+
+def kv_layers(device: str, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen, device=device).to(torch.bfloat16)
+            for _ in range(4)]
+
+
+def test_gpu_blocks_to_host_pool_and_back(daemon: str) -> None:
+    last = f"cuda:{torch.cuda.device_count() - 1}"
+    with kvd.KvdClient(daemon, timeout_s=60) as c:
+        src = kv_layers("cuda:0", 1)
+        dst = [torch.zeros(SHAPE, dtype=torch.bfloat16, device=last) for _ in range(4)]
+        torch.cuda.synchronize()  # the daemon reads what is written by now
+        r_src, r_dst = c.register("src", src), c.register("dst", dst)
+        blocks = [3, 1, 4, 15, 9, 2, 6]
+        stored = c.offload("k", r_src, blocks)
+        assert stored == len(blocks) * 4 * 32 * 1024
+        assert c.stats()["pool"]["used_bytes"] >= stored
+        c.get("k", r_dst, [40, 41, 42, 43, 44, 45, 46], timeout_s=10)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[40:47].cpu(), s[blocks].cpu())
+            assert torch.count_nonzero(d[:40].float()) == 0
+        # put between two regions of one daemon: a device (peer) copy, no pool
+        c.put("direct", r_src, list(range(16, 32))).wait(10)
+        c.get("direct", r_dst, list(range(0, 16)), timeout_s=10)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[0:16].cpu(), s[16:32].cpu())
+        c.delete("k")
+        assert c.stats()["pool"]["used_bytes"] == 0
+
+
+CHILD = """
+import sys, time, torch, kvd
+c = kvd.KvdClient(sys.argv[1]); c.connect()
+t = torch.ones((8, 1024), device="cuda:0")
+torch.cuda.synchronize()
+c.register("kv", [t])
+print("registered", flush=True)
+time.sleep(60)
+"""
+
+
+def test_gpu_client_exit_drops_its_mappings(daemon: str) -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, daemon], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "registered"
+        with kvd.KvdClient(daemon) as c:
+            assert c.stats()["regions"] == 1
+            child.kill()
+            child.wait(10)
+            deadline = time.monotonic() + 10
+            while c.stats()["regions"] != 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        if child.poll() is None:
+            child.kill()
