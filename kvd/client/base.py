@@ -49,6 +49,7 @@ from kvd.protocol import (
 # Extra time a client waits for the reply of an operation that has its own server-side
 # timeout (get, put), so the daemon's precise error arrives before the client gives up.
 REPLY_MARGIN_S = 5.0
+HELLO_TIMEOUT_S = 5.0
 
 
 def default_socket_path() -> str:
@@ -157,7 +158,10 @@ class RequestBuilder:
     def hello(self, timeout_s: float | None) -> Call:
         msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
                     pid=os.getpid(), name=self.name)
-        return Call(msg, self._t(timeout_s), "welcome")
+        # A live daemon answers hello in microseconds: a stale socket file with nobody
+        # behind it should not cost the whole request timeout.
+        wait_s = min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
+        return Call(msg, wait_s, "welcome")
 
     def bye(self) -> Call:
         return Call(Bye(req_id=self.next_id()), 0.5, "none")
