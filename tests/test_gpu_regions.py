@@ -4,6 +4,7 @@ GPUs, bytes checked; a client that exits takes its mappings with it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,28 +23,37 @@ pytestmark = [pytest.mark.gpu,
 SHAPE = (64, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
 
 
-@pytest.fixture
-def daemon() -> Iterator[str]:
+@contextlib.contextmanager
+def running_daemon(*extra: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix="kvd-gpu-", dir="/tmp")
     sock = os.path.join(tmp, "kvd.sock")
     log = open(os.path.join(tmp, "log"), "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock, "--peer-port", "0",
-         "--data-port", "0", "--http-port", "0", "--pool-size-bytes", "1GiB"],
+         "--data-port", "0", "--http-port", "0", "--pool-size-bytes", "1GiB", *extra],
         stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with kvd.KvdClient(sock, timeout_s=1) as c:
-                c.ping()
-            break
-        except kvd.DaemonUnavailable:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-    yield sock
-    proc.terminate()
-    assert proc.wait(60) == 0
-    log.close()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with kvd.KvdClient(sock, timeout_s=1) as c:
+                    c.ping()
+                break
+            except kvd.DaemonUnavailable:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        yield sock
+    finally:
+        proc.terminate()
+        code = proc.wait(60)
+        log.close()
+    assert code == 0
+
+
+@pytest.fixture
+def daemon() -> Iterator[str]:
+    with running_daemon() as sock:
+        yield sock
 
 
 def kv_layers(device: str, seed: int) -> list[torch.Tensor]:
@@ -103,3 +113,27 @@ def test_gpu_client_exit_drops_its_mappings(daemon: str) -> None:
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_pinned_pool_offload_and_get_speed() -> None:
+    gib = 2**30
+    with running_daemon("--pool-size-bytes", "3GiB", "--pool-pin", "true") as sock, \
+            kvd.KvdClient(sock, timeout_s=120) as c:
+        assert c.stats()["pool"]["pinned"] is True
+        src = torch.randint(0, 256, (64, 16 * 2**20), dtype=torch.uint8, device="cuda:0")
+        dst = torch.zeros_like(src)
+        torch.cuda.synchronize()
+        r_src, r_dst = c.register("src", [src]), c.register("dst", [dst])
+        times = {}
+        for i in range(3):
+            t0 = time.perf_counter()
+            c.offload(f"big{i}", r_src, list(range(64)))
+            t1 = time.perf_counter()
+            c.get(f"big{i}", r_dst, list(range(64)), timeout_s=60)
+            t2 = time.perf_counter()
+            c.delete(f"big{i}")
+            times[i] = (t1 - t0, t2 - t1)
+        assert torch.equal(src, dst)
+        off, get = min(t[0] for t in times.values()), min(t[1] for t in times.values())
+        print(f"\npinned pool, 1 GiB GPU0 -> pool (offload) {gib / off / 1e9:.1f} GB/s, "
+              f"pool -> GPU0 (get) {gib / get / 1e9:.1f} GB/s, request to reply")

@@ -633,7 +633,7 @@ class Engine:
         return files
 
     def stats(self) -> dict[str, Any]:
-        pool = self.pool.stats()
+        pool: dict[str, Any] = {**self.pool.stats(), "pinned": self.pool.pinned}
         return {
             "node_id": self.config.node_id,
             "draining": self.draining,

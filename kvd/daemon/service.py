@@ -124,6 +124,7 @@ class Daemon:
             HostPool, self.config.pool_size_bytes, self.config.pool_min_block_bytes,
             pin=self.config.pool_pin, prefault=self.config.pool_prefault)
         self.pool_allocated = True
+        stack.callback(pool.close)
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
         self.engine = Engine(self.config, pool, worker, self.metrics)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.errors import BadRequest, InvalidFree
+from kvd.errors import BadRequest, ConfigError, InvalidFree
 from kvd.memory.buddy import BuddyAllocator
 
 __all__ = ["HostPool", "PoolBlock"]
@@ -34,17 +34,24 @@ class HostPool:
     def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096, pin: bool = False,
                  prefault: bool = False) -> None:
         self._allocator = BuddyAllocator(capacity_bytes, min_block_bytes)
-        # Pinned memory lets copies to and from a GPU run asynchronously. The faster
-        # route, registering pages with cudaHostRegister in place, arrives with the GPU
-        # transport; until then torch's own pinned allocation is enough. CUDA is only
-        # queried when pinning was asked for, so a CPU-only daemon never initialises it.
-        pinned = pin and torch.cuda.is_available()
-        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
-        if prefault and not pinned:
-            # Touch every page now: the memory is committed at start (or the start fails),
-            # and no transfer pays for page faults later.
+        # Pinned memory moves to and from a GPU at PCIe speed (~55 GB/s on H200 against
+        # 6-13 GB/s pageable). The fast way to pin: allocate pageable memory, touch it,
+        # then cudaHostRegister it in place (8 GiB in ~0.9 s, against ~4.5 s for
+        # cudaHostAlloc). CUDA is only queried when pinning was asked for, so a CPU-only
+        # daemon never initialises it.
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8)
+        if prefault or pin:
+            # Touch every page now: the memory is committed at start (or the start
+            # fails), and no transfer pays for page faults later.
             self.buffer.zero_()
-        self.pinned = pinned
+        self.pinned = False
+        if pin and capacity_bytes and torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), capacity_bytes, 0)
+            if int(err) != 0:
+                raise ConfigError(
+                    f"pool_pin: cudaHostRegister of {capacity_bytes} bytes failed ({err}); "
+                    "is the locked-memory limit high enough (LimitMEMLOCK=infinity)?")
+            self.pinned = True
         # The allocator knows rounded sizes only; the requested size is what a view
         # exposes, and a block whose size disagrees is someone else's (stale) handle.
         self._lock = threading.Lock()
@@ -91,3 +98,9 @@ class HostPool:
     def stats(self) -> dict[str, int]:
         """Pool occupancy in bytes (one consistent snapshot), for metrics and ``/stats``."""
         return self._allocator.stats()
+
+    def close(self) -> None:
+        """Unpin (the memory itself goes with the buffer)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
