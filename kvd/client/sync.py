@@ -24,6 +24,10 @@ from kvd.protocol import Reply, decode_reply, encode
 
 log = logging.getLogger(__name__)
 
+# While waiting for a reply, how often the connection monitor is looked at (a daemon that
+# went away is noticed within this).
+_MONITOR_SLICE_MS = 100
+
 
 class Transfer:
     """A put in flight: ``t.wait()``, ``t.done()``, ``t.cancel()``."""
@@ -79,7 +83,6 @@ class KvdClient:
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
-        self._poller = zmq.Poller()
         self._dead: DaemonUnavailable | None = None
         self._disconnected = False  # the monitor saw the connection drop
         self._lock = threading.RLock()
@@ -107,8 +110,6 @@ class KvdClient:
         self._ctx = zmq.Context()
         sock, self._monitor = open_dealer(self._ctx, self._b)
         self._sock = sock
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             welcome = self._call(self._b.hello(timeout_s))
         except (KvdError, OSError) as exc:
@@ -137,9 +138,14 @@ class KvdClient:
             raise DaemonUnavailable("client is not connected")
         if self._dead is not None:
             raise self._dead
-        if not self._sock.poll(int(call.timeout_s * 1000), zmq.POLLOUT):
-            raise DaemonUnavailable(f"cannot reach kvd daemon at {self._b.socket_path}")
-        self._sock.send(encode(call.msg))
+        data = encode(call.msg)
+        try:
+            self._sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:  # the queue to the daemon is full: wait for room, boundedly
+            if not self._sock.poll(int(call.timeout_s * 1000), zmq.POLLOUT):
+                raise DaemonUnavailable(
+                    f"cannot reach kvd daemon at {self._b.socket_path}") from None
+            self._sock.send(data)
         self._outstanding.add(call.msg.req_id)
 
     def _wait_reply(self, req_id: int, timeout_s: float, poll_only: bool = False) -> Reply | None:
@@ -154,16 +160,16 @@ class KvdClient:
                 if self._dead is not None:
                     raise self._dead
                 remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-                ready = dict(self._poller.poll(remaining_ms))
-                if self._monitor in ready:
+                # Poll the reply socket alone (the common case: one syscall), in slices,
+                # and look at the connection monitor between slices.
+                if not self._sock.poll(min(remaining_ms, _MONITOR_SLICE_MS), zmq.POLLIN):
                     self._check_monitor()
-                if self._disconnected and self._sock not in ready:
-                    # Replies sent just before the daemon closed may trail the event.
-                    if self._sock.poll(100, zmq.POLLIN):
-                        continue
-                    self._dead = self._b.disconnected()
-                    raise self._dead
-                if self._sock not in ready:
+                    if self._disconnected:
+                        # Replies sent just before the daemon closed may trail the event.
+                        if self._sock.poll(100, zmq.POLLIN):
+                            continue
+                        self._dead = self._b.disconnected()
+                        raise self._dead
                     if poll_only or remaining_ms == 0:
                         return None
                     continue
