@@ -26,7 +26,7 @@ from kvd.errors import ProtocolError
 # Protocol versions (bump on any incompatible change to a message below):
 #   1 — 2026-11: Hello/Register(shm)/Offload/Get/Put(local)/Publish/Cancel/Stats.
 #   2 — 2026-11: peer plane (PeerHello .. PullRequest), Pull, Put to another daemon.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -314,6 +314,9 @@ class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
 
 
 class Offer(_PeerMsg, tag="offer", frozen=True):
+    """``src_dev``: the sender's device for an NCCL channel ("cuda:N"), or "cpu" when it
+    has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP)."""
+
     transfer_id: TransferId
     key: Key
     src_dev: Device
@@ -322,10 +325,21 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
     layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
     ttl_s: Seconds | None = None
+    src_gpu: bool = False
+
+
+ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class Accept(_PeerMsg, tag="accept", frozen=True):
+    """``channel`` 0: the bytes go over TCP. Otherwise over the NCCL channel with that id
+    between ``src_dev`` and ``dst_dev``; ``nccl_uid`` is its ncclUniqueId, so a sender
+    that does not have that channel yet joins it."""
+
     transfer_id: TransferId
+    dst_dev: Device = "cpu"
+    channel: ChannelId = 0
+    nccl_uid: Annotated[bytes, Meta(max_length=128)] = b""
 
 
 class Busy(_PeerMsg, tag="busy", frozen=True):
@@ -366,6 +380,13 @@ class PullRequest(_PeerMsg, tag="pull_request", frozen=True):
     layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
 
 
+class ChannelDown(_PeerMsg, tag="channel_down", frozen=True):
+    """An NCCL channel failed (or was evicted) on one side: the other aborts its end."""
+
+    channel: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+    reason: Annotated[str, Meta(max_length=4096)]
+
+
 class PeerError(_PeerMsg, tag="peer_error", frozen=True):
     """Reply to a message the daemon could not take (not tied to a transfer)."""
 
@@ -375,7 +396,7 @@ class PeerError(_PeerMsg, tag="peer_error", frozen=True):
 
 PeerMessage = (
     PeerHello | PeerWelcome | Heartbeat | Offer | Accept | Busy | Refuse | XferDone
-    | XferFailed | XferCancel | PullRequest | PeerError
+    | XferFailed | XferCancel | PullRequest | ChannelDown | PeerError
 )
 
 # ---------------------------------------------------------------- codec

@@ -35,6 +35,7 @@ from kvd.errors import (
     KvdError,
     KvdTimeout,
     LayoutMismatch,
+    PoolExhausted,
     UnknownKey,
 )
 from kvd.memory.pool import HostPool, PoolBlock
@@ -48,7 +49,8 @@ from kvd.memory.regions import (
 )
 from kvd.protocol import CudaIpcTensor, TensorSpec
 from kvd.transport import local
-from kvd.transport.views import block_views, packed_views
+from kvd.transport.chunks import BlockSet
+from kvd.transport.views import block_views
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class Counters:
     bytes_in: int = 0  # written into regions
     bytes_out: int = 0  # read from regions
     expired_keys: int = 0
+    gpu_spills: int = 0  # arrivals that found GPU staging full and went to the host pool
 
     def request(self, op: str, code: str) -> None:
         self.requests[(op, code)] = self.requests.get((op, code), 0) + 1
@@ -106,10 +109,20 @@ class Arrival:
     layout: Layout
     num_blocks: int
     expires_at: float | None
-    views: list[memoryview]
+    blocks: BlockSet  # the destination memory, wire order
     waiter: Waiter | None = None  # a get waiting for the key: its blocks
-    pool_block: PoolBlock | None = None  # else pool memory, stored as the key
+    pool_block: PoolBlock | None = None  # else pool memory (host or GPU), stored as the key
+    pool: HostPool | None = None
     region: Region | None = None  # a pull: the puller's blocks
+
+    @property
+    def device(self) -> torch.device:
+        """Where the bytes land (the first tensor's device)."""
+        return self.blocks.tensors[0].device
+
+    def wire_views(self) -> list[memoryview]:
+        """The destination as memoryviews, for a socket (host memory only)."""
+        return block_views(self.blocks.tensors, self.blocks.ids)
 
 
 @dataclass(frozen=True)
@@ -121,8 +134,10 @@ class _Delivered:
 
 class Engine:
     def __init__(self, config: Config, pool: HostPool, worker: local.CopyWorker,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None,
+                 gpu_pools: dict[str, HostPool] | None = None) -> None:
         self.config = config
+        self.gpu_pools = gpu_pools or {}  # "cuda:N" -> staging for arrivals nobody awaits
         self.metrics = metrics or Metrics()
         self._copies_in_flight: dict[int, int] = {}  # id -> bytes
         self.pool = pool
@@ -173,14 +188,15 @@ class Engine:
         return timeout_s
 
     async def _copy(
-        self, regions: Sequence[Region], nbytes: int, fn: Callable[..., int], *args: Any
+        self, regions: Sequence[Region], nbytes: int, fn: Callable[..., int], *args: Any,
+        gpu: bool = False,
     ) -> int:
         """Run a copy in the worker; if cancelled mid-copy, wait for it to finish first.
 
         A copy of at most INLINE_COPY_BYTES runs on the loop: it takes microseconds, less
         than the two thread hand-offs (and GIL switches) the worker would cost."""
         submitted = time.monotonic()
-        if nbytes <= INLINE_COPY_BYTES and not any(r.on_gpu for r in regions):
+        if nbytes <= INLINE_COPY_BYTES and not gpu and not any(r.on_gpu for r in regions):
             try:
                 result = fn(*args)
             except Exception:
@@ -234,7 +250,7 @@ class Engine:
 
     def _free_pool_item(self, item: Item) -> None:
         if item.pool_block is not None:
-            self.pool.free(item.pool_block)
+            (item.pool or self.pool).free(item.pool_block)
             item.pool_block = None
 
     async def _fill_pool_item(
@@ -320,10 +336,11 @@ class Engine:
                 )
             else:
                 assert item.pool_block is not None
-                view = self.pool.view(item.pool_block)
+                pool = item.pool or self.pool
+                view = pool.view(item.pool_block)
                 nbytes = await self._copy(
-                    [region], item.nbytes, local.scatter, view, item.layout, region.tensors, idx
-                )
+                    [region], item.nbytes, local.scatter, view, item.layout, region.tensors,
+                    idx, gpu=view.is_cuda)
         finally:
             item.end_read()
         self.counters.bytes_in += nbytes
@@ -530,10 +547,11 @@ class Engine:
     # ------------------------------------------------------------ data from other daemons
 
     def arrival(self, key: str, layout: Layout, num_blocks: int, ttl_s: float | None,
-                ) -> Arrival:
+                gpu: str | None = None) -> Arrival:
         """Where bytes for ``key`` from a peer go: the blocks of the oldest fitting get
-        that waits for it, else new pool memory (``PoolExhausted`` if none: the sender is
-        told BUSY). Gets that wait but cannot take it fail with the reason."""
+        that waits for it, else new pool memory — GPU staging on ``gpu`` first when the
+        bytes come over NCCL, then the host pool (``PoolExhausted`` if none: the sender
+        is told BUSY). Gets that wait but cannot take it fail with the reason."""
         self._check_accepting()
         if self.store.exists(key):
             raise BadRequest(f"key {key!r} already exists on {self.config.node_id}")
@@ -542,19 +560,31 @@ class Engine:
             problem = _unfit(key, layout, num_blocks, waiter.region, waiter.idx)
             if problem is None:
                 waiter.delivering = True
-                views = block_views(waiter.region.tensors, waiter.idx.tolist())
-                return Arrival(key, layout, num_blocks, expires_at, views, waiter=waiter)
+                blocks = BlockSet(waiter.region.tensors, waiter.idx.tolist())
+                return Arrival(key, layout, num_blocks, expires_at, blocks, waiter=waiter)
             waiter.future.set_exception(problem)
         _, packed = packed_offsets(layout, num_blocks)
-        block = self.pool.alloc(max(packed, 1))
+        pool, block = self._staging_for(max(packed, 1), gpu)
         self.store.reserve(key)
-        views = packed_views(self.pool.view(block), layout, num_blocks)
-        return Arrival(key, layout, num_blocks, expires_at, views, pool_block=block)
+        blocks = BlockSet.packed(pool.view(block), layout, num_blocks)
+        return Arrival(key, layout, num_blocks, expires_at, blocks, pool_block=block,
+                       pool=pool)
+
+    def _staging_for(self, nbytes: int, gpu: str | None) -> tuple[HostPool, PoolBlock]:
+        """GPU staging on ``gpu`` if it has room, else the host pool (spill)."""
+        gpu_pool = self.gpu_pools.get(gpu) if gpu is not None else None
+        if gpu_pool is not None:
+            try:
+                return gpu_pool, gpu_pool.alloc(nbytes)
+            except PoolExhausted:
+                self.counters.gpu_spills += 1
+        return self.pool, self.pool.alloc(nbytes)
 
     def arrival_into(self, key: str, region: Region, idx: torch.Tensor) -> Arrival:
         """Bytes a pull asked for go straight into the puller's blocks."""
-        views = block_views(region.tensors, idx.tolist())
-        return Arrival(key, region.layout, len(idx), None, views, region=region)
+        return Arrival(key, region.layout, len(idx), None, BlockSet(region.tensors,
+                                                                    idx.tolist()),
+                       region=region)
 
     def arrived(self, arrival: Arrival, nbytes: int) -> None:
         self.counters.bytes_in += nbytes
@@ -566,7 +596,8 @@ class Engine:
             self._add_item(Item(
                 key=arrival.key, layout=arrival.layout, num_blocks=arrival.num_blocks,
                 nbytes=packed, owner=None, expires_at=arrival.expires_at, consume_once=True,
-                pool_block=arrival.pool_block, on_free=self._free_pool_item))
+                pool_block=arrival.pool_block, pool=arrival.pool,
+                on_free=self._free_pool_item))
 
     def arrival_failed(self, arrival: Arrival, error: KvdError) -> None:
         if arrival.waiter is not None:
@@ -574,16 +605,17 @@ class Engine:
                 arrival.waiter.future.set_exception(error)
         elif arrival.pool_block is not None:
             self.store.unreserve(arrival.key)
-            self.pool.free(arrival.pool_block)
+            (arrival.pool or self.pool).free(arrival.pool_block)
             arrival.pool_block = None
 
-    def source_views(self, item: Item) -> list[memoryview]:
+    def source_blocks(self, item: Item) -> BlockSet:
         """The bytes of a stored or published item, wire order (the caller holds a read)."""
         if item.region is not None:
             assert item.region_idx is not None
-            return block_views(item.region.tensors, item.region_idx.tolist())
+            return BlockSet(item.region.tensors, item.region_idx.tolist())
         assert item.pool_block is not None
-        return packed_views(self.pool.view(item.pool_block), item.layout, item.num_blocks)
+        pool = item.pool or self.pool
+        return BlockSet.packed(pool.view(item.pool_block), item.layout, item.num_blocks)
 
     def readable(self, key: str, layout: Layout, num_blocks: int) -> Item:
         """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
@@ -634,6 +666,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         pool: dict[str, Any] = {**self.pool.stats(), "pinned": self.pool.pinned}
+        gpu_staging = {dev: p.stats() for dev, p in self.gpu_pools.items()}
         return {
             "node_id": self.config.node_id,
             "draining": self.draining,
@@ -648,6 +681,8 @@ class Engine:
             "bytes_in": self.counters.bytes_in,
             "bytes_out": self.counters.bytes_out,
             "expired_keys": self.counters.expired_keys,
+            "gpu_staging": gpu_staging,
+            "gpu_spills": self.counters.gpu_spills,
             "time": time.time(),
         }
 

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,7 @@ class PeerLink:
     dealer: zmq.Socket[Any] | None = None  # outgoing link
     identity: bytes | None = None  # incoming link: their DEALER on our ROUTER
     last_seen: float = 0.0
+    devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
     alive: bool = True
     send_channel: SendChannel | None = None
     recv_channel: RecvChannel | None = None
@@ -75,6 +76,7 @@ class PeerLink:
         return {"address": self.address, "node_id": self.node_id, "epoch": self.epoch,
                 "direction": "out" if self.dealer is not None else "in",
                 "alive": self.alive, "last_heard_s_ago": round(now - self.last_seen, 3),
+                "devices": self.devices,
                 "channels": {"send": self.send_channel is not None,
                              "recv": self.recv_channel is not None}}
 
@@ -82,8 +84,10 @@ class PeerLink:
 class PeerPlane:
     def __init__(self, config: Config, ctx: zmq.Context[Any], epoch: int,
                  on_message: Callable[[PeerLink, PeerMessage], None],
-                 on_link_lost: Callable[[PeerLink, KvdError], None]) -> None:
+                 on_link_lost: Callable[[PeerLink, KvdError], None],
+                 gpus: Sequence[str] = ()) -> None:
         self.config = config
+        self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
         self.ctx = ctx
         self.epoch = epoch
         self.on_message = on_message
@@ -192,7 +196,7 @@ class PeerPlane:
     def _hello_fields(self, token: bytes) -> dict[str, Any]:
         return {"protocol_version": PROTOCOL_VERSION, "node_id": self.config.node_id,
                 "epoch": self.epoch, "address": self.address, "data_port": self.data_port,
-                "data_token": token, "devices": [CPU_DEVICE]}
+                "data_token": token, "devices": [CPU_DEVICE, *self.gpus]}
 
     async def link_to(self, address: str, timeout_s: float) -> PeerLink:
         """The live link to ``address``, after a handshake if there is none. Concurrent
@@ -260,7 +264,7 @@ class PeerPlane:
         link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
                         data_port=welcome.data_port, token_for_them=token,
                         token_for_us=welcome.data_token, dealer=dealer,
-                        last_seen=self._loop.time())
+                        last_seen=self._loop.time(), devices=list(welcome.devices))
         self._add_link(link)
         self._by_dealer[dealer] = link
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
@@ -494,7 +498,7 @@ class PeerPlane:
         link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
                         data_port=hello.data_port, token_for_them=token,
                         token_for_us=hello.data_token, identity=identity,
-                        last_seen=self._loop.time())
+                        last_seen=self._loop.time(), devices=list(hello.devices))
         self._add_link(link)
         self._by_identity[identity] = link
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,

@@ -25,12 +25,14 @@ from kvd.daemon.engine import Engine
 from kvd.daemon.http import HttpServer
 from kvd.daemon.local_server import LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
+from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.notify import Notifier
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.transfers import PeerTransfers
 from kvd.errors import Draining
 from kvd.memory.pool import HostPool
 from kvd.transport.local import CopyWorker
+from kvd.transport.nccl import nccl_available, nccl_version
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +127,17 @@ class Daemon:
             pin=self.config.pool_pin, prefault=self.config.pool_prefault)
         self.pool_allocated = True
         stack.callback(pool.close)
+        gpus = await asyncio.to_thread(self._nccl_gpus)
+        gpu_pools: dict[str, HostPool] = {}
+        if gpus and self.config.gpu_staging_bytes:
+            self.notifier.status("allocating GPU staging")
+            for dev in gpus:
+                gpu_pools[dev] = await asyncio.to_thread(
+                    HostPool, self.config.gpu_staging_bytes, self.config.pool_min_block_bytes,
+                    device=dev)
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
-        self.engine = Engine(self.config, pool, worker, self.metrics)
+        self.engine = Engine(self.config, pool, worker, self.metrics, gpu_pools)
         ctx: zmq.Context[Any] = zmq.Context()
         # destroy, not term: a socket some error path left open must not hang the exit.
         stack.callback(ctx.destroy, 0)
@@ -135,15 +145,29 @@ class Daemon:
         self.peers = PeerPlane(
             self.config, ctx, self.epoch,
             on_message=lambda link, msg: transfers[0].on_message(link, msg),
-            on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err))
-        self.transfers = PeerTransfers(self.engine, self.peers)
+            on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err),
+            gpus=gpus)
+        nccl = NcclLinks(self.config, self.peers) if gpus else None
+        self.transfers = PeerTransfers(self.engine, self.peers, nccl)
         transfers.append(self.transfers)
         self.engine.remote = self.transfers
         stack.push_async_callback(self.peers.close)
+        if nccl is not None:
+            stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
         self.local = LocalServer(self.config, self.engine, ctx, self.epoch, self)
         stack.push_async_callback(self.local.close)
         self.local.bind()
         self.peers.bind()
+
+    def _nccl_gpus(self) -> list[str]:
+        """The GPUs NCCL channels may use: all visible ones, when NCCL is there and wanted."""
+        if not self.config.nccl or not nccl_available():
+            return []
+        import torch
+
+        gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        log.info("nccl %s, GPUs for channels: %s", nccl_version(), ", ".join(gpus))
+        return gpus
 
     # ------------------------------------------------------------ what operators see
 

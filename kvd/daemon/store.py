@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvd.errors import BadRequest
-from kvd.memory.pool import PoolBlock
+from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region
 
 
@@ -35,6 +35,7 @@ class Item:
     expires_at: float | None  # loop time
     consume_once: bool  # a put's data goes to exactly one get
     pool_block: PoolBlock | None = None
+    pool: HostPool | None = None  # which pool holds pool_block (None: the host pool)
     region: Region | None = None  # published: read in place
     region_idx: torch.Tensor | None = None
     readers: int = 0

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 
 from kvd.daemon.engine import Arrival, Engine
+from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
 from kvd.errors import (
+    BadRequest,
     Cancelled,
     KvdError,
     KvdTimeout,
@@ -44,6 +46,7 @@ from kvd.memory.regions import Layout, Region
 from kvd.protocol import (
     Accept,
     Busy,
+    ChannelDown,
     Offer,
     PeerMessage,
     PullRequest,
@@ -52,6 +55,8 @@ from kvd.protocol import (
     XferDone,
     XferFailed,
 )
+from kvd.transport.chunks import BlockSet
+from kvd.transport.nccl_channel import NcclJob
 from kvd.transport.tcp import RecvJob, SendJob
 from kvd.transport.views import block_views, wire_bytes
 
@@ -62,11 +67,33 @@ MAX_BACKOFF_S = 1.0
 
 
 @dataclass(eq=False)
+class _Source:
+    """The memory a transfer reads: blocks in wire order, on the host or a GPU."""
+
+    blocks: BlockSet
+
+    @property
+    def gpu(self) -> str | None:
+        device = self.blocks.tensors[0].device
+        return str(device) if device.type == "cuda" else None
+
+    def views(self) -> list[memoryview]:
+        return block_views(self.blocks.tensors, self.blocks.ids)
+
+
+@dataclass(eq=False)
 class _Outgoing:
     transfer_id: int
     key: str
     link: PeerLink
+    source: _Source
+    layout: Layout
+    num_blocks: int
+    deadline: float  # loop time
     nbytes: int = 0
+    src_dev: str = CPU_DEVICE  # our end of an NCCL channel ("cpu": none)
+    nccl_job: NcclJob | None = None  # set when an ACCEPT chose NCCL
+    offer_pending: bool = False  # an offer is out and not answered yet
     replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
 
@@ -76,7 +103,11 @@ class _Incoming:
     key: str
     link: PeerLink
     arrival: Arrival
-    job: RecvJob
+    job: RecvJob | NcclJob
+
+    @property
+    def transport(self) -> str:
+        return "nccl" if isinstance(self.job, NcclJob) else "tcp"
 
 
 @dataclass(eq=False)
@@ -100,9 +131,14 @@ class TransferCounters:
 
 
 class PeerTransfers:
-    def __init__(self, engine: Engine, plane: PeerPlane) -> None:
+    def __init__(self, engine: Engine, plane: PeerPlane, nccl: NcclLinks | None = None
+                 ) -> None:
         self.engine = engine
         self.plane = plane
+        self.nccl = nccl  # None: this daemon moves bytes over TCP only
+        # Offers that went out for NCCL and were given up before their answer: an ACCEPT
+        # may still come, and the receiver then waits for the bytes (id -> layout, blocks).
+        self._abandoned: dict[int, tuple[PeerLink, Layout, int, str]] = {}
         self.counters = TransferCounters()
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: dict[tuple[int, int], _Incoming] = {}  # (id(link), transfer id)
@@ -126,34 +162,58 @@ class PeerTransfers:
         """A client's put to another daemon."""
         deadline = self._loop.time() + timeout_s
         link = await self.plane.link_to(to, timeout_s)
-        views = block_views(region.tensors, idx.tolist())
-        return await self._push(link, _new_id(), key, views, region.layout, len(idx), ttl_s,
+        source = _Source(BlockSet(region.tensors, idx.tolist()))
+        return await self._push(link, _new_id(), key, source, region.layout, len(idx), ttl_s,
                                 deadline, [region])
 
-    async def _push(self, link: PeerLink, tid: int, key: str, views: list[memoryview],
+    def _check_gpu_route(self, link: PeerLink, source: _Source) -> None:
+        if source.gpu is None:
+            return
+        if self.nccl is None:
+            raise BadRequest(f"blocks on {source.gpu} need NCCL to leave this daemon, and "
+                             f"{self.engine.config.node_id} runs without it")
+        if not any(d.startswith("cuda") for d in link.devices):
+            raise BadRequest(f"blocks on {source.gpu} cannot go to {link.address}: it has "
+                             "no GPU with NCCL (GPU memory does not go over TCP)")
+
+    async def _push(self, link: PeerLink, tid: int, key: str, source: _Source,
                     layout: Layout, num_blocks: int, ttl_s: float | None, deadline: float,
                     regions: Sequence[Region]) -> int:
         nbytes = wire_bytes(layout, num_blocks)
-        out = _Outgoing(tid, key, link, nbytes)
+        self._check_gpu_route(link, source)
+        src_dev = CPU_DEVICE
+        if self.nccl is not None and any(d.startswith("cuda") for d in link.devices):
+            src_dev = source.gpu or self.plane.gpus[0]
+        out = _Outgoing(tid, key, link, source, layout, num_blocks, deadline, nbytes, src_dev)
         self._outgoing[tid] = out
         outcome = "failed"
         requested = time.monotonic()
-        job: SendJob | None = None
+        job: SendJob | NcclJob | None = None
         try:
-            async with asyncio.timeout_at(deadline):
-                channel = await self.plane.send_channel(link)
+            channel = None
+            if src_dev == CPU_DEVICE or source.gpu is None:  # TCP may be chosen
+                async with asyncio.timeout_at(deadline):
+                    channel = await self.plane.send_channel(link)
             await self._offer_until_accepted(out, layout, num_blocks, nbytes, ttl_s, deadline)
-            job = SendJob(tid, views)
-            afut = asyncio.wrap_future(channel.submit(job))
+            if out.nccl_job is not None:
+                job = out.nccl_job
+                afut = asyncio.wrap_future(job.future)
+            else:
+                if channel is None or source.gpu is not None:
+                    raise ProtocolError(f"{link.address} accepted GPU blocks over TCP")
+                job = SendJob(tid, source.views())
+                afut = asyncio.wrap_future(channel.submit(job))
             with self.engine.using_regions(regions, afut):
                 try:
                     await asyncio.shield(afut)
                 except asyncio.CancelledError:
-                    if job.future.cancel():  # not started: nothing was sent
-                        raise
-                    # On the wire: stop at the next chunk, and wait so that no byte is
+                    if isinstance(job, SendJob) and job.future.cancel():
+                        raise  # not started: nothing was sent
+                    # On the wire: stop at the next chunk (TCP; an NCCL transfer runs to
+                    # its end, the receiver waits for it), and wait so that no byte is
                     # read from the client's blocks after we answer.
-                    job.stop.set()
+                    if isinstance(job, SendJob):
+                        job.stop.set()
                     try:
                         await asyncio.wait_for(asyncio.shield(afut), 60.0)
                     except (Exception, asyncio.CancelledError):
@@ -173,11 +233,11 @@ class PeerTransfers:
             return nbytes
         except asyncio.CancelledError:
             outcome = "cancelled"
-            self.plane.send(link, XferCancel(transfer_id=tid))
+            self._give_up(out)
             raise
         except TimeoutError:
             outcome = "timeout"
-            self.plane.send(link, XferCancel(transfer_id=tid))
+            self._give_up(out)
             raise KvdTimeout(f"transfer {tid} of key {key!r} to {link.address} missed its "
                              "deadline") from None
         except KvdError as exc:
@@ -187,19 +247,23 @@ class PeerTransfers:
         finally:
             self.counters.count(self.counters.sent, outcome)
             self._outgoing.pop(tid, None)
+            if out.offer_pending and out.src_dev != CPU_DEVICE:
+                self._remember_abandoned(out)
             started = job.started_at if job is not None and job.started_at else None
             self.engine.metrics.transfer(
-                peer=link.address, direction="send", transport="tcp", outcome=outcome,
+                peer=link.address, direction="send",
+                transport="nccl" if out.nccl_job is not None else "tcp", outcome=outcome,
                 nbytes=nbytes, queue_s=None if started is None else started - requested,
                 wire_s=None if started is None else time.monotonic() - started)
 
     async def _offer_until_accepted(self, out: _Outgoing, layout: Layout, num_blocks: int,
                                     nbytes: int, ttl_s: float | None, deadline: float) -> None:
         backoff = BUSY_RETRY_S
-        offer = Offer(transfer_id=out.transfer_id, key=out.key, src_dev=CPU_DEVICE,
-                      dst_dev=CPU_DEVICE, nbytes=nbytes, num_blocks=num_blocks,
-                      layout=list(layout), ttl_s=ttl_s)
+        offer = Offer(transfer_id=out.transfer_id, key=out.key, src_dev=out.src_dev,
+                      dst_dev="any", nbytes=nbytes, num_blocks=num_blocks,
+                      layout=list(layout), ttl_s=ttl_s, src_gpu=out.source.gpu is not None)
         while True:
+            out.offer_pending = True
             self.plane.send(out.link, offer)
             reply = await self._reply(out, deadline, "an answer to the offer")
             if isinstance(reply, Accept):
@@ -219,6 +283,47 @@ class PeerTransfers:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             raise ProtocolError(f"unexpected {type(reply).__name__} in answer to an offer")
+
+    def _give_up(self, out: _Outgoing) -> None:
+        self.plane.send(out.link, XferCancel(transfer_id=out.transfer_id))
+
+    def _remember_abandoned(self, out: _Outgoing) -> None:
+        tid = out.transfer_id
+        self._abandoned[tid] = (out.link, out.layout, out.num_blocks, out.src_dev)
+        self._loop.call_later(max(60.0, self.engine.config.peer_grace_s * 4),
+                              self._abandoned.pop, tid, None)
+
+    def _start_nccl_send(self, link: PeerLink, accept: Accept, blocks: BlockSet | None,
+                         layout: Layout, num_blocks: int, src_dev: str,
+                         deadline: float) -> NcclJob:
+        """Queue the bytes on the channel the ACCEPT names, now, in message order: the
+        receiver queued its side in the same order."""
+        assert self.nccl is not None
+        entry = self.nccl.for_send(link, src_dev, accept.dst_dev, accept.channel,
+                                   accept.nccl_uid)
+        job = NcclJob(accept.transfer_id, blocks, layout, num_blocks,
+                      time.monotonic() + max(0.0, deadline - self._loop.time()),
+                      wire_bytes(layout, num_blocks))
+        entry.channel.submit(job)
+        return job
+
+    def _on_accept(self, link: PeerLink, msg: Accept, out: _Outgoing | None) -> Any:
+        """An ACCEPT for NCCL starts the send at once; returns what the pusher gets."""
+        if msg.channel == 0:
+            return msg
+        try:
+            if self.nccl is None or (out is not None and out.src_dev == CPU_DEVICE):
+                raise ProtocolError("accepted over NCCL, which this transfer did not offer")
+            if out is None:  # given up: still send (zeros), so the receiver is not left waiting
+                _, layout, num_blocks, src_dev = self._abandoned.pop(msg.transfer_id)
+                self._start_nccl_send(link, msg, None, layout, num_blocks, src_dev,
+                                      self._loop.time() + self._receive_timeout(0))
+                return None
+            out.nccl_job = self._start_nccl_send(link, msg, out.source.blocks, out.layout,
+                                                 out.num_blocks, out.src_dev, out.deadline)
+            return msg
+        except KvdError as err:
+            return err
 
     async def _reply(self, out: _Outgoing, deadline: float, what: str) -> Any:
         try:
@@ -261,8 +366,8 @@ class PeerTransfers:
             # bytes not yet arriving are discarded; bytes arriving now are waited for.
             self.plane.send(link, XferCancel(transfer_id=tid))
             incoming = self._incoming.get((id(link), tid))
-            if incoming is not None and link.recv_channel is not None:
-                link.recv_channel.forget(tid)
+            if incoming is not None:
+                self._forget(incoming)
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(wait.future), 60.0)
             raise
@@ -278,6 +383,9 @@ class PeerTransfers:
             self._on_pull_request(link, msg)
         elif isinstance(msg, XferCancel):
             self._on_cancel(link, msg.transfer_id)
+        elif isinstance(msg, ChannelDown):
+            if self.nccl is not None:
+                self.nccl.on_channel_down(link, msg)
         elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
             pull = self._pulls.get(msg.transfer_id)
             if pull is not None and isinstance(msg, Refuse):
@@ -286,7 +394,20 @@ class PeerTransfers:
                         msg.code, f"{link.address} refused the pull: {msg.message}"))
                 return
             out = self._outgoing.get(msg.transfer_id)
-            if out is None or out.link is not link:
+            if out is not None and out.link is not link:
+                out = None
+            if out is not None and not isinstance(msg, XferDone | XferFailed):
+                out.offer_pending = False
+            if out is None and msg.transfer_id in self._abandoned:
+                if isinstance(msg, Accept):
+                    self._on_accept(link, msg, None)
+                else:
+                    self._abandoned.pop(msg.transfer_id, None)
+                return
+            if isinstance(msg, Accept) and out is not None:
+                out.replies.put_nowait(self._on_accept(link, msg, out))
+                return
+            if out is None:
                 self.plane.bad_messages["unknown_transfer"] = (
                     self.plane.bad_messages.get("unknown_transfer", 0) + 1)
                 log.info("message for unknown transfer_id=%d from %s ignored",
@@ -298,6 +419,8 @@ class PeerTransfers:
         for out in list(self._outgoing.values()):
             if out.link is link:
                 out.replies.put_nowait(error)
+        if self.nccl is not None:
+            self.nccl.on_link_lost(link, error)
 
     def _refuse(self, link: PeerLink, tid: int, err: KvdError, bad: str | None = None) -> None:
         if bad is not None:
@@ -318,11 +441,17 @@ class PeerTransfers:
                 f"offer of {offer.nbytes} bytes does not match {offer.num_blocks} blocks of "
                 f"its layout ({wire_bytes(layout, offer.num_blocks)} bytes)"), "bad_offer")
             return
-        if offer.dst_dev != CPU_DEVICE:
-            self._refuse(link, tid, ProtocolError(f"no device {offer.dst_dev!r} here"),
-                         "bad_offer")
+        sender_nccl = offer.src_dev != CPU_DEVICE
+        if sender_nccl and not offer.src_dev.startswith("cuda:"):
+            self._refuse(link, tid, ProtocolError(f"bad device {offer.src_dev!r}"), "bad_offer")
             return
-        if offer.nbytes > self.engine.pool.capacity_bytes and tid not in self._pulls:
+        if offer.src_gpu and (self.nccl is None or not sender_nccl):
+            self._refuse(link, tid, BadRequest(
+                f"{link.address} offers GPU blocks, but {self.engine.config.node_id} has no "
+                "GPU with NCCL (GPU memory does not go over TCP)"))
+            return
+        if offer.nbytes > self.engine.pool.capacity_bytes and tid not in self._pulls and (
+                not offer.src_gpu):
             self._refuse(link, tid, PoolExhausted(
                 f"offer of {offer.nbytes} bytes exceeds the whole pool "
                 f"({self.engine.pool.capacity_bytes} bytes)"), "bad_offer")
@@ -335,8 +464,9 @@ class PeerTransfers:
                     raise ProtocolError("offer does not match the pull it answers")
                 arrival = self.engine.arrival_into(pull.key, pull.region, pull.idx)
             else:
+                staging = self._staging_gpu() if offer.src_gpu else None
                 arrival = self.engine.arrival(offer.key, layout, offer.num_blocks,
-                                              offer.ttl_s)
+                                              offer.ttl_s, gpu=staging)
         except PoolExhausted:
             self.counters.busy_replies += 1
             self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))
@@ -346,13 +476,51 @@ class PeerTransfers:
             if pull is not None and not pull.future.done():
                 pull.future.set_exception(err)
             return
-        assert link.recv_channel is not None
-        job = RecvJob(tid, arrival.views, offer.nbytes)
-        link.recv_channel.expect(job)
+        try:
+            job, accept = self._receive_job(link, offer, arrival)
+        except KvdError as err:
+            self.engine.arrival_failed(arrival, err)
+            self._refuse(link, tid, err)
+            if pull is not None and not pull.future.done():
+                pull.future.set_exception(err)
+            return
         incoming = _Incoming(tid, offer.key, link, arrival, job)
         self._incoming[(id(link), tid)] = incoming
-        self.plane.send(link, Accept(transfer_id=tid))
+        self.plane.send(link, accept)
         self._spawn(self._receive(incoming, pull))
+
+    def _staging_gpu(self) -> str | None:
+        """The GPU whose staging has the most room (arrivals nobody waits for yet)."""
+        pools = self.engine.gpu_pools
+        return max(pools, key=lambda d: pools[d].largest_free_bytes) if pools else None
+
+    def _receive_job(self, link: PeerLink, offer: Offer, arrival: Arrival,
+                     ) -> tuple[RecvJob | NcclJob, Accept]:
+        """Queue the receive on the right channel: NCCL when GPU memory is on either end
+        (and both have it), TCP otherwise."""
+        tid = offer.transfer_id
+        dest = arrival.device
+        sender_nccl = offer.src_dev != CPU_DEVICE
+        if not (offer.src_gpu or dest.type == "cuda"):
+            assert link.recv_channel is not None
+            tcp_job = RecvJob(tid, arrival.wire_views(), offer.nbytes)
+            link.recv_channel.expect(tcp_job)
+            return tcp_job, Accept(transfer_id=tid)
+        if self.nccl is None or not sender_nccl:
+            raise BadRequest(f"the destination blocks are on {dest}, and {link.address} has "
+                             "no NCCL to send there (GPU memory does not go over TCP)")
+        local_dev = str(dest) if dest.type == "cuda" else self.plane.gpus[0]
+        entry = self.nccl.for_receive(link, local_dev, offer.src_dev)
+        job = NcclJob(tid, arrival.blocks, tuple(offer.layout), offer.num_blocks,
+                      time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes)
+        entry.channel.submit(job)
+        return job, Accept(transfer_id=tid, dst_dev=local_dev, channel=entry.channel_id,
+                           nccl_uid=entry.unique_id)
+
+    def _receive_timeout(self, nbytes: int) -> float:
+        """How long a receive may take once queued: the peer's grace (it may be slow to
+        start) plus the bytes at a pessimistic 1 GB/s."""
+        return max(10.0, 2 * self.engine.config.peer_grace_s) + nbytes / 1e9
 
     async def _receive(self, incoming: _Incoming, pull: _PullWait | None) -> None:
         tid, link = incoming.transfer_id, incoming.link
@@ -391,15 +559,24 @@ class PeerTransfers:
             self._incoming.pop((id(link), tid), None)
             started = incoming.job.started_at or None
             self.engine.metrics.transfer(
-                peer=link.address, direction="recv", transport="tcp", outcome=outcome,
+                peer=link.address, direction="recv", transport=incoming.transport,
+                outcome=outcome,
                 nbytes=incoming.job.nbytes,
                 queue_s=None if started is None else started - offered,
                 wire_s=None if started is None else time.monotonic() - started)
 
+    def _forget(self, incoming: _Incoming) -> None:
+        """Drop the bytes of a receive nobody wants: a TCP job's go to scratch; an NCCL
+        job that has not started receives into staging only, one that runs finishes."""
+        if isinstance(incoming.job, NcclJob):
+            incoming.job.abandoned = True
+        elif incoming.link.recv_channel is not None:
+            incoming.link.recv_channel.forget(incoming.transfer_id)
+
     def _on_cancel(self, link: PeerLink, tid: int) -> None:
         incoming = self._incoming.get((id(link), tid))
-        if incoming is not None and link.recv_channel is not None:
-            link.recv_channel.forget(tid)  # its bytes, if any come, are discarded
+        if incoming is not None:
+            self._forget(incoming)  # its bytes, if any come, are discarded
         out = self._outgoing.get(tid)
         if out is not None and out.link is link:  # the puller gave up
             out.replies.put_nowait(Cancelled(f"transfer {tid} cancelled by {link.address}"))
@@ -411,13 +588,13 @@ class PeerTransfers:
         except KvdError as err:
             self._refuse(link, tid, err)
             return
-        views = self.engine.source_views(item)
+        source = _Source(self.engine.source_blocks(item))
         regions = [item.region] if item.region is not None else []
         deadline = self._loop.time() + self.engine.config.max_wait_s
 
         async def serve() -> None:
             try:
-                await self._push(link, tid, req.key, views, item.layout, item.num_blocks,
+                await self._push(link, tid, req.key, source, item.layout, item.num_blocks,
                                  None, deadline, regions)
             except KvdError:
                 pass  # logged in _push; the puller has its own error

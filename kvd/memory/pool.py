@@ -1,4 +1,5 @@
-"""The host staging pool: one buffer, carved up by a buddy allocator.
+"""The host staging pool (and the GPU staging pools): one buffer, carved up by a buddy
+allocator.
 
 The pool takes all its memory once, at startup, so the daemon's footprint is fixed
 and known to whoever sizes the host; a burst of transfers then fails fast with a
@@ -32,8 +33,18 @@ class HostPool:
     """A fixed host buffer handing out :class:`PoolBlock` regions; thread-safe."""
 
     def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096, pin: bool = False,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, device: str = "cpu") -> None:
         self._allocator = BuddyAllocator(capacity_bytes, min_block_bytes)
+        self.device = torch.device(device)
+        # The allocator knows rounded sizes only; the requested size is what a view
+        # exposes, and a block whose size disagrees is someone else's (stale) handle.
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}
+        self.pinned = False
+        if self.device.type != "cpu":
+            # GPU staging: the same bookkeeping over one device allocation, made at start.
+            self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)
+            return
         # Pinned memory moves to and from a GPU at PCIe speed (~55 GB/s on H200 against
         # 6-13 GB/s pageable). The fast way to pin: allocate pageable memory, touch it,
         # then cudaHostRegister it in place (8 GiB in ~0.9 s, against ~4.5 s for
@@ -44,7 +55,6 @@ class HostPool:
             # Touch every page now: the memory is committed at start (or the start
             # fails), and no transfer pays for page faults later.
             self.buffer.zero_()
-        self.pinned = False
         if pin and capacity_bytes and torch.cuda.is_available():
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), capacity_bytes, 0)
             if int(err) != 0:
@@ -52,10 +62,6 @@ class HostPool:
                     f"pool_pin: cudaHostRegister of {capacity_bytes} bytes failed ({err}); "
                     "is the locked-memory limit high enough (LimitMEMLOCK=infinity)?")
             self.pinned = True
-        # The allocator knows rounded sizes only; the requested size is what a view
-        # exposes, and a block whose size disagrees is someone else's (stale) handle.
-        self._lock = threading.Lock()
-        self._live: dict[int, int] = {}
 
     def alloc(self, nbytes: int) -> PoolBlock:
         """Reserve ``nbytes``; raises ``PoolExhausted`` when no region that large is free."""

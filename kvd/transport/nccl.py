@@ -113,11 +113,15 @@ class Communicator:
         """Wait for ``event`` (recorded after the op) with a deadline; abort if it passes."""
         deadline = time.monotonic() + timeout_s
         while not event.query():
+            if self.aborted:
+                break
             if time.monotonic() > deadline:
                 self.abort()
                 raise KvdTimeout(f"nccl {what} on {self.name} did not finish within "
                                  f"{timeout_s:g}s; communicator aborted")
             time.sleep(_POLL_S)
+        if self.aborted:  # an abort ends the kernels too: the event fires, the bytes did not
+            raise PeerUnreachable(f"nccl {what} on {self.name}: communicator aborted")
 
     def abort(self) -> None:
         """Abort (idempotent). Frees the stream's pending NCCL work; never blocks for long."""

@@ -1,0 +1,182 @@
+"""NCCL channels between this daemon and its peers: which exist, made on demand, torn down.
+
+A channel is keyed by (peer link, direction, local device, remote device) and has an id.
+The *receiver* makes a channel: when it accepts a transfer over NCCL and has no live
+channel for that key, it creates an ncclUniqueId and a channel id, joins as rank 1, and
+puts both in the ACCEPT; the sender joins as rank 0 when an ACCEPT names a channel it
+does not have (every ACCEPT carries the id, so concurrent first transfers share one
+channel). A channel that fails on either side is aborted there and announced with
+CHANNEL_DOWN, so the other side aborts its end and the next transfer makes a new one. Each
+GPU holds at most ``nccl_max_channels`` communicators (each costs GPU memory); past that the
+least recently used idle one is evicted the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvd.config import Config
+from kvd.daemon.peers import PeerLink, PeerPlane
+from kvd.errors import KvdError, PeerUnreachable, TransferFailed
+from kvd.protocol import ChannelDown
+from kvd.transport.nccl import new_unique_id
+from kvd.transport.nccl_channel import NcclChannel
+
+log = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    channel_id: int
+    unique_id: bytes
+    channel: NcclChannel
+    link: PeerLink
+    key: tuple[str, str, str]  # direction, local device, remote device
+
+
+class NcclLinks:
+    def __init__(self, config: Config, plane: PeerPlane) -> None:
+        self.config = config
+        self.plane = plane
+        self._loop = asyncio.get_running_loop()
+        self._by_key: dict[tuple[int, str, str, str], _Entry] = {}  # id(link), key
+        self._by_id: dict[int, _Entry] = {}
+        self._stopping: set[asyncio.Task[Any]] = set()
+        self.created = 0
+        self.failed = 0
+        self.evicted = 0
+
+    # ------------------------------------------------------------ finding or making
+
+    def for_receive(self, link: PeerLink, local_dev: str, remote_dev: str) -> _Entry:
+        """A live receive channel from the peer's ``remote_dev`` to our ``local_dev``."""
+        entry = self._live(link, ("recv", local_dev, remote_dev))
+        if entry is not None:
+            return entry
+        return self._make(link, ("recv", local_dev, remote_dev), _new_channel_id(),
+                          new_unique_id(), rank=1)
+
+    def for_send(self, link: PeerLink, local_dev: str, remote_dev: str, channel_id: int,
+                 unique_id: bytes) -> _Entry:
+        """Our end of the channel ``channel_id`` the receiver named in its ACCEPT."""
+        entry = self._by_id.get(channel_id)
+        if entry is not None:
+            if entry.link is not link or entry.key != ("send", local_dev, remote_dev):
+                raise TransferFailed(f"channel {channel_id} belongs to another peer or device")
+            if entry.channel.failed is not None:
+                raise entry.channel.failed
+            return entry
+        if len(unique_id) != 128:
+            raise TransferFailed(f"accept names unknown channel {channel_id} without its id")
+        old = self._by_key.get((id(link), "send", local_dev, remote_dev))
+        if old is not None:
+            self._drop(old, PeerUnreachable("replaced by a new channel"), tell_peer=False)
+        return self._make(link, ("send", local_dev, remote_dev), channel_id, unique_id, rank=0)
+
+    def _live(self, link: PeerLink, key: tuple[str, str, str]) -> _Entry | None:
+        entry = self._by_key.get((id(link), *key))
+        if entry is None:
+            return None
+        if entry.channel.failed is not None:
+            self._drop(entry, entry.channel.failed, tell_peer=True)
+            return None
+        return entry
+
+    def _make(self, link: PeerLink, key: tuple[str, str, str], channel_id: int,
+              unique_id: bytes, rank: int) -> _Entry:
+        direction, local_dev, remote_dev = key
+        self._evict_for(local_dev)
+        name = f"kvd-nccl-{direction}-{local_dev}-{link.node_id}-{remote_dev}"
+        channel = NcclChannel(name, torch.device(local_dev), direction,
+                              self.config.nccl_chunk_bytes, on_failed=self._failed_in_thread)
+        channel.start(unique_id, rank, self.config.nccl_init_timeout_s)
+        entry = _Entry(channel_id, unique_id, channel, link, key)
+        self._by_key[(id(link), *key)] = entry
+        self._by_id[channel_id] = entry
+        self.created += 1
+        log.info("nccl channel %d created %s (rank %d) to %s", channel_id, name, rank,
+                 link.address)
+        return entry
+
+    def _evict_for(self, local_dev: str) -> None:
+        on_device = [e for e in self._by_id.values() if e.key[1] == local_dev]
+        excess = len(on_device) + 1 - self.config.nccl_max_channels
+        for entry in sorted(on_device, key=lambda e: e.channel.last_used):
+            if excess <= 0:
+                break
+            if entry.channel.idle:
+                self.evicted += 1
+                self._drop(entry, PeerUnreachable(
+                    f"nccl channel evicted: more than {self.config.nccl_max_channels} on "
+                    f"{local_dev}"), tell_peer=True)
+                excess -= 1
+
+    # ------------------------------------------------------------ tearing down
+
+    def _failed_in_thread(self, channel: NcclChannel, err: KvdError) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone at shutdown
+            self._loop.call_soon_threadsafe(self._on_failed, channel, err)
+
+    def _on_failed(self, channel: NcclChannel, err: KvdError) -> None:
+        for entry in list(self._by_id.values()):
+            if entry.channel is channel:
+                self.failed += 1
+                log.warning("nccl channel %d failed: [%s] %s", entry.channel_id, err.code,
+                            err.message)
+                self._drop(entry, err, tell_peer=True)
+
+    def on_channel_down(self, link: PeerLink, msg: ChannelDown) -> None:
+        entry = self._by_id.get(msg.channel)
+        if entry is not None and entry.link is link:
+            log.info("nccl channel %d down at %s: %s", msg.channel, link.address, msg.reason)
+            self._drop(entry, PeerUnreachable(
+                f"peer {link.address} closed nccl channel {msg.channel}: {msg.reason}"),
+                tell_peer=False)
+
+    def on_link_lost(self, link: PeerLink, err: KvdError) -> None:
+        for entry in [e for e in self._by_id.values() if e.link is link]:
+            self._drop(entry, err, tell_peer=False)
+
+    def _drop(self, entry: _Entry, err: KvdError, tell_peer: bool) -> None:
+        if self._by_id.get(entry.channel_id) is not entry:
+            return
+        del self._by_id[entry.channel_id]
+        self._by_key.pop((id(entry.link), *entry.key), None)
+        entry.channel.failed = entry.channel.failed or err  # later jobs fail at once
+        if tell_peer:
+            self.plane.send(entry.link, ChannelDown(channel=entry.channel_id,
+                                                    reason=err.message[:4000]))
+
+        def teardown() -> None:  # an abort takes ~0.5 s: not on the loop
+            entry.channel.abort(err)
+            entry.channel.stop(_STOP_TIMEOUT_S)
+
+        task = self._loop.create_task(asyncio.to_thread(teardown))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    async def close(self) -> None:
+        for entry in list(self._by_id.values()):
+            self._drop(entry, PeerUnreachable("daemon stopping"), tell_peer=True)
+        if self._stopping:
+            await asyncio.wait(list(self._stopping), timeout=_STOP_TIMEOUT_S + 1)
+
+    def stats(self) -> dict[str, Any]:
+        return {"channels": [{"id": e.channel_id, "peer": e.link.address,
+                              "direction": e.key[0], "device": e.key[1],
+                              "peer_device": e.key[2], "idle": e.channel.idle}
+                             for e in self._by_id.values()],
+                "created": self.created, "failed": self.failed, "evicted": self.evicted}
+
+
+def _new_channel_id() -> int:
+    return secrets.randbits(62) + 1

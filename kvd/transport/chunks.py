@@ -1,0 +1,156 @@
+"""Blocks cut into wire chunks, for transports that move whole messages (NCCL).
+
+A transfer's bytes are, on the wire, tensor-major: every requested block of tensor 0, then
+of tensor 1, and so on (see ``transport.views``). NCCL pairs each send with a recv of the
+same size, so both ends must cut that byte stream at the same places without talking about
+it: ``plan_chunks`` does it from what both ends know — the layout, the block count and the
+chunk size. A chunk is a list of *segments* (tensor, a range of positions in the block
+list); blocks are never split, so a chunk is at most ``max(chunk_bytes, one block)``.
+
+Each end then maps a chunk onto its own memory, which may differ from the other end's: if
+the chunk is one run of consecutive blocks of one block-contiguous tensor it is sent from
+(or received into) that memory directly; otherwise it is gathered into a staging buffer
+(``load``) or scattered out of one (``store``), one copy per segment (a slice copy for a
+run of consecutive blocks, ``index_select`` / ``index_copy_`` otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvd.memory.regions import Layout, packed_offsets
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    tensor: int  # which tensor of the layout
+    start: int  # positions [start, stop) in the block list
+    stop: int
+    offset: int  # where the segment's bytes start within its chunk
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    segments: tuple[Segment, ...]
+    nbytes: int
+
+
+def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk]:
+    """Cut the wire bytes of ``num_blocks`` blocks of ``layout`` into chunks; both ends of
+    a transfer compute the same plan."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    chunks: list[Chunk] = []
+    segments: list[Segment] = []
+    used = 0
+    for t, entry in enumerate(layout):
+        bpb = entry.bytes_per_block
+        if bpb == 0:
+            continue
+        pos = 0
+        while pos < num_blocks:
+            room = (chunk_bytes - used) // bpb
+            if room == 0 and used == 0:
+                room = 1  # a block larger than a chunk travels alone
+            if room == 0:
+                chunks.append(Chunk(tuple(segments), used))
+                segments, used = [], 0
+                continue
+            take = min(room, num_blocks - pos)
+            segments.append(Segment(t, pos, pos + take, used, take * bpb))
+            used += take * bpb
+            pos += take
+    if segments:
+        chunks.append(Chunk(tuple(segments), used))
+    return chunks
+
+
+def largest_chunk(chunks: Sequence[Chunk]) -> int:
+    return max((c.nbytes for c in chunks), default=0)
+
+
+@dataclass(eq=False)
+class BlockSet:
+    """Blocks ``ids`` of every tensor in ``tensors`` (block dimension first): one end's
+    memory for a transfer, in wire order."""
+
+    tensors: Sequence[torch.Tensor]
+    ids: list[int]
+    _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
+        """The sections of a packed uint8 buffer (``memory.regions.packed_offsets``)."""
+        offsets, _ = packed_offsets(layout, num_blocks)
+        tensors = [buf[off : off + e.bytes_per_block * num_blocks].view(num_blocks,
+                                                                         e.bytes_per_block)
+                   for off, e in zip(offsets, layout, strict=True)]
+        return cls(tensors, list(range(num_blocks)))
+
+    def ids_on(self, device: torch.device) -> torch.Tensor:
+        found = self._ids_on.get(device)
+        if found is None:
+            found = torch.tensor(self.ids, dtype=torch.long, device=device)
+            self._ids_on[device] = found
+        return found
+
+    def _run(self, seg: Segment) -> int | None:
+        """The first block id if the segment's blocks are consecutive ids, else None."""
+        first = self.ids[seg.start]
+        if self.ids[seg.stop - 1] - first != seg.stop - 1 - seg.start:
+            return None
+        if all(self.ids[p + 1] == self.ids[p] + 1 for p in range(seg.start, seg.stop - 1)):
+            return first
+        return None
+
+    def direct(self, chunk: Chunk, device: torch.device) -> torch.Tensor | None:
+        """The chunk's bytes as one contiguous uint8 tensor of this memory on ``device``,
+        when it is one run of one block-contiguous tensor (no staging copy needed)."""
+        if len(chunk.segments) != 1:
+            return None
+        seg = chunk.segments[0]
+        t = self.tensors[seg.tensor]
+        if t.device != device:
+            return None
+        first = self._run(seg)
+        if first is None:
+            return None
+        piece = t[first : first + seg.stop - seg.start]
+        if not piece.is_contiguous():
+            return None
+        return piece.reshape(-1).view(torch.uint8)
+
+    def _section(self, staging: torch.Tensor, seg: Segment) -> torch.Tensor:
+        t = self.tensors[seg.tensor]
+        raw = staging[seg.offset : seg.offset + seg.nbytes]
+        return raw.view(t.dtype).view(seg.stop - seg.start, *t.shape[1:])
+
+    def load(self, chunk: Chunk, staging: torch.Tensor) -> torch.Tensor:
+        """Gather the chunk's blocks into ``staging`` (uint8, at least chunk.nbytes)."""
+        for seg in chunk.segments:
+            t = self.tensors[seg.tensor]
+            out = self._section(staging, seg)
+            first = self._run(seg)
+            if first is not None:
+                out.copy_(t[first : first + seg.stop - seg.start], non_blocking=True)
+            elif t.device == out.device:
+                torch.index_select(t, 0, self.ids_on(t.device)[seg.start : seg.stop], out=out)
+            else:
+                out.copy_(t.index_select(0, self.ids_on(t.device)[seg.start : seg.stop]))
+        return staging[: chunk.nbytes]
+
+    def store(self, chunk: Chunk, staging: torch.Tensor) -> None:
+        """Scatter a received chunk from ``staging`` into this memory's blocks."""
+        for seg in chunk.segments:
+            t = self.tensors[seg.tensor]
+            src = self._section(staging, seg)
+            first = self._run(seg)
+            if first is not None:
+                t[first : first + seg.stop - seg.start].copy_(src, non_blocking=True)
+            else:
+                ids = self.ids_on(t.device)[seg.start : seg.stop]
+                t.index_copy_(0, ids, src if src.device == t.device else src.to(t.device))

@@ -1,0 +1,262 @@
+"""An NCCL channel: one direction between a local GPU and a GPU of a peer daemon.
+
+Each channel owns a 2-rank communicator (``transport.nccl``), a worker thread, two CUDA
+streams on its device — one for NCCL, one for the staging copies — and a few staging
+buffers of ``chunk_bytes``. The loop submits jobs and awaits their futures; the thread
+runs them in order, which is also the order the peer runs the matching jobs (both sides
+queue a transfer's job when the receiver's ACCEPT is sent / arrives, and the peer link
+delivers those in order), so every NCCL send meets its recv.
+
+A transfer is cut into chunks (``transport.chunks.plan_chunks``). The sender gathers chunk
+k+1 into a free staging buffer on the copy stream while chunk k is on the wire on the NCCL
+stream; the receiver scatters chunk k on the copy stream while chunk k+1 arrives. Chunks
+that are one contiguous run of the source (or destination) memory skip the staging copy.
+Events order the two streams; the thread only enqueues work, then polls one final event
+against the transfer's deadline.
+
+NCCL cannot stop a transfer half way without the peer: once a job has started it runs to
+its end or to its deadline. A receive whose owner gave up before it started is still
+received — into staging, and dropped — so the two ends stay in step. Any timeout or error
+aborts the communicator (bounded, see ``transport.nccl``) and fails every later job: a
+channel that failed is never reused, the peer plane makes a new one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
+from kvd.memory.regions import Layout
+from kvd.transport.chunks import BlockSet, plan_chunks
+from kvd.transport.nccl import Communicator
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+STAGING_BUFFERS = 2  # double buffering: gather (or scatter) one chunk while one is on the wire
+
+
+@dataclass(eq=False)
+class NcclJob:
+    transfer_id: int
+    blocks: BlockSet | None  # None: a receive nobody wants any more (bytes dropped)
+    layout: Layout
+    num_blocks: int
+    deadline: float  # time.monotonic()
+    nbytes: int = 0
+    future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+    started_at: float = 0.0
+    abandoned: bool = False  # receiver: drop the bytes instead of storing them
+
+
+class NcclChannel:
+    """One direction ("send" or "recv") of a 2-rank communicator, run by its own thread."""
+
+    def __init__(self, name: str, device: torch.device, direction: str, chunk_bytes: int,
+                 on_failed: Callable[[NcclChannel, KvdError], None] | None = None) -> None:
+        if direction not in ("send", "recv"):
+            raise ValueError(direction)
+        self.name = name
+        self.device = device
+        self.direction = direction
+        self.chunk_bytes = chunk_bytes
+        self.last_used = time.monotonic()
+        self.failed: KvdError | None = None
+        self._on_failed = on_failed
+        self._comm: Communicator | None = None
+        self._ready = threading.Event()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._staging: list[torch.Tensor] = []
+        self._busy = 0  # jobs queued or running
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ loop side
+
+    def start(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
+        """Join the communicator (in the thread: init is polled against ``timeout_s``)."""
+        self._jobs.put(("init", unique_id, rank, timeout_s))
+
+    def submit(self, job: NcclJob) -> concurrent.futures.Future[int]:
+        with self._lock:
+            self._busy += 1
+        self.last_used = time.monotonic()
+        self._jobs.put(job)
+        return job.future
+
+    @property
+    def idle(self) -> bool:
+        return self._busy == 0
+
+    def abort(self, error: KvdError) -> None:
+        """Abort the communicator now (from any thread): jobs in flight fail at their next
+        poll, queued ones at once."""
+        if self.failed is None:
+            self.failed = error
+        comm = self._comm
+        if comm is not None:
+            comm.abort()
+
+    def stop(self, timeout_s: float) -> bool:
+        self._jobs.put(_STOP)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ thread side
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        self._comm_stream = torch.cuda.Stream(self.device)
+        self._copy_stream = torch.cuda.Stream(self.device)
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                self._release()
+                return
+            if isinstance(item, tuple):
+                self._init(*item[1:])
+                continue
+            job: NcclJob = item
+            try:
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if self.failed is not None:
+                        raise self.failed
+                    job.started_at = time.monotonic()
+                    if self.direction == "send":
+                        job.future.set_result(self._send(job))
+                    else:
+                        job.future.set_result(self._recv(job))
+                except BaseException as exc:
+                    err = exc if isinstance(exc, KvdError) else TransferFailed(
+                        f"nccl {self.direction} on {self.name}: {exc!r}")
+                    self._fail(err)
+                    job.future.set_exception(self.failed or err)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                self.last_used = time.monotonic()
+
+    def _init(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
+        try:
+            self._comm = Communicator.init(unique_id, rank, timeout_s, self.name)
+            if self.failed is not None:  # aborted while joining
+                self._comm.abort()
+        except KvdError as err:
+            self._fail(err)
+        except Exception as exc:  # nccl4py raises its own types
+            self._fail(TransferFailed(f"nccl init of {self.name} failed: {exc!r}"))
+        finally:
+            self._ready.set()
+
+    def _fail(self, err: KvdError) -> None:
+        first = self.failed is None
+        if first:
+            self.failed = err
+        if self._comm is not None:
+            self._comm.abort()
+        if first and self._on_failed is not None:
+            self._on_failed(self, err)
+
+    def _buffers(self, nbytes: int) -> list[torch.Tensor]:
+        if not self._staging or self._staging[0].numel() < nbytes:
+            self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                             for _ in range(STAGING_BUFFERS)]
+        return self._staging
+
+    def _remaining(self, job: NcclJob) -> float:
+        left = job.deadline - time.monotonic()
+        if left <= 0:
+            raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} ran out of time")
+        return left
+
+    def _send(self, job: NcclJob) -> int:
+        comm = self._comm
+        assert comm is not None
+        chunks = plan_chunks(job.layout, job.num_blocks, self.chunk_bytes)
+        staging = self._buffers(max((c.nbytes for c in chunks), default=0))
+        freed: list[torch.cuda.Event | None] = [None] * len(staging)
+        total = 0
+        for k, chunk in enumerate(chunks):
+            b = k % len(staging)
+            with torch.cuda.stream(self._copy_stream):
+                blocks = job.blocks
+                buf = blocks.direct(chunk, self.device) if blocks is not None else None
+                if buf is None:
+                    free_at = freed[b]
+                    if free_at is not None:
+                        self._copy_stream.wait_event(free_at)
+                    # A sender that gave up sends zeros: the receiver waits for the bytes.
+                    buf = (blocks.load(chunk, staging[b]) if blocks is not None
+                           else staging[b][: chunk.nbytes].zero_())
+                loaded = torch.cuda.Event()
+                loaded.record(self._copy_stream)
+            self._comm_stream.wait_event(loaded)
+            comm.send(buf, 1, self._comm_stream, self._remaining(job))
+            sent = torch.cuda.Event()
+            sent.record(self._comm_stream)
+            freed[b] = sent
+            total += chunk.nbytes
+        done = torch.cuda.Event()
+        done.record(self._comm_stream)
+        comm.wait(done, self._remaining(job), f"send of transfer {job.transfer_id}")
+        return total
+
+    def _recv(self, job: NcclJob) -> int:
+        comm = self._comm
+        assert comm is not None
+        chunks = plan_chunks(job.layout, job.num_blocks, self.chunk_bytes)
+        staging = self._buffers(max((c.nbytes for c in chunks), default=0))
+        stored: list[torch.cuda.Event | None] = [None] * len(staging)
+        total = 0
+        for k, chunk in enumerate(chunks):
+            b = k % len(staging)
+            dropping = job.abandoned or job.blocks is None
+            buf = None if dropping else job.blocks.direct(chunk, self.device)  # type: ignore[union-attr]
+            staged = buf is None
+            if staged:
+                free_at = stored[b]
+                if free_at is not None:
+                    self._comm_stream.wait_event(free_at)
+                buf = staging[b][: chunk.nbytes]
+            assert buf is not None
+            comm.recv(buf, 0, self._comm_stream, self._remaining(job))
+            total += chunk.nbytes
+            if staged and not dropping:
+                arrived = torch.cuda.Event()
+                arrived.record(self._comm_stream)
+                self._copy_stream.wait_event(arrived)
+                with torch.cuda.stream(self._copy_stream):
+                    job.blocks.store(chunk, buf)  # type: ignore[union-attr]
+                    done_storing = torch.cuda.Event()
+                    done_storing.record(self._copy_stream)
+                stored[b] = done_storing
+            elif staged:
+                received = torch.cuda.Event()
+                received.record(self._comm_stream)
+                stored[b] = received
+        self._copy_stream.wait_stream(self._comm_stream)
+        done = torch.cuda.Event()
+        done.record(self._copy_stream)
+        comm.wait(done, self._remaining(job), f"receive of transfer {job.transfer_id}")
+        if job.abandoned or job.blocks is None:
+            raise Cancelled(f"transfer {job.transfer_id} was given up; its bytes were dropped")
+        return total
+
+    def _release(self) -> None:
+        comm = self._comm
+        if comm is not None and self.failed is None:
+            # A clean stop still aborts: destroy would wait for the peer, abort does not.
+            comm.abort()
+        self._staging = []
