@@ -617,7 +617,8 @@ class PeerTransfers:
         return {"sent": dict(c.sent), "received": dict(c.received),
                 "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
                 "busy_replies": c.busy_replies, "in_flight_out": len(self._outgoing),
-                "in_flight_in": len(self._incoming)}
+                "in_flight_in": len(self._incoming),
+                "nccl": self.nccl.stats() if self.nccl is not None else None}
 
 
 def _as_kvd_error(exc: BaseException, what: str) -> KvdError:

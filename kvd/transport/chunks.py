@@ -53,7 +53,7 @@ def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk
             continue
         pos = 0
         while pos < num_blocks:
-            room = (chunk_bytes - used) // bpb
+            room = max(0, chunk_bytes - used) // bpb
             if room == 0 and used == 0:
                 room = 1  # a block larger than a chunk travels alone
             if room == 0:

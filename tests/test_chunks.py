@@ -1,0 +1,79 @@
+"""The chunk plan NCCL transfers use, and gathering / scattering chunks through staging,
+on CPU tensors: both ends cut the same bytes at the same places, and blocks in any order
+arrive where they belong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvd.memory.regions import LayoutEntry
+from kvd.transport.chunks import BlockSet, plan_chunks
+
+KIB = 1024
+
+
+def layout_of(tensors: list[torch.Tensor]) -> tuple[LayoutEntry, ...]:
+    return tuple(LayoutEntry(t[0].numel() * t.element_size(), str(t.dtype).removeprefix(
+        "torch.")) for t in tensors)
+
+
+def test_plan_covers_every_byte_once_and_never_splits_a_block() -> None:
+    layout = (LayoutEntry(32 * KIB, "bfloat16"), LayoutEntry(48 * KIB, "uint8"))
+    chunks = plan_chunks(layout, 10, 100 * KIB)
+    assert sum(c.nbytes for c in chunks) == 10 * 80 * KIB
+    seen = {0: [], 1: []}
+    for c in chunks:
+        assert c.nbytes <= 100 * KIB
+        offset = 0
+        for seg in c.segments:
+            assert seg.offset == offset and seg.nbytes == (seg.stop - seg.start) * (
+                layout[seg.tensor].bytes_per_block)
+            offset += seg.nbytes
+            seen[seg.tensor].extend(range(seg.start, seg.stop))
+        assert offset == c.nbytes
+    assert seen == {0: list(range(10)), 1: list(range(10))}
+
+
+def test_a_block_larger_than_a_chunk_travels_alone() -> None:
+    chunks = plan_chunks((LayoutEntry(3 * KIB, "uint8"),), 4, 2 * KIB)
+    assert [c.nbytes for c in chunks] == [3 * KIB] * 4
+    with pytest.raises(ValueError):
+        plan_chunks((LayoutEntry(3 * KIB, "uint8"),), 4, 0)
+
+
+@pytest.mark.parametrize("chunk_kib", [8, 40, 1024])
+def test_blocks_through_staging_arrive_byte_exact(chunk_kib: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    src = [torch.randint(-100, 100, (32, 4, 512), generator=gen).to(torch.bfloat16),
+           torch.randint(0, 255, (32, 3000), generator=gen, dtype=torch.uint8)]
+    dst = [torch.zeros_like(t) for t in src]
+    src_ids = [5, 6, 7, 8, 1, 30, 2, 3]  # one run, then scattered
+    dst_ids = [0, 1, 2, 3, 20, 21, 9, 31]
+    sender, receiver = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
+    chunks = plan_chunks(layout_of(src), len(src_ids), chunk_kib * KIB)
+    staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8)
+    for chunk in chunks:
+        receiver.store(chunk, sender.load(chunk, staging))
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[dst_ids], s[src_ids])
+        untouched = [i for i in range(32) if i not in dst_ids]
+        assert torch.count_nonzero(d[untouched].float()) == 0
+
+
+def test_packed_buffers_and_direct_chunks() -> None:
+    src = [torch.arange(16 * 256, dtype=torch.int32).view(16, 256)]
+    layout = layout_of(src)
+    buf = torch.zeros(16 * 1024 + 64, dtype=torch.uint8)
+    packed = BlockSet.packed(buf, layout, 16)
+    chunks = plan_chunks(layout, 16, 4 * KIB)
+    source = BlockSet(src, list(range(16)))
+    staging = torch.empty(4 * KIB, dtype=torch.uint8)
+    for chunk in chunks:
+        direct = source.direct(chunk, torch.device("cpu"))
+        assert direct is not None  # consecutive blocks of a contiguous tensor: no copy
+        assert direct.data_ptr() == src[0][chunk.segments[0].start].data_ptr()
+        packed.store(chunk, source.load(chunk, staging))
+    assert torch.equal(buf[: 16 * 1024].view(torch.int32).view(16, 256), src[0])
+    assert BlockSet(src, [0, 2]).direct(plan_chunks(layout, 2, 8 * KIB)[0],
+                                        torch.device("cpu")) is None

@@ -1,0 +1,284 @@
+"""Two daemons on one host, one per GPU, treated as separate nodes: KV blocks move between
+GPU regions over NCCL channels (skipped without two GPUs and nccl4py). Every transfer is
+checked byte for byte; a peer killed mid-stream fails the sender within its bound, and a
+restarted peer works again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kvd
+from kvd.transport.nccl import nccl_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and nccl_available()),
+    reason="needs two GPUs and nccl4py")]
+
+SHAPE = (128, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
+LAYERS = 8
+
+
+@dataclass
+class Node:
+    sock: str
+    address: str  # host:port of its peer socket
+    proc: subprocess.Popen[bytes]
+    log_path: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_node(gpu: int, *extra: str, ports: tuple[int, int] | None = None) -> Node:
+    tmp = tempfile.mkdtemp(prefix=f"kvd-g{gpu}-", dir="/tmp")
+    sock = os.path.join(tmp, "kvd.sock")
+    peer_port, data_port = ports or (_free_port(), _free_port())
+    log_path = os.path.join(tmp, "log")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "NCCL_NVLS_ENABLE": "0"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock,
+             "--node-id", f"gpu{gpu}", "--peer-port", str(peer_port), "--data-port",
+             str(data_port), "--http-port", "0", "--pool-size-bytes", "1GiB",
+             "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2", *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            with kvd.KvdClient(sock, timeout_s=1) as c:
+                c.ping()
+            break
+        except kvd.DaemonUnavailable:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log_path) as f:
+                    raise AssertionError(f"daemon on GPU {gpu} did not start:\n"
+                                         + f.read()[-3000:]) from None
+            time.sleep(0.1)
+    return Node(sock, f"127.0.0.1:{peer_port}", proc, log_path)
+
+
+def stop_node(node: Node) -> None:
+    if node.proc.poll() is None:
+        node.proc.terminate()
+        try:
+            node.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait(10)
+            raise AssertionError("daemon did not stop within 60 s") from None
+
+
+@contextlib.contextmanager
+def two_nodes(*extra: str) -> Iterator[tuple[Node, Node]]:
+    a = start_node(0, *extra)
+    try:
+        b = start_node(1, *extra)
+        try:
+            yield a, b
+        finally:
+            stop_node(b)
+    finally:
+        stop_node(a)
+
+
+def kv_layers(device: str, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen, device=device).to(torch.bfloat16)
+            for _ in range(LAYERS)]
+
+
+def zeros(device: str) -> list[torch.Tensor]:
+    return [torch.zeros(SHAPE, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
+
+
+def assert_moved(src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Tensor],
+                 dst_ids: list[int]) -> None:
+    torch.cuda.synchronize()
+    others = [i for i in range(SHAPE[0]) if i not in dst_ids]
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[dst_ids].cpu(), s[src_ids].cpu())
+        assert torch.count_nonzero(d[others].float()) == 0
+
+
+def nccl_stats(c: kvd.KvdClient) -> dict:
+    return c.stats()["transfers"]["nccl"]
+
+
+def test_put_get_pull_between_gpu_regions_over_nccl() -> None:
+    rng = torch.Generator().manual_seed(3)
+    with two_nodes() as (a, b), kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+            kvd.KvdClient(b.sock, timeout_s=60) as cb:
+        src, dst = kv_layers("cuda:0", 1), zeros("cuda:1")
+        torch.cuda.synchronize()
+        r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+        # 1. get waiting on B, then the put from A: straight into the get's blocks
+        src_ids = torch.randperm(SHAPE[0], generator=rng)[:40].tolist()
+        dst_ids = torch.randperm(SHAPE[0], generator=rng)[:40].tolist()
+        result: dict[str, object] = {}
+        with kvd.KvdClient(b.sock, timeout_s=60) as getter_client:
+            r_getter = getter_client.register("dst-again", dst)  # same memory, 2nd client
+
+            def get_k1() -> None:
+                try:
+                    result["n"] = getter_client.get("k1", r_getter, dst_ids, timeout_s=60)
+                except BaseException as exc:  # reported below
+                    result["err"] = exc
+
+            getter = threading.Thread(target=get_k1)
+            getter.start()
+            time.sleep(0.5)
+            sent = ca.put("k1", r_src, src_ids, to=b.address).wait(60)
+            getter.join(60)
+        assert "cuda:0" in peer_devices(ca, b.address)
+        assert "err" not in result, result
+        assert sent == result["n"] == 40 * LAYERS * 32 * 1024
+        assert_moved(src, src_ids, dst, dst_ids)
+        stats = nccl_stats(ca)
+        assert stats["created"] == 1 and stats["channels"][0]["direction"] == "send"
+
+        # 2. put first: it waits in B's GPU staging, a later get takes it
+        for d in dst:
+            d.zero_()
+        torch.cuda.synchronize()
+        ids = list(range(64, 128))  # one run: sent straight from the region, no gather
+        ca.put("k2", r_src, ids, to=b.address).wait(60)
+        staged = cb.stats()["gpu_staging"]["cuda:0"]["used_bytes"]
+        assert staged >= 64 * LAYERS * 32 * 1024
+        cb.get("k2", r_dst, list(range(64)), timeout_s=60)
+        assert_moved(src, ids, dst, list(range(64)))
+        assert cb.stats()["gpu_staging"]["cuda:0"]["used_bytes"] == 0
+
+        # 3. pull: B pulls a key A published (read in place from A's region)
+        for d in dst:
+            d.zero_()
+        torch.cuda.synchronize()
+        ca.publish("k3", r_src, [7, 3, 5])
+        cb.pull("k3", a.address, r_dst, [100, 101, 102], timeout_s=60)
+        assert_moved(src, [7, 3, 5], dst, [100, 101, 102])
+
+        # 4. the other direction: B -> A, a new channel pair
+        back = zeros("cuda:0")
+        torch.cuda.synchronize()
+        r_back = ca.register("back", back)
+        cb.put("k4", r_dst, [100, 101, 102], to=a.address).wait(60)
+        ca.get("k4", r_back, [0, 1, 2], timeout_s=60)
+        assert_moved(src, [7, 3, 5], back, [0, 1, 2])
+        assert nccl_stats(ca)["created"] == 2  # one send channel, one receive channel
+
+
+def peer_devices(c: kvd.KvdClient, address: str) -> list[str]:
+    """The devices a linked peer told us (empty until linked)."""
+    for link in c.stats()["peer"]["links"]:
+        if link["address"] == address:
+            return list(link["devices"])
+    return []
+
+
+def test_many_chunks_and_spill_to_host_pool() -> None:
+    # Small chunks (many per transfer, staging reused) and 2 MiB of GPU staging: the
+    # second put does not fit there and goes to B's host pool, and is still byte-exact.
+    with two_nodes("--nccl-chunk-bytes", "1MiB", "--gpu-staging-bytes", "2MiB") as (a, b), \
+            kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+            kvd.KvdClient(b.sock, timeout_s=60) as cb:
+        src, dst = kv_layers("cuda:0", 2), zeros("cuda:1")
+        torch.cuda.synchronize()
+        r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+        ca.put("small", r_src, [9, 1], to=b.address).wait(60)  # 512 KiB: GPU staging
+        big_src = list(range(127, 47, -1))  # 80 blocks, 20 MiB in 1 MiB chunks
+        ca.put("big", r_src, big_src, to=b.address).wait(60)
+        stats = cb.stats()
+        assert stats["gpu_spills"] == 1
+        assert stats["pool"]["used_bytes"] >= 80 * LAYERS * 32 * 1024
+        cb.get("big", r_dst, list(range(80)), timeout_s=60)
+        cb.get("small", r_dst, [100, 101], timeout_s=60)
+        assert_moved(src, [*big_src, 9, 1], dst, [*range(80), 100, 101])
+        assert cb.stats()["pool"]["used_bytes"] == 0
+
+
+def test_peer_killed_mid_stream_then_restarted() -> None:
+    b_ports = (_free_port(), _free_port())
+    a = start_node(0)
+    b = start_node(1, ports=b_ports)
+    try:
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca:
+            src = [torch.randint(0, 255, (64, 8 * 2**20), dtype=torch.uint8,
+                                 device="cuda:0")]  # 512 MiB
+            torch.cuda.synchronize()
+            r_src = ca.register("src", src)
+            ca.put("warm", r_src, [0], to=b.address).wait(60)  # channel up
+            failure: dict[str, object] = {}
+
+            def stream() -> None:
+                i = 0
+                try:
+                    while True:  # B keeps every key: its pool fills, then BUSY, or death
+                        ca.put(f"s{i}", r_src, list(range(64)), to=b.address,
+                               ttl_s=1).wait(60)
+                        i += 1
+                except kvd.KvdError as exc:
+                    failure["err"], failure["at"] = exc, time.monotonic()
+
+            sender = threading.Thread(target=stream)
+            sender.start()
+            time.sleep(1.0)
+            b.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            sender.join(30)
+            assert not sender.is_alive(), "the sender did not notice the dead peer"
+            err = failure["err"]
+            detected = float(failure["at"]) - killed  # type: ignore[arg-type]
+            print(f"\npeer SIGKILLed mid-stream: sender failed after {detected:.3f}s with "
+                  f"{type(err).__name__}: {err}")
+            assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
+            assert detected < 10
+            # A restarted peer (same address) works again, on a new channel.
+            b = start_node(1, ports=b_ports)
+            with kvd.KvdClient(b.sock, timeout_s=60) as cb:
+                dst = [torch.zeros_like(src[0], device="cuda:1")]
+                torch.cuda.synchronize()
+                r_dst = cb.register("dst", dst)
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        ca.put("again", r_src, list(range(8)), to=b.address).wait(60)
+                        break
+                    except kvd.PeerUnreachable:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.5)
+                cb.get("again", r_dst, list(range(8)), timeout_s=60)
+                torch.cuda.synchronize()
+                assert torch.equal(dst[0][:8].cpu(), src[0][:8].cpu())
+            assert ca.stats()["transfers"]["nccl"]["created"] >= 2
+    finally:
+        stop_node(b)
+        stop_node(a)
+
+
+def test_same_gpu_local_copy() -> None:
+    node = start_node(0)
+    try:
+        with kvd.KvdClient(node.sock, timeout_s=60) as c:
+            src, dst = kv_layers("cuda:0", 5), zeros("cuda:0")
+            torch.cuda.synchronize()
+            r_src, r_dst = c.register("src", src), c.register("dst", dst)
+            c.put("k", r_src, [1, 2, 3, 50], ttl_s=60).wait(60)
+            c.get("k", r_dst, [4, 5, 6, 7], timeout_s=60)
+            assert_moved(src, [1, 2, 3, 50], dst, [4, 5, 6, 7])
+    finally:
+        stop_node(node)
