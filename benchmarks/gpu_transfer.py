@@ -89,6 +89,8 @@ class Flow:
         self.tx = kvd.KvdClient(tx_sock, timeout_s=120)
         self.rx = kvd.KvdClient(rx_sock, timeout_s=120)
         self.watch = kvd.KvdClient(rx_sock, timeout_s=120)
+        for c in (self.tx, self.rx, self.watch):
+            c.connect()
         self.to = to
         self.n = 0
 
