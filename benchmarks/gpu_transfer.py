@@ -136,8 +136,9 @@ def checked_times(flow: Flow, src: list[torch.Tensor], src_ids: list[int],
     r_src, r_dst = flow.register(src, dst)
     flow.once(r_src, src_ids, r_dst, dst_ids)  # warm-up (channels, first NCCL transfer)
     torch.cuda.synchronize()
-    for s, d in zip(src, dst, strict=True):
-        if not torch.equal(s[src_ids].to(d.device), d[dst_ids]):
+    for s, d in zip(src, dst, strict=True):  # compared as raw bits: NaN != NaN
+        if not torch.equal(s[src_ids].to(d.device).view(torch.uint8), d[dst_ids].view(
+                torch.uint8)):
             raise RuntimeError("destination differs from the source")
     times = [flow.once(r_src, src_ids, r_dst, dst_ids) for _ in range(repeat)]
     flow.tx.unregister(r_src)
@@ -147,7 +148,7 @@ def checked_times(flow: Flow, src: list[torch.Tensor], src_ids: list[int],
 
 def llama(device: str, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randint(-1000, 1000, LLAMA_SHAPE, generator=gen, device=device,
+    return [torch.randint(-(2**15), 2**15 - 1, LLAMA_SHAPE, generator=gen, device=device,
                           dtype=torch.int16).view(torch.bfloat16)
             for _ in range(LLAMA_TENSORS)]
 
