@@ -59,6 +59,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+EXTRA_FLAGS: list[str] = []  # --daemon-flag values, passed to every kvd serve
+
+
 def start_daemon(root: str, name: str, gpus: str) -> tuple[subprocess.Popen[bytes], str, str]:
     os.makedirs(os.path.join(root, name), exist_ok=True)
     sock = os.path.join(root, name, "kvd.sock")
@@ -69,7 +72,7 @@ def start_daemon(root: str, name: str, gpus: str) -> tuple[subprocess.Popen[byte
             [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock, "--node-id", name,
              "--peer-port", str(port), "--data-port", str(free_port()), "--http-port", "0",
              "--pool-size-bytes", "256MiB", "--gpu-staging-bytes", "1GiB",
-             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
+             "--log-level", "warning", *EXTRA_FLAGS], stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -219,7 +222,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--latency-repeat", type=int, default=100)
+    ap.add_argument("--daemon-flag", action="append", default=[],
+                    help="an extra flag for every kvd serve, e.g. "
+                         "--daemon-flag=--nccl-chunk-bytes=256MiB")
     args = ap.parse_args()
+    EXTRA_FLAGS.extend(args.daemon_flag)
     if torch.cuda.device_count() < 2:
         print("needs two GPUs", file=sys.stderr)
         return 2

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from kvd.memory.regions import Layout, packed_offsets
+from kvd.protocol import LayoutEntry
+from kvd.transport.chunks import BlockSet, plan_chunks
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ def copy_blocks(
     dst_idx: torch.Tensor,
 ) -> int:
     """Blocks of one region into blocks of another with the same layout."""
+    if src and src[0].is_cuda and dst[0].is_cuda and src[0].device != dst[0].device:
+        return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist())
     nbytes = 0
     found = runs(src_idx.tolist(), dst_idx.tolist())
     for s, d in zip(src, dst, strict=True):
@@ -110,6 +114,40 @@ def copy_blocks(
         nbytes += len(src_idx) * s[0].numel() * s.element_size() if len(s) else 0
     _finish_writes(*dst)
     return nbytes
+
+
+CROSS_GPU_CHUNK_BYTES = 64 * 2**20
+
+
+def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
+                     dst: Sequence[torch.Tensor], dst_ids: list[int],
+                     chunk_bytes: int = CROSS_GPU_CHUNK_BYTES) -> int:
+    """Blocks between two GPUs of this node: per chunk, gather on the source GPU, one peer
+    copy (NVLink), scatter on the destination GPU — a few large copies instead of one
+    small one per block (or a temporary per tensor). Contiguous runs skip the staging."""
+    # The plan needs bytes per block only; the copies keep each tensor's own dtype.
+    layout = tuple(LayoutEntry(t[0].numel() * t.element_size() if len(t) else 0, "uint8")
+                   for t in src)
+    chunks = plan_chunks(layout, len(src_ids), chunk_bytes)
+    if not chunks:
+        return 0
+    src_dev, dst_dev = src[0].device, dst[0].device
+    size = max(c.nbytes for c in chunks)
+    src_stage = torch.empty(size, dtype=torch.uint8, device=src_dev)
+    dst_stage = torch.empty(size, dtype=torch.uint8, device=dst_dev)
+    reader, writer = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
+    for chunk in chunks:
+        into = writer.direct(chunk, dst_dev)
+        buf = reader.direct(chunk, src_dev)
+        if buf is None:
+            buf = reader.load(chunk, src_stage)
+        if into is not None:
+            into.copy_(buf)
+        else:
+            dst_stage[: chunk.nbytes].copy_(buf)
+            writer.store(chunk, dst_stage)
+    _finish_writes(*dst)
+    return sum(c.nbytes for c in chunks)
 
 
 def _finish_writes(*written: torch.Tensor) -> None:
