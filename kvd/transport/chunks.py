@@ -37,7 +37,6 @@ class Segment:
 class Chunk:
     segments: tuple[Segment, ...]
     nbytes: int
-    wire_offset: int = 0  # where the chunk starts in the transfer's bytes
 
 
 def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk]:
@@ -47,7 +46,7 @@ def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk
         raise ValueError("chunk_bytes must be positive")
     chunks: list[Chunk] = []
     segments: list[Segment] = []
-    used = done = 0
+    used = 0
     for t, entry in enumerate(layout):
         bpb = entry.bytes_per_block
         if bpb == 0:
@@ -58,15 +57,15 @@ def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk
             if room == 0 and used == 0:
                 room = 1  # a block larger than a chunk travels alone
             if room == 0:
-                chunks.append(Chunk(tuple(segments), used, done))
-                segments, done, used = [], done + used, 0
+                chunks.append(Chunk(tuple(segments), used))
+                segments, used = [], 0
                 continue
             take = min(room, num_blocks - pos)
             segments.append(Segment(t, pos, pos + take, used, take * bpb))
             used += take * bpb
             pos += take
     if segments:
-        chunks.append(Chunk(tuple(segments), used, done))
+        chunks.append(Chunk(tuple(segments), used))
     return chunks
 
 
@@ -82,9 +81,6 @@ class BlockSet:
     tensors: Sequence[torch.Tensor]
     ids: list[int]
     _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
-    _rows: tuple[torch.Tensor, torch.Tensor, int] | bool | None = field(default=False,
-                                                                      repr=False)
-    _span: tuple[int, int] = (0, 0)
 
     @classmethod
     def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
@@ -128,58 +124,6 @@ class BlockSet:
             return None
         return piece.reshape(-1).view(torch.uint8)
 
-    def _row_view(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """One gather (or scatter) for a whole chunk, whatever tensors it spans.
-
-        Launching a copy per tensor costs ~30 us of CPU each on some hosts, more than the
-        GPU needs for the bytes, so for GPU memory we build one uint8 view of the address
-        span that holds every tensor, cut into rows of R bytes (R divides every block's
-        size and offset), and the row index of every wire row. A chunk is then one
-        ``index_select`` (or ``index_copy_``) of rows; the holes between the tensors are
-        never touched. Returns (rows view, row index in wire order, R), or None when the
-        memory does not allow it (host memory, mixed devices, blocks not contiguous)."""
-        if self._rows is not False:
-            return self._rows  # type: ignore[return-value]
-        self._rows = None
-        ts = self.tensors
-        if not ts or not self.ids or any(
-                not t.is_cuda or t.device != ts[0].device or len(t) == 0
-                or not t[0].is_contiguous() for t in ts):
-            return None
-        block = ts[0][0].numel() * ts[0].element_size()
-        stride = ts[0].stride(0) * ts[0].element_size()
-        if any(t[0].numel() * t.element_size() != block
-               or t.stride(0) * t.element_size() != stride for t in ts):
-            return None  # the index is built with a few ops only when tensors are alike
-        base = min(t.data_ptr() for t in ts)
-        end = max(t.data_ptr() for t in ts) + stride * (max(len(t) for t in ts) - 1) + block
-        row = 4096
-        while row >= 256 and (block % row or stride % row
-                              or any((t.data_ptr() - base) % row for t in ts)):
-            row //= 2
-        if row < 256:
-            return None
-        dev = ts[0].device
-        span = torch.as_tensor(_CudaSpan(base, (end - base) // row, row), device=dev)
-        firsts = torch.tensor([(t.data_ptr() - base) // row for t in ts], device=dev)
-        index = (firsts[:, None, None] + self.ids_on(dev)[None, :, None] * (stride // row)
-                 + torch.arange(block // row, device=dev)[None, None, :]).reshape(-1)
-        self._rows = (span, index, row)
-        self._span = (base, end)
-        return self._rows
-
-    def _rows_for(self, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """The row view, unless ``staging`` lies inside the span (torch refuses copies
-        between overlapping tensors)."""
-        rows = self._row_view() if staging.is_cuda else None
-        if rows is None:
-            return None
-        lo, hi = self._span
-        ptr = staging.data_ptr()
-        if ptr < hi and ptr + staging.numel() > lo:
-            return None
-        return rows
-
     def _section(self, staging: torch.Tensor, seg: Segment) -> torch.Tensor:
         t = self.tensors[seg.tensor]
         raw = staging[seg.offset : seg.offset + seg.nbytes]
@@ -187,12 +131,6 @@ class BlockSet:
 
     def load(self, chunk: Chunk, staging: torch.Tensor) -> torch.Tensor:
         """Gather the chunk's blocks into ``staging`` (uint8, at least chunk.nbytes)."""
-        rows = self._rows_for(staging)
-        if rows is not None and len(chunk.segments) > 1:
-            span, index, r = rows
-            out = staging[: chunk.nbytes].view(-1, r)
-            torch.index_select(span, 0, index[chunk.wire_offset // r :][: len(out)], out=out)
-            return staging[: chunk.nbytes]
         for seg in chunk.segments:
             t = self.tensors[seg.tensor]
             out = self._section(staging, seg)
@@ -207,12 +145,6 @@ class BlockSet:
 
     def store(self, chunk: Chunk, staging: torch.Tensor) -> None:
         """Scatter a received chunk from ``staging`` into this memory's blocks."""
-        rows = self._rows_for(staging)
-        if rows is not None and len(chunk.segments) > 1:
-            span, index, r = rows
-            src = staging[: chunk.nbytes].view(-1, r)
-            span.index_copy_(0, index[chunk.wire_offset // r :][: len(src)], src)
-            return
         for seg in chunk.segments:
             t = self.tensors[seg.tensor]
             src = self._section(staging, seg)
@@ -222,13 +154,3 @@ class BlockSet:
             else:
                 ids = self.ids_on(t.device)[seg.start : seg.stop]
                 t.index_copy_(0, ids, src if src.device == t.device else src.to(t.device))
-
-
-class _CudaSpan:
-    """``__cuda_array_interface__`` of a [rows, R] uint8 array at an address: lets torch
-    view device memory it did not allocate (the owner keeps it alive)."""
-
-    def __init__(self, ptr: int, rows: int, row_bytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (rows, row_bytes), "typestr": "|u1", "data": (ptr, False),
-            "version": 3, "strides": None}
