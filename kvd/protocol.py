@@ -315,7 +315,8 @@ class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
 
 class Offer(_PeerMsg, tag="offer", frozen=True):
     """``src_dev``: the sender's device for an NCCL channel ("cuda:N"), or "cpu" when it
-    has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP)."""
+    has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP);
+    ``one_run``: each tensor's blocks are one contiguous run (NCCL can send them as is)."""
 
     transfer_id: TransferId
     key: Key
@@ -326,6 +327,7 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
     ttl_s: Seconds | None = None
     src_gpu: bool = False
+    one_run: bool = False
 
 
 ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
@@ -334,12 +336,14 @@ ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 class Accept(_PeerMsg, tag="accept", frozen=True):
     """``channel`` 0: the bytes go over TCP. Otherwise over the NCCL channel with that id
     between ``src_dev`` and ``dst_dev``; ``nccl_uid`` is its ncclUniqueId, so a sender
-    that does not have that channel yet joins it."""
+    that does not have that channel yet joins it. ``chunk_bytes``: how both ends cut the
+    bytes into NCCL messages (``transport.chunks.plan_chunks``); the receiver decides."""
 
     transfer_id: TransferId
     dst_dev: Device = "cpu"
     channel: ChannelId = 0
     nccl_uid: Annotated[bytes, Meta(max_length=128)] = b""
+    chunk_bytes: Annotated[int, Meta(ge=0, le=2**40)] = 0
 
 
 class Busy(_PeerMsg, tag="busy", frozen=True):

@@ -57,7 +57,7 @@ from kvd.protocol import (
 )
 from kvd.transport.chunks import BlockSet
 from kvd.transport.nccl_channel import NcclJob
-from kvd.transport.tcp import RecvJob, SendJob
+from kvd.transport.tcp import RecvJob, SendChannel, SendJob
 from kvd.transport.views import block_views, wire_bytes
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,10 @@ class _Outgoing:
     deadline: float  # loop time
     nbytes: int = 0
     src_dev: str = CPU_DEVICE  # our end of an NCCL channel ("cpu": none)
+    one_run: bool = False  # told in the offer: see Offer.one_run
+    tcp_channel: SendChannel | None = None  # our data connection, if TCP may be chosen
     nccl_job: NcclJob | None = None  # set when an ACCEPT chose NCCL
+    tcp_job: SendJob | None = None  # or TCP
     offer_pending: bool = False  # an offer is out and not answered yet
     replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
@@ -184,25 +187,21 @@ class PeerTransfers:
         src_dev = CPU_DEVICE
         if self.nccl is not None and any(d.startswith("cuda") for d in link.devices):
             src_dev = source.gpu or self.plane.gpus[0]
-        out = _Outgoing(tid, key, link, source, layout, num_blocks, deadline, nbytes, src_dev)
+        out = _Outgoing(tid, key, link, source, layout, num_blocks, deadline, nbytes, src_dev,
+                        one_run=source.gpu is not None and source.blocks.one_run())
         self._outgoing[tid] = out
         outcome = "failed"
         requested = time.monotonic()
         job: SendJob | NcclJob | None = None
         try:
-            channel = None
-            if src_dev == CPU_DEVICE or source.gpu is None:  # TCP may be chosen
+            if source.gpu is None:  # TCP may be chosen
                 async with asyncio.timeout_at(deadline):
-                    channel = await self.plane.send_channel(link)
+                    out.tcp_channel = await self.plane.send_channel(link)
             await self._offer_until_accepted(out, layout, num_blocks, nbytes, ttl_s, deadline)
-            if out.nccl_job is not None:
-                job = out.nccl_job
-                afut = asyncio.wrap_future(job.future)
-            else:
-                if channel is None or source.gpu is not None:
-                    raise ProtocolError(f"{link.address} accepted GPU blocks over TCP")
-                job = SendJob(tid, source.views())
-                afut = asyncio.wrap_future(channel.submit(job))
+            job = out.nccl_job or out.tcp_job  # started when the ACCEPT came (_on_accept)
+            if job is None:
+                raise ProtocolError(f"{link.address} accepted, but no transport started")
+            afut = asyncio.wrap_future(job.future)
             with self.engine.using_regions(regions, afut):
                 try:
                     await asyncio.shield(afut)
@@ -234,15 +233,18 @@ class PeerTransfers:
         except asyncio.CancelledError:
             outcome = "cancelled"
             self._give_up(out)
+            await self._wait_started(out)
             raise
         except TimeoutError:
             outcome = "timeout"
             self._give_up(out)
+            await self._wait_started(out)
             raise KvdTimeout(f"transfer {tid} of key {key!r} to {link.address} missed its "
                              "deadline") from None
         except KvdError as exc:
             log.info("transfer failed transfer_id=%d key=%s to=%s: [%s] %s", tid, key,
                      link.address, exc.code, exc.message)
+            await self._wait_started(out)
             raise
         finally:
             self.counters.count(self.counters.sent, outcome)
@@ -261,7 +263,8 @@ class PeerTransfers:
         backoff = BUSY_RETRY_S
         offer = Offer(transfer_id=out.transfer_id, key=out.key, src_dev=out.src_dev,
                       dst_dev="any", nbytes=nbytes, num_blocks=num_blocks,
-                      layout=list(layout), ttl_s=ttl_s, src_gpu=out.source.gpu is not None)
+                      layout=list(layout), ttl_s=ttl_s, src_gpu=out.source.gpu is not None,
+                      one_run=out.one_run)
         while True:
             out.offer_pending = True
             self.plane.send(out.link, offer)
@@ -284,6 +287,20 @@ class PeerTransfers:
                 continue
             raise ProtocolError(f"unexpected {type(reply).__name__} in answer to an offer")
 
+    async def _wait_started(self, out: _Outgoing) -> None:
+        """A send the ACCEPT started must end before the pusher answers: no byte may be
+        read from the client's blocks after that. TCP stops at the next chunk; NCCL runs
+        to its end (or its deadline)."""
+        job = out.nccl_job or out.tcp_job
+        if job is None or job.future.done():
+            return
+        if isinstance(job, SendJob):
+            if job.future.cancel():
+                return
+            job.stop.set()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), 60.0)
+
     def _give_up(self, out: _Outgoing) -> None:
         self.plane.send(out.link, XferCancel(transfer_id=out.transfer_id))
 
@@ -301,15 +318,24 @@ class PeerTransfers:
         assert self.nccl is not None
         entry = self.nccl.for_send(link, src_dev, accept.dst_dev, accept.channel,
                                    accept.nccl_uid)
+        if accept.chunk_bytes <= 0:
+            raise ProtocolError("an NCCL accept must say its chunk size")
         job = NcclJob(accept.transfer_id, blocks, layout, num_blocks,
                       time.monotonic() + max(0.0, deadline - self._loop.time()),
-                      wire_bytes(layout, num_blocks))
+                      wire_bytes(layout, num_blocks), accept.chunk_bytes)
         entry.channel.submit(job)
         return job
 
     def _on_accept(self, link: PeerLink, msg: Accept, out: _Outgoing | None) -> Any:
-        """An ACCEPT for NCCL starts the send at once; returns what the pusher gets."""
+        """An ACCEPT starts the send at once, in message order (the pusher's coroutine
+        would wake later); returns what the pusher gets."""
         if msg.channel == 0:
+            if out is None:
+                return None
+            if out.source.gpu is not None or out.tcp_channel is None:
+                return ProtocolError(f"{link.address} accepted GPU blocks over TCP")
+            out.tcp_job = SendJob(msg.transfer_id, out.source.views())
+            out.tcp_channel.submit(out.tcp_job)
             return msg
         try:
             if self.nccl is None or (out is not None and out.src_dev == CPU_DEVICE):
@@ -511,11 +537,24 @@ class PeerTransfers:
                              "no NCCL to send there (GPU memory does not go over TCP)")
         local_dev = str(dest) if dest.type == "cuda" else self.plane.gpus[0]
         entry = self.nccl.for_receive(link, local_dev, offer.src_dev)
+        chunk = self._chunk_bytes(offer, arrival)
         job = NcclJob(tid, arrival.blocks, tuple(offer.layout), offer.num_blocks,
-                      time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes)
+                      time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
+                      chunk)
         entry.channel.submit(job)
         return job, Accept(transfer_id=tid, dst_dev=local_dev, channel=entry.channel_id,
-                           nccl_uid=entry.unique_id)
+                           nccl_uid=entry.unique_id, chunk_bytes=chunk)
+
+    def _chunk_bytes(self, offer: Offer, arrival: Arrival) -> int:
+        """``nccl_chunk_bytes``, or, when both ends hold each tensor's blocks as one run
+        at least that large, one message per tensor: no staging, fewest messages."""
+        configured = self.engine.config.nccl_chunk_bytes
+        run = max(e.bytes_per_block for e in offer.layout) * offer.num_blocks
+        if (offer.one_run and run >= configured and arrival.device.type == "cuda"
+                and arrival.blocks.one_run()
+                and all(e.bytes_per_block * offer.num_blocks == run for e in offer.layout)):
+            return run
+        return configured
 
     def _receive_timeout(self, nbytes: int) -> float:
         """How long a receive may take once queued: the peer's grace (it may be slow to

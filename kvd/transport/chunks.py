@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvd.memory.regions import Layout, packed_offsets
+from kvd.transport import gpu_copy
+from kvd.transport.gpu_copy import PieceTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,7 @@ class Segment:
 class Chunk:
     segments: tuple[Segment, ...]
     nbytes: int
+    wire_offset: int = 0  # where the chunk starts in the transfer's bytes
 
 
 def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk]:
@@ -46,7 +49,7 @@ def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk
         raise ValueError("chunk_bytes must be positive")
     chunks: list[Chunk] = []
     segments: list[Segment] = []
-    used = 0
+    used = done = 0
     for t, entry in enumerate(layout):
         bpb = entry.bytes_per_block
         if bpb == 0:
@@ -57,15 +60,15 @@ def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk
             if room == 0 and used == 0:
                 room = 1  # a block larger than a chunk travels alone
             if room == 0:
-                chunks.append(Chunk(tuple(segments), used))
-                segments, used = [], 0
+                chunks.append(Chunk(tuple(segments), used, done))
+                segments, done, used = [], done + used, 0
                 continue
             take = min(room, num_blocks - pos)
             segments.append(Segment(t, pos, pos + take, used, take * bpb))
             used += take * bpb
             pos += take
     if segments:
-        chunks.append(Chunk(tuple(segments), used))
+        chunks.append(Chunk(tuple(segments), used, done))
     return chunks
 
 
@@ -81,6 +84,7 @@ class BlockSet:
     tensors: Sequence[torch.Tensor]
     ids: list[int]
     _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    _tables: dict[torch.device, PieceTable | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
@@ -97,6 +101,14 @@ class BlockSet:
             found = torch.tensor(self.ids, dtype=torch.long, device=device)
             self._ids_on[device] = found
         return found
+
+    def one_run(self) -> bool:
+        """Each tensor's blocks are consecutive ids of a block-contiguous tensor: the
+        bytes can travel straight from (or into) this memory in one message per tensor."""
+        if not self.ids or self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
+            return False
+        first = self.ids[0]
+        return all(t[first : first + len(self.ids)].is_contiguous() for t in self.tensors)
 
     def _run(self, seg: Segment) -> int | None:
         """The first block id if the segment's blocks are consecutive ids, else None."""
@@ -124,6 +136,28 @@ class BlockSet:
             return None
         return piece.reshape(-1).view(torch.uint8)
 
+    def _table(self, staging: torch.Tensor) -> PieceTable | None:
+        """The piece table for one-launch copies to or from ``staging``'s GPU, if the
+        memory allows it (see ``transport.gpu_copy``)."""
+        if not staging.is_cuda:
+            return None
+        device = staging.device
+        if device not in self._tables:
+            usable = gpu_copy.available() and gpu_copy.describable(self.tensors, device)
+            self._tables[device] = (gpu_copy.PieceTable(self.tensors, self.ids, device)
+                                    if usable else None)
+        return self._tables[device]
+
+    def _one_launch(self, chunk: Chunk, staging: torch.Tensor, gather: bool) -> bool:
+        table = self._table(staging)
+        if table is None:
+            return False
+        head, tail = chunk.segments[0], chunk.segments[-1]
+        first = table.piece_range(head.tensor, head.start, head.stop)[0]
+        last = table.piece_range(tail.tensor, tail.start, tail.stop)[1]
+        table.copy(first, last, staging.data_ptr() - chunk.wire_offset, gather)
+        return True
+
     def _section(self, staging: torch.Tensor, seg: Segment) -> torch.Tensor:
         t = self.tensors[seg.tensor]
         raw = staging[seg.offset : seg.offset + seg.nbytes]
@@ -131,6 +165,8 @@ class BlockSet:
 
     def load(self, chunk: Chunk, staging: torch.Tensor) -> torch.Tensor:
         """Gather the chunk's blocks into ``staging`` (uint8, at least chunk.nbytes)."""
+        if self._one_launch(chunk, staging, gather=True):
+            return staging[: chunk.nbytes]
         for seg in chunk.segments:
             t = self.tensors[seg.tensor]
             out = self._section(staging, seg)
@@ -145,6 +181,8 @@ class BlockSet:
 
     def store(self, chunk: Chunk, staging: torch.Tensor) -> None:
         """Scatter a received chunk from ``staging`` into this memory's blocks."""
+        if self._one_launch(chunk, staging, gather=False):
+            return
         for seg in chunk.segments:
             t = self.tensors[seg.tensor]
             src = self._section(staging, seg)

@@ -53,6 +53,7 @@ class NcclJob:
     num_blocks: int
     deadline: float  # time.monotonic()
     nbytes: int = 0
+    chunk_bytes: int = 0  # as the ACCEPT said (both ends must cut the bytes alike)
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     started_at: float = 0.0
     abandoned: bool = False  # receiver: drop the bytes instead of storing them
@@ -169,11 +170,15 @@ class NcclChannel:
         if first and self._on_failed is not None:
             self._on_failed(self, err)
 
-    def _buffers(self, nbytes: int) -> list[torch.Tensor]:
+    def _buffer(self, b: int, nbytes: int) -> torch.Tensor:
+        """Staging buffer ``b`` of at least ``nbytes``; allocated on first need only (a
+        transfer whose chunks all go straight from memory to memory needs none). Growing
+        it waits for the GPU: the old buffers may still be in use."""
         if not self._staging or self._staging[0].numel() < nbytes:
+            torch.cuda.synchronize(self.device)
             self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                              for _ in range(STAGING_BUFFERS)]
-        return self._staging
+        return self._staging[b]
 
     def _remaining(self, job: NcclJob) -> float:
         left = job.deadline - time.monotonic()
@@ -184,12 +189,12 @@ class NcclChannel:
     def _send(self, job: NcclJob) -> int:
         comm = self._comm
         assert comm is not None
-        chunks = plan_chunks(job.layout, job.num_blocks, self.chunk_bytes)
-        staging = self._buffers(max((c.nbytes for c in chunks), default=0))
-        freed: list[torch.cuda.Event | None] = [None] * len(staging)
+        chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
+        size = max((c.nbytes for c in chunks), default=0)
+        freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         total = 0
         for k, chunk in enumerate(chunks):
-            b = k % len(staging)
+            b = k % STAGING_BUFFERS
             with torch.cuda.stream(self._copy_stream):
                 blocks = job.blocks
                 buf = blocks.direct(chunk, self.device) if blocks is not None else None
@@ -198,8 +203,9 @@ class NcclChannel:
                     if free_at is not None:
                         self._copy_stream.wait_event(free_at)
                     # A sender that gave up sends zeros: the receiver waits for the bytes.
-                    buf = (blocks.load(chunk, staging[b]) if blocks is not None
-                           else staging[b][: chunk.nbytes].zero_())
+                    stage = self._buffer(b, size)
+                    buf = (blocks.load(chunk, stage) if blocks is not None
+                           else stage[: chunk.nbytes].zero_())
                 loaded = torch.cuda.Event()
                 loaded.record(self._copy_stream)
             self._comm_stream.wait_event(loaded)
@@ -216,12 +222,12 @@ class NcclChannel:
     def _recv(self, job: NcclJob) -> int:
         comm = self._comm
         assert comm is not None
-        chunks = plan_chunks(job.layout, job.num_blocks, self.chunk_bytes)
-        staging = self._buffers(max((c.nbytes for c in chunks), default=0))
-        stored: list[torch.cuda.Event | None] = [None] * len(staging)
+        chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
+        size = max((c.nbytes for c in chunks), default=0)
+        stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         total = 0
         for k, chunk in enumerate(chunks):
-            b = k % len(staging)
+            b = k % STAGING_BUFFERS
             dropping = job.abandoned or job.blocks is None
             buf = None if dropping else job.blocks.direct(chunk, self.device)  # type: ignore[union-attr]
             staged = buf is None
@@ -229,7 +235,7 @@ class NcclChannel:
                 free_at = stored[b]
                 if free_at is not None:
                     self._comm_stream.wait_event(free_at)
-                buf = staging[b][: chunk.nbytes]
+                buf = self._buffer(b, size)[: chunk.nbytes]
             assert buf is not None
             comm.recv(buf, 0, self._comm_stream, self._remaining(job))
             total += chunk.nbytes
