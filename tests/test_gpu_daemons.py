@@ -282,3 +282,34 @@ def test_same_gpu_local_copy() -> None:
             assert_moved(src, [1, 2, 3, 50], dst, [4, 5, 6, 7])
     finally:
         stop_node(node)
+
+
+def test_one_launch_gather_and_scatter_on_gpu() -> None:
+    """The piece-table kernel (transport.gpu_copy) against the per-tensor copies: blocks
+    large enough to be split into pieces, small ones, two dtypes, many chunks."""
+    from kvd.protocol import LayoutEntry
+    from kvd.transport import gpu_copy
+    from kvd.transport.chunks import BlockSet, plan_chunks
+
+    if not gpu_copy.available():
+        pytest.skip("no triton here")
+    gen = torch.Generator(device="cuda:1").manual_seed(11)
+    src = [torch.randint(0, 2**15, (96, 64, 1024), generator=gen, device="cuda:1",
+                         dtype=torch.int16),  # 128 KiB blocks: two pieces each
+           torch.randint(0, 255, (96, 40 * 1024), generator=gen, device="cuda:1",
+                         dtype=torch.uint8)]  # 40 KiB blocks
+    layout = tuple(LayoutEntry(t[0].numel() * t.element_size(), "uint8") for t in src)
+    ids_in = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:50].tolist()
+    ids_out = torch.randperm(96, generator=torch.Generator().manual_seed(2))[:50].tolist()
+    dst = [torch.zeros_like(t) for t in src]
+    chunks = plan_chunks(layout, 50, 1 << 20)
+    staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device="cuda:1")
+    reader, writer = BlockSet(src, ids_in), BlockSet(dst, ids_out)
+    for chunk in chunks:
+        writer.store(chunk, reader.load(chunk, staging))
+    torch.cuda.synchronize()
+    assert reader._tables[torch.device("cuda:1")] is not None  # the kernel was used
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[ids_out], s[ids_in])
+        others = [i for i in range(96) if i not in ids_out]
+        assert torch.count_nonzero(d[others]) == 0

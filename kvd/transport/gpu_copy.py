@@ -14,6 +14,7 @@ table cannot describe: host memory, mixed devices, blocks that are not contiguou
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ PIECE_BYTES = 64 * 1024  # blocks larger than this are split so more SMs share t
 WORD = 8
 _kernel: Any = None
 _checked = False
+_launch_lock = threading.Lock()  # Triton compiles on a first launch; channel threads race
 
 
 def available() -> bool:
@@ -92,6 +94,7 @@ class PieceTable:
         for k in splits:
             self._first.append(self._first[-1] + n * k)
         self.num_blocks = n
+        self.device = device
 
     def piece_range(self, tensor: int, start: int, stop: int) -> tuple[int, int]:
         k = self.pieces_per_block[tensor]
@@ -104,8 +107,9 @@ class PieceTable:
         count = last - first
         if count <= 0:
             return
-        _kernel[(count,)](self.addr[first:], self.offset[first:], self.nwords[first:],
-                          staging_base, GATHER=gather, BLOCK=2048)
+        with _launch_lock, torch.cuda.device(self.device):  # Triton launches on the current one
+            _kernel[(count,)](self.addr[first:], self.offset[first:], self.nwords[first:],
+                              staging_base, GATHER=gather, BLOCK=2048)
 
 
 def describable(tensors: Any, device: torch.device) -> bool:
