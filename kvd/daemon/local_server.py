@@ -227,7 +227,6 @@ class LocalServer:
                 "unknown client: say Hello first (the daemon may have restarted; "
                 "registrations do not survive a restart, create a new client)"))
             return
-        from kvd._trace import T; T(f"local.recv {type(msg).__name__}")
         self._dispatch(session, msg)
 
     def _hello(self, identity: bytes, msg: Hello, fd: int) -> None:
@@ -361,7 +360,6 @@ class LocalServer:
     # ------------------------------------------------------------ replies
 
     def _send(self, identity: bytes, msg: Any) -> None:
-        from kvd._trace import T; T(f"local.reply {type(msg).__name__}")
         try:
             self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # client gone or its queue full: its loss, not ours

@@ -346,7 +346,6 @@ class PeerPlane:
 
     def send(self, link: PeerLink, msg: Any) -> None:
         """Send a message on the link (dropped silently if the link is gone)."""
-        from kvd._trace import T; T(f"peer.send {type(msg).__name__}")
         if not link.alive:
             return
         data = encode(msg)
@@ -461,7 +460,6 @@ class PeerPlane:
         link.last_seen = self._loop.time()
         if isinstance(msg, Heartbeat):
             return
-        from kvd._trace import T; T(f"peer.recv {type(msg).__name__}")
         if isinstance(msg, PeerError):
             log.warning("peer %s reported: [%s] %s", link.address, msg.code, msg.message)
             if "peer_hello" in msg.message:  # it restarted and forgot us

@@ -572,7 +572,6 @@ class PeerTransfers:
         try:
             with self.engine.using_regions(regions, afut):
                 nbytes = await asyncio.shield(afut)
-            from kvd._trace import T; T("recv.done.loop")
         except (asyncio.CancelledError, Exception) as exc:
             err = _as_kvd_error(exc, f"transfer {tid}")
             outcome = "cancelled" if isinstance(err, Cancelled) else "failed"

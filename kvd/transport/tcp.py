@@ -213,7 +213,6 @@ class SendChannel(Channel):
 
     def _send(self, sock: socket.socket, job: SendJob) -> None:
         job.started_at = time.monotonic()
-        from kvd._trace import T; T("tcp.send.start")
         total = sum(len(v) for v in job.views)
         cursor, left = _Cursor(job.views), total
         while True:
@@ -231,7 +230,6 @@ class SendChannel(Channel):
                 sent = sock.sendmsg(pending[:512])
                 _advance(pending, sent)
             if not left:
-                T("tcp.send.end")
                 _settle(job.future, result=total)
                 return
 
