@@ -77,3 +77,31 @@ def test_packed_buffers_and_direct_chunks() -> None:
     assert torch.equal(buf[: 16 * 1024].view(torch.int32).view(16, 256), src[0])
     assert BlockSet(src, [0, 2]).direct(plan_chunks(layout, 2, 8 * KIB)[0],
                                         torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_piece_table_lists_every_block_piece_in_wire_order(mixed: bool) -> None:
+    # The table the one-launch GPU copy reads, built here from CPU tensors: addresses of
+    # each block piece in the source, and where it goes in the packed chunk bytes.
+    from kvd.transport.gpu_copy import PIECE_BYTES, PieceTable
+
+    tensors = [torch.empty(8, 2 * PIECE_BYTES, dtype=torch.uint8),  # two pieces per block
+               torch.empty(8, 3, 1000, dtype=torch.int16)]  # 6000 bytes, one piece
+    if not mixed:
+        tensors = [tensors[0], torch.empty(8, 2 * PIECE_BYTES, dtype=torch.uint8)]
+    ids = [5, 0, 7]
+    table = PieceTable(tensors, ids, torch.device("cpu"))
+    expected = []
+    wire = 0
+    for t in tensors:
+        block = t[0].numel() * t.element_size()
+        k = block // PIECE_BYTES if block % PIECE_BYTES == 0 else 1
+        for i in ids:
+            for j in range(k):
+                expected.append((t[i].data_ptr() + j * block // k, wire, block // k // 8))
+                wire += block // k
+    got = list(zip(table.addr.tolist(), table.offset.tolist(), table.nwords.tolist(),
+                   strict=True))
+    assert got == expected
+    assert table.piece_range(1, 1, 3) == (len(ids) * 2 + (1 if mixed else 2),
+                                          len(ids) * 2 + (3 if mixed else 6))

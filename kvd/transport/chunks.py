@@ -16,6 +16,7 @@ run of consecutive blocks, ``index_select`` / ``index_copy_`` otherwise).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,8 +108,8 @@ class BlockSet:
         bytes can travel straight from (or into) this memory in one message per tensor."""
         if not self.ids or self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
             return False
-        first = self.ids[0]
-        return all(t[first : first + len(self.ids)].is_contiguous() for t in self.tensors)
+        return all(gpu_copy.block_contiguous(t) and (
+            len(self.ids) == 1 or t.stride(0) == math.prod(t.shape[1:])) for t in self.tensors)
 
     def _run(self, seg: Segment) -> int | None:
         """The first block id if the segment's blocks are consecutive ids, else None."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -126,7 +127,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     copy (NVLink), scatter on the destination GPU — a few large copies instead of one
     small one per block (or a temporary per tensor). Contiguous runs skip the staging."""
     # The plan needs bytes per block only; the copies keep each tensor's own dtype.
-    layout = tuple(LayoutEntry(t[0].numel() * t.element_size() if len(t) else 0, "uint8")
+    layout = tuple(LayoutEntry(math.prod(t.shape[1:]) * t.element_size(), "uint8")
                    for t in src)
     chunks = plan_chunks(layout, len(src_ids), chunk_bytes)
     if not chunks:
