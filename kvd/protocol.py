@@ -95,6 +95,9 @@ class CudaIpcTensor(Struct, tag="cuda_ipc", tag_field="kind", frozen=True,
     shape: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
     stride: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
     dtype: DType
+    # The client's interprocess CUDA event for this GPU: it records it on its stream before
+    # every request that reads the region, and the daemon's reads wait for it.
+    ready_event: Annotated[bytes, Meta(max_length=256)] = b""
 
 
 TensorSpec = ShmTensor | CudaIpcTensor

@@ -313,3 +313,30 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
         assert torch.equal(d[ids_out], s[ids_in])
         others = [i for i in range(96) if i not in ids_out]
         assert torch.count_nonzero(d[others]) == 0
+
+
+def test_reads_wait_for_the_clients_queued_writes() -> None:
+    """No synchronize before put: the client library records an interprocess CUDA event,
+    and the daemons' reads (a local copy, and an NCCL send) wait for it. The writes sit
+    behind ~100 ms of GPU work, so reading early would see the previous values."""
+    with two_nodes() as (a, b), kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+            kvd.KvdClient(b.sock, timeout_s=60) as cb:
+        src = torch.zeros((16, 2**20), dtype=torch.uint8, device="cuda:0")
+        here = torch.zeros_like(src)
+        there = torch.zeros_like(src, device="cuda:1")
+        torch.cuda.synchronize()
+        r_src, r_here, r_there = (ca.register("src", [src]), ca.register("here", [here]),
+                                  cb.register("there", [there]))
+        blocks = list(range(16))
+        for trial in range(1, 4):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
+            src.fill_(trial)
+            ca.put(f"local{trial}", r_src, blocks, ttl_s=60).wait(60)
+            ca.get(f"local{trial}", r_here, blocks, timeout_s=60)
+            torch.cuda._sleep(200_000_000)
+            src.fill_(trial + 10)
+            ca.put(f"remote{trial}", r_src, blocks, to=b.address).wait(60)
+            cb.get(f"remote{trial}", r_there, blocks, timeout_s=60)
+            torch.cuda.synchronize()
+            assert bool((here == trial).all()), f"local read before the write ({trial})"
+            assert bool((there == trial + 10).all()), f"NCCL read before the write ({trial})"

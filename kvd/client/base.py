@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.client.shm import share_with_daemon, tensor_spec
+from kvd.client.shm import mark_ready, share_with_daemon, tensor_spec
 from kvd.errors import BadRequest, DaemonUnavailable, KvdError, KvdTimeout, error_from_code
 from kvd.protocol import (
     PROTOCOL_VERSION,
@@ -68,6 +68,7 @@ class Region:
     num_blocks: int
     layout: tuple[LayoutEntry, ...]
     tensors: tuple[Any, ...] = field(repr=False, compare=False)
+    gpus: tuple[int, ...] = ()  # GPUs its tensors live on (their reads are ordered by events)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,16 @@ def _blocks(blocks: Iterable[int]) -> list[int]:
 
 def _region_id(region: Region | int) -> int:
     return region.region_id if isinstance(region, Region) else int(region)
+
+
+def _reading(region: Region | int) -> int:
+    """The id of a region the daemon is about to read; its GPU writes so far come first.
+    (A bare id carries no tensors: the caller then orders its writes itself.)"""
+    if isinstance(region, Region):
+        if region.gpus:
+            mark_ready(region.gpus)
+        return region.region_id
+    return int(region)
 
 
 class RequestBuilder:
@@ -188,7 +199,7 @@ class RequestBuilder:
 
     def offload(self, key: str, region: Region | int, blocks: Iterable[int],
                 ttl_s: float | None, timeout_s: float | None) -> Call:
-        msg = Offload(req_id=self.next_id(), key=key, region_id=_region_id(region),
+        msg = Offload(req_id=self.next_id(), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
 
@@ -202,7 +213,7 @@ class RequestBuilder:
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,
             ttl_s: float | None, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Put(req_id=self.next_id(), key=key, region_id=_region_id(region),
+        msg = Put(req_id=self.next_id(), key=key, region_id=_reading(region),
                   blocks=_blocks(blocks), to=to or "", ttl_s=ttl_s, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
@@ -215,7 +226,7 @@ class RequestBuilder:
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int],
                 ttl_s: float | None, timeout_s: float | None) -> Call:
-        msg = Publish(req_id=self.next_id(), key=key, region_id=_region_id(region),
+        msg = Publish(req_id=self.next_id(), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
 
@@ -249,6 +260,8 @@ def result_of(call: Call, reply: Reply, rtt_s: float) -> Any:
         return reply
     if call.kind == "region" and isinstance(reply, Registered):
         msg = call.msg
+        gpus = tuple(sorted({t.device.index for t in call.tensors
+                             if getattr(t, "is_cuda", False)}))
         return Region(reply.region_id, msg.name, reply.num_blocks, tuple(reply.layout),
-                      call.tensors)
+                      call.tensors, gpus)
     raise KvdError(f"unexpected reply {type(reply).__name__} to {type(call.msg).__name__}")

@@ -108,6 +108,31 @@ def _dtype_name(dtype: Any, index: int) -> Any:
     return name
 
 
+_ready_events: dict[int, Any] = {}  # GPU index -> this process's interprocess event
+
+
+def _ready_event(device: int) -> Any:
+    import torch
+
+    with _lock:
+        event = _ready_events.get(device)
+        if event is None:
+            with torch.cuda.device(device):
+                event = _ready_events[device] = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream(device))  # a handle needs a record
+        return event
+
+
+def mark_ready(gpus: Sequence[int]) -> None:
+    """Before a request that makes the daemon read GPU blocks: record this process's
+    interprocess event on each GPU's current stream, so the daemon's reads come after the
+    writes queued so far (the daemon's stream waits for the event; nobody synchronises)."""
+    import torch
+
+    for device in gpus:
+        _ready_event(device).record(torch.cuda.current_stream(device))
+
+
 def cuda_tensor_spec(tensor: torch.Tensor, index: int = 0) -> CudaIpcTensor:
     """What torch's ``reduce_tensor`` would pickle, as plain fields: the daemon rebuilds the
     tensor with ``rebuild_cuda_tensor``. The storage must come from torch's caching
@@ -128,7 +153,8 @@ def cuda_tensor_spec(tensor: torch.Tensor, index: int = 0) -> CudaIpcTensor:
         ref_counter_offset=int(ref_offset or 0), event_handle=bytes(event_handle or b""),
         event_sync_required=bool(event_sync), tensor_offset=int(tensor.storage_offset()),
         shape=list(tensor.shape), stride=list(tensor.stride()),
-        dtype=_dtype_name(tensor.dtype, index))
+        dtype=_dtype_name(tensor.dtype, index),
+        ready_event=bytes(_ready_event(tensor.device.index).ipc_handle()))
 
 
 def tensor_spec(tensor: torch.Tensor, index: int = 0) -> ShmTensor | CudaIpcTensor:

@@ -78,6 +78,16 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float]:
     return started, result, time.monotonic()
 
 
+def _after_ready(source: Region, fn: Callable[..., int], *args: Any) -> int:
+    """Run a copy that reads ``source`` after the writes its client recorded (interprocess
+    CUDA events, see ``protocol.CudaIpcTensor.ready_event``)."""
+    if source.ready_events:
+        from kvd.memory.cuda_ipc import wait_ready
+
+        wait_ready(source.ready_events)
+    return fn(*args)
+
+
 def _sum_by(table: dict[tuple[str, str], int], part: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for key, n in table.items():
@@ -270,7 +280,8 @@ class Engine:
             block = self.pool.alloc(max(nbytes, 1))
             try:
                 view = self.pool.view(block)
-                await self._copy([region], nbytes, local.gather, region.tensors, region.layout,
+                await self._copy([region], nbytes, _after_ready, region, local.gather,
+                                 region.tensors, region.layout,
                                  idx, view)
             except BaseException:
                 self.pool.free(block)
@@ -331,7 +342,8 @@ class Engine:
             if item.region is not None:
                 assert item.region_idx is not None
                 nbytes = await self._copy(
-                    [item.region, region], item.nbytes, local.copy_blocks,
+                    [item.region, region], item.nbytes, _after_ready, item.region,
+                    local.copy_blocks,
                     item.region.tensors, item.region_idx, region.tensors, idx,
                 )
             else:
@@ -483,7 +495,8 @@ class Engine:
         waiter.delivering = True
         try:
             nbytes = await self._copy(
-                [region, waiter.region], region.bytes_per_block * len(idx), local.copy_blocks,
+                [region, waiter.region], region.bytes_per_block * len(idx), _after_ready,
+                region, local.copy_blocks,
                 region.tensors, idx, waiter.region.tensors, waiter.idx,
             )
         except BaseException as exc:

@@ -93,6 +93,7 @@ class _Outgoing:
     nbytes: int = 0
     src_dev: str = CPU_DEVICE  # our end of an NCCL channel ("cpu": none)
     one_run: bool = False  # told in the offer: see Offer.one_run
+    ready_events: list[Any] = field(default_factory=list)  # the source regions' clients
     tcp_channel: SendChannel | None = None  # our data connection, if TCP may be chosen
     nccl_job: NcclJob | None = None  # set when an ACCEPT chose NCCL
     tcp_job: SendJob | None = None  # or TCP
@@ -188,7 +189,8 @@ class PeerTransfers:
         if self.nccl is not None and any(d.startswith("cuda") for d in link.devices):
             src_dev = source.gpu or self.plane.gpus[0]
         out = _Outgoing(tid, key, link, source, layout, num_blocks, deadline, nbytes, src_dev,
-                        one_run=source.gpu is not None and source.blocks.one_run())
+                        one_run=source.gpu is not None and source.blocks.one_run(),
+                        ready_events=[e for r in regions for e in r.ready_events])
         self._outgoing[tid] = out
         outcome = "failed"
         requested = time.monotonic()
@@ -312,7 +314,7 @@ class PeerTransfers:
 
     def _start_nccl_send(self, link: PeerLink, accept: Accept, blocks: BlockSet | None,
                          layout: Layout, num_blocks: int, src_dev: str,
-                         deadline: float) -> NcclJob:
+                         deadline: float, ready_events: list[Any] | None = None) -> NcclJob:
         """Queue the bytes on the channel the ACCEPT names, now, in message order: the
         receiver queued its side in the same order."""
         assert self.nccl is not None
@@ -322,7 +324,8 @@ class PeerTransfers:
             raise ProtocolError("an NCCL accept must say its chunk size")
         job = NcclJob(accept.transfer_id, blocks, layout, num_blocks,
                       time.monotonic() + max(0.0, deadline - self._loop.time()),
-                      wire_bytes(layout, num_blocks), accept.chunk_bytes)
+                      wire_bytes(layout, num_blocks), accept.chunk_bytes,
+                      ready_events=ready_events or [])
         entry.channel.submit(job)
         return job
 
@@ -346,7 +349,8 @@ class PeerTransfers:
                                       self._loop.time() + self._receive_timeout(0))
                 return None
             out.nccl_job = self._start_nccl_send(link, msg, out.source.blocks, out.layout,
-                                                 out.num_blocks, out.src_dev, out.deadline)
+                                                 out.num_blocks, out.src_dev, out.deadline,
+                                                 out.ready_events)
             return msg
         except KvdError as err:
             return err
@@ -628,6 +632,12 @@ class PeerTransfers:
             self._refuse(link, tid, err)
             return
         source = _Source(self.engine.source_blocks(item))
+        try:  # GPU bytes for a puller without NCCL: tell it now, not at its timeout
+            self._check_gpu_route(link, source)
+        except KvdError as err:
+            item.end_read()
+            self._refuse(link, tid, err)
+            return
         regions = [item.region] if item.region is not None else []
         deadline = self._loop.time() + self.engine.config.max_wait_s
 

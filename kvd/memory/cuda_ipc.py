@@ -38,3 +38,23 @@ def open_cuda_tensor(spec: CudaIpcTensor, dtype: torch.dtype) -> torch.Tensor:
     except RuntimeError as exc:
         raise BadRequest(f"cannot open the CUDA IPC handle of a tensor on GPU "
                          f"{spec.gpu_uuid}: {exc}") from None
+
+
+def open_ready_event(spec: CudaIpcTensor) -> tuple[int, torch.cuda.Event] | None:
+    """The client's interprocess event for the tensor's GPU (see ``CudaIpcTensor``)."""
+    if not spec.ready_event:
+        return None
+    device = device_by_uuid(spec.gpu_uuid)
+    try:
+        return device, torch.cuda.Event.from_ipc_handle(device, spec.ready_event)
+    except RuntimeError as exc:
+        raise BadRequest(f"cannot open the client's CUDA event for GPU {spec.gpu_uuid}: "
+                         f"{exc}") from None
+
+
+def wait_ready(events: list[tuple[int, torch.cuda.Event]], stream: torch.cuda.Stream | None = None,
+               ) -> None:
+    """Make ``stream`` (default: each event's device's current stream) wait for what the
+    clients recorded: their writes before the request that made us read."""
+    for device, event in events:
+        (stream or torch.cuda.current_stream(device)).wait_event(event)

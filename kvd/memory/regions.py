@@ -152,6 +152,8 @@ class Region:
     layout: Layout
     files: list[str] = field(default_factory=list)
     mappings: list[Any] = field(default_factory=list, repr=False)
+    # (device, event): the client's interprocess events; reads of the region wait for them
+    ready_events: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def on_gpu(self) -> bool:
@@ -176,16 +178,19 @@ class Region:
 
 
 def _build_tensors(
-    specs: Sequence[TensorSpec], block_dim: int, maps: dict[str, _ShmMapping]
+    specs: Sequence[TensorSpec], block_dim: int, maps: dict[str, _ShmMapping],
+    events: dict[bytes, Any],
 ) -> list[torch.Tensor]:
     tensors = []
     for i, spec in enumerate(specs):
         if len(spec.shape) <= block_dim:
             raise BadRequest(f"tensor {i} has {len(spec.shape)} dims, block_dim is {block_dim}")
         if isinstance(spec, CudaIpcTensor):
-            from kvd.memory.cuda_ipc import open_cuda_tensor
+            from kvd.memory.cuda_ipc import open_cuda_tensor, open_ready_event
 
             tensors.append(open_cuda_tensor(spec, torch_dtype(spec.dtype)).movedim(block_dim, 0))
+            if spec.ready_event and spec.ready_event not in events:
+                events[spec.ready_event] = open_ready_event(spec)
             continue
         mapping = maps.get(spec.path)
         if mapping is None:
@@ -196,12 +201,13 @@ def _build_tensors(
 
 def build_region_tensors(
     name: str, specs: Sequence[TensorSpec], block_dim: int
-) -> tuple[list[torch.Tensor], dict[str, _ShmMapping]]:
-    """Map a region's tensors and check they share one block count. No shared state:
-    safe in a thread (opening CUDA IPC handles can take a while)."""
+) -> tuple[list[torch.Tensor], dict[str, _ShmMapping], list[Any]]:
+    """Map a region's tensors (and open its clients' CUDA events) and check they share one
+    block count. No shared state: safe in a thread (CUDA IPC can take a while)."""
     maps: dict[str, _ShmMapping] = {}
+    events: dict[bytes, Any] = {}
     try:
-        tensors = _build_tensors(specs, block_dim, maps)
+        tensors = _build_tensors(specs, block_dim, maps, events)
         num_blocks = tensors[0].shape[0]
         for i, t in enumerate(tensors):
             if t.shape[0] != num_blocks:
@@ -213,7 +219,7 @@ def build_region_tensors(
         for m in maps.values():
             m.close()
         raise
-    return tensors, maps
+    return tensors, maps, list(events.values())
 
 
 class RegionTable:
@@ -238,7 +244,7 @@ class RegionTable:
             raise BadRequest(f"region {name!r} is already registered by this client")
 
     def add(self, owner: int, name: str, tensors: list[torch.Tensor],
-            maps: dict[str, _ShmMapping]) -> Region:
+            maps: dict[str, _ShmMapping], ready_events: list[Any] | None = None) -> Region:
         """Record a region whose tensors ``build_region_tensors`` made (on the loop)."""
         self.check_name(owner, name)
         num_blocks = tensors[0].shape[0]
@@ -258,6 +264,7 @@ class RegionTable:
             layout=layout,
             files=sorted(maps),
             mappings=list(maps.values()),
+            ready_events=ready_events or [],
         )
         self._next_id += 1
         self._by_id[region.region_id] = region

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
+from kvd.memory.cuda_ipc import wait_ready
 from kvd.memory.regions import Layout
 from kvd.transport.chunks import BlockSet, plan_chunks
 from kvd.transport.nccl import Communicator
@@ -54,6 +55,7 @@ class NcclJob:
     deadline: float  # time.monotonic()
     nbytes: int = 0
     chunk_bytes: int = 0  # as the ACCEPT said (both ends must cut the bytes alike)
+    ready_events: list[Any] = field(default_factory=list)  # sender: clients' writes first
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     started_at: float = 0.0
     abandoned: bool = False  # receiver: drop the bytes instead of storing them
@@ -192,6 +194,7 @@ class NcclChannel:
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
         size = max((c.nbytes for c in chunks), default=0)
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
         total = 0
         for k, chunk in enumerate(chunks):
             b = k % STAGING_BUFFERS
