@@ -353,6 +353,10 @@ class PeerTransfers:
                                                  out.ready_events)
             return msg
         except KvdError as err:
+            # The receiver has queued its receive on that channel and would wait for bytes
+            # that will not come until its deadline: tell it to drop the channel now.
+            self.plane.send(link, ChannelDown(channel=msg.channel, reason=(
+                f"the sender could not send transfer {msg.transfer_id}: {err.message}")[:4000]))
             return err
 
     async def _reply(self, out: _Outgoing, deadline: float, what: str) -> Any:
