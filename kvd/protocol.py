@@ -319,7 +319,9 @@ class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
 class Offer(_PeerMsg, tag="offer", frozen=True):
     """``src_dev``: the sender's device for an NCCL channel ("cuda:N"), or "cpu" when it
     has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP);
-    ``one_run``: each tensor's blocks are one contiguous run (NCCL can send them as is)."""
+    ``one_run``: each tensor's blocks are one contiguous run (NCCL can send them as is);
+    ``eager``: the bytes follow on the TCP data connection without waiting for an ACCEPT
+    (the receiver discards them if it answers BUSY or REFUSE)."""
 
     transfer_id: TransferId
     key: Key
@@ -331,6 +333,7 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     ttl_s: Seconds | None = None
     src_gpu: bool = False
     one_run: bool = False
+    eager: bool = False
 
 
 ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]

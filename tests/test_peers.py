@@ -150,6 +150,25 @@ def test_busy_then_success_and_exhausted_at_deadline(nodes: object) -> None:
         a.client.put("fourth", r_src, [3], to=b.address, timeout_s=1).wait(10)
 
 
+def test_refused_eager_bytes_are_dropped_and_the_stream_stays_in_step(nodes: object) -> None:
+    # Host memory goes out right behind its offer (eager). A refused offer's bytes, here
+    # 8 MiB that follow an offer for a key that exists, are read and dropped by the
+    # receiver; the next transfers on the same connection arrive intact.
+    a, b = nodes(2)  # type: ignore[operator]
+    src = random_region(128, 9)
+    dst = shared_zeros((128, BLOCK), torch.uint8)
+    r_src, r_dst = a.client.register("kv", [src]), b.client.register("kv", [dst])
+    a.client.put("k", r_src, [0], to=b.address).wait(10)
+    with pytest.raises(kvd.BadRequest, match="already exists"):
+        a.client.put("k", r_src, list(range(128)), to=b.address).wait(10)
+    a.client.put("k2", r_src, list(range(64, 128)), to=b.address).wait(10)
+    b.client.get("k2", r_dst, list(range(64)), timeout_s=5)
+    b.client.get("k", r_dst, [100], timeout_s=5)
+    assert torch.equal(dst[:64], src[64:]) and torch.equal(dst[100], src[0])
+    links = a.client.stats()["peer"]["links"]
+    assert len(links) == 1 and links[0]["alive"]
+
+
 def test_sigkill_of_peer_mid_transfer_then_restart(nodes: object) -> None:
     a, b = nodes(2, "--pool-size-bytes", "1GiB")  # type: ignore[operator]
     big = shared_empty((2, 256 * 2**20), torch.uint8)

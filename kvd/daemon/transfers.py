@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from kvd.daemon.engine import Arrival, Engine
@@ -97,6 +98,8 @@ class _Outgoing:
     tcp_channel: SendChannel | None = None  # our data connection, if TCP may be chosen
     nccl_job: NcclJob | None = None  # set when an ACCEPT chose NCCL
     tcp_job: SendJob | None = None  # or TCP
+    eager_job: SendJob | None = None  # bytes sent with the first offer (TCP only)
+    eager_answered: bool = False
     offer_pending: bool = False  # an offer is out and not answered yet
     replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
@@ -267,9 +270,19 @@ class PeerTransfers:
                       dst_dev="any", nbytes=nbytes, num_blocks=num_blocks,
                       layout=list(layout), ttl_s=ttl_s, src_gpu=out.source.gpu is not None,
                       one_run=out.one_run)
+        # Host memory to a peer that will take it over TCP anyway: the bytes go right
+        # behind the first offer, and the ACCEPT round trip leaves the critical path.
+        eager = out.tcp_channel is not None and out.src_dev == CPU_DEVICE
         while True:
             out.offer_pending = True
-            self.plane.send(out.link, offer)
+            if eager:
+                self.plane.send(out.link, msgspec.structs.replace(offer, eager=True))
+                assert out.tcp_channel is not None
+                out.eager_job = SendJob(out.transfer_id, out.source.views(), eager=True)
+                out.tcp_channel.submit(out.eager_job)
+                eager = False  # a retry after BUSY waits for its ACCEPT
+            else:
+                self.plane.send(out.link, offer)
             reply = await self._reply(out, deadline, "an answer to the offer")
             if isinstance(reply, Accept):
                 return
@@ -293,15 +306,15 @@ class PeerTransfers:
         """A send the ACCEPT started must end before the pusher answers: no byte may be
         read from the client's blocks after that. TCP stops at the next chunk; NCCL runs
         to its end (or its deadline)."""
-        job = out.nccl_job or out.tcp_job
-        if job is None or job.future.done():
-            return
-        if isinstance(job, SendJob):
-            if job.future.cancel():
-                return
-            job.stop.set()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), 60.0)
+        for job in (out.eager_job, out.tcp_job, out.nccl_job):
+            if job is None or job.future.done():
+                continue
+            if isinstance(job, SendJob):
+                if job.future.cancel():
+                    continue
+                job.stop.set()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), 60.0)
 
     def _give_up(self, out: _Outgoing) -> None:
         self.plane.send(out.link, XferCancel(transfer_id=out.transfer_id))
@@ -337,6 +350,10 @@ class PeerTransfers:
                 return None
             if out.source.gpu is not None or out.tcp_channel is None:
                 return ProtocolError(f"{link.address} accepted GPU blocks over TCP")
+            if out.eager_job is not None and not out.eager_answered:
+                out.eager_answered = True  # it answers the eager offer: the bytes are coming
+                out.tcp_job = out.eager_job
+                return msg
             out.tcp_job = SendJob(msg.transfer_id, out.source.views())
             out.tcp_channel.submit(out.tcp_job)
             return msg
@@ -432,6 +449,10 @@ class PeerTransfers:
                 out = None
             if out is not None and not isinstance(msg, XferDone | XferFailed):
                 out.offer_pending = False
+                if (isinstance(msg, Busy | Refuse) and out.eager_job is not None
+                        and not out.eager_answered):
+                    out.eager_answered = True  # the receiver drops those bytes: stop them
+                    out.eager_job.stop.set()
             if out is None and msg.transfer_id in self._abandoned:
                 if isinstance(msg, Accept):
                     self._on_accept(link, msg, None)
@@ -464,32 +485,40 @@ class PeerTransfers:
         self.plane.send(link, Refuse(transfer_id=tid, code=err.code, message=err.message))
 
     def _on_offer(self, link: PeerLink, offer: Offer) -> None:
+        duplicate = (id(link), offer.transfer_id) in self._incoming
+        accepted = self._answer_offer(link, offer)
+        if not accepted and offer.eager and not duplicate and link.recv_channel is not None:
+            # Its bytes are on their way without waiting for our answer: drop them.
+            link.recv_channel.drop(offer.transfer_id, offer.nbytes)
+
+    def _answer_offer(self, link: PeerLink, offer: Offer) -> bool:
+        """ACCEPT (True), or BUSY / REFUSE (False)."""
         tid = offer.transfer_id
         layout = tuple(offer.layout)
         if (id(link), tid) in self._incoming:
             self._refuse(link, tid, ProtocolError(f"transfer id {tid} is already in use"),
                          "duplicate_transfer")
-            return
+            return False
         if offer.nbytes != wire_bytes(layout, offer.num_blocks):
             self._refuse(link, tid, ProtocolError(
                 f"offer of {offer.nbytes} bytes does not match {offer.num_blocks} blocks of "
                 f"its layout ({wire_bytes(layout, offer.num_blocks)} bytes)"), "bad_offer")
-            return
+            return False
         sender_nccl = offer.src_dev != CPU_DEVICE
         if sender_nccl and not offer.src_dev.startswith("cuda:"):
             self._refuse(link, tid, ProtocolError(f"bad device {offer.src_dev!r}"), "bad_offer")
-            return
+            return False
         if offer.src_gpu and (self.nccl is None or not sender_nccl):
             self._refuse(link, tid, BadRequest(
                 f"{link.address} offers GPU blocks, but {self.engine.config.node_id} has no "
                 "GPU with NCCL (GPU memory does not go over TCP)"))
-            return
+            return False
         if offer.nbytes > self.engine.pool.capacity_bytes and tid not in self._pulls and (
                 not offer.src_gpu):
             self._refuse(link, tid, PoolExhausted(
                 f"offer of {offer.nbytes} bytes exceeds the whole pool "
                 f"({self.engine.pool.capacity_bytes} bytes)"), "bad_offer")
-            return
+            return False
         pull = self._pulls.get(tid)
         try:
             if pull is not None:
@@ -504,12 +533,12 @@ class PeerTransfers:
         except PoolExhausted:
             self.counters.busy_replies += 1
             self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))
-            return
+            return False
         except KvdError as err:
             self._refuse(link, tid, err)
             if pull is not None and not pull.future.done():
                 pull.future.set_exception(err)
-            return
+            return False
         try:
             job, accept = self._receive_job(link, offer, arrival)
         except KvdError as err:
@@ -517,11 +546,12 @@ class PeerTransfers:
             self._refuse(link, tid, err)
             if pull is not None and not pull.future.done():
                 pull.future.set_exception(err)
-            return
+            return False
         incoming = _Incoming(tid, offer.key, link, arrival, job)
         self._incoming[(id(link), tid)] = incoming
         self.plane.send(link, accept)
         self._spawn(self._receive(incoming, pull))
+        return True
 
     def _staging_gpu(self) -> str | None:
         """The GPU whose staging has the most room (arrivals nobody waits for yet)."""
@@ -537,7 +567,7 @@ class PeerTransfers:
         sender_nccl = offer.src_dev != CPU_DEVICE
         if not (offer.src_gpu or dest.type == "cuda"):
             assert link.recv_channel is not None
-            tcp_job = RecvJob(tid, arrival.wire_views(), offer.nbytes)
+            tcp_job = RecvJob(tid, arrival.wire_views(), offer.nbytes, eager=offer.eager)
             link.recv_channel.expect(tcp_job)
             return tcp_job, Accept(transfer_id=tid)
         if self.nccl is None or not sender_nccl:

@@ -39,6 +39,7 @@ HEADER = struct.Struct("!4sQQB")
 MAGIC = b"KVD1"
 FLAG_CANCELLED = 1
 FLAG_LAST = 2
+FLAG_EAGER = 4  # sent with its OFFER, before any ACCEPT: the receiver waits for its answer
 DATA_HELLO = struct.Struct("!4s32s")  # magic, token: first bytes on a data connection
 DATA_MAGIC = b"KVDD"
 _STOP = object()
@@ -52,6 +53,7 @@ class SendJob:
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     stop: threading.Event = field(default_factory=threading.Event)  # cancel mid-transfer
     started_at: float = 0.0  # time.monotonic() of the first byte (for the metrics)
+    eager: bool = False  # queued with the offer, not after the accept
 
 
 @dataclass(eq=False)
@@ -62,6 +64,7 @@ class RecvJob:
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     abandoned: bool = False  # the receiver gave up: discard its bytes
     started_at: float = 0.0  # time.monotonic() of the first chunk (for the metrics)
+    eager: bool = False  # its bytes may arrive before it is expected (see FLAG_EAGER)
 
 
 class _Cursor:
@@ -217,14 +220,16 @@ class SendChannel(Channel):
         cursor, left = _Cursor(job.views), total
         while True:
             if job.stop.is_set():
-                sock.sendall(HEADER.pack(MAGIC, job.transfer_id, 0, FLAG_CANCELLED))
+                sock.sendall(HEADER.pack(MAGIC, job.transfer_id, 0,
+                                         FLAG_CANCELLED | (FLAG_EAGER if job.eager else 0)))
                 _settle(job.future, error=Cancelled(
                     f"transfer {job.transfer_id} cancelled after {total - left} bytes"))
                 return
             n = min(left, self.chunk_bytes)
             left -= n
             # Header and chunk in one call: one syscall per chunk in the common case.
-            header = HEADER.pack(MAGIC, job.transfer_id, n, 0 if left else FLAG_LAST)
+            flags = (0 if left else FLAG_LAST) | (FLAG_EAGER if job.eager else 0)
+            header = HEADER.pack(MAGIC, job.transfer_id, n, flags)
             pending = [memoryview(header), *cursor.take(n)]
             while pending:
                 sent = sock.sendmsg(pending[:512])
@@ -240,6 +245,7 @@ class RecvChannel(Channel):
     def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
                  on_broken: Callable[[KvdError], None] | None = None) -> None:
         self._expected: dict[int, RecvJob] = {}
+        self._announced = threading.Condition()  # notified when a job is expected
         self._current: RecvJob | None = None  # the transfer whose chunks are arriving
         self._writing = False  # bytes are going into the current job's views right now
         self._stopping = False
@@ -253,7 +259,13 @@ class RecvChannel(Channel):
                 _settle(job.future, error=self._error)
             else:
                 self._expected[job.transfer_id] = job
+        with self._announced:
+            self._announced.notify_all()
         return job.future
+
+    def drop(self, transfer_id: int, nbytes: int) -> None:
+        """The bytes of an eager transfer we did not accept: read and discard them."""
+        self.expect(RecvJob(transfer_id, [], nbytes, abandoned=True, eager=True))
 
     def forget(self, transfer_id: int) -> None:
         """The receiver gives up on a transfer: from now on its bytes are discarded. Its
@@ -261,7 +273,11 @@ class RecvChannel(Channel):
         views right now, as soon as that chunk is in: await the future before reusing
         the memory."""
         with self._lock:
-            job = self._expected.pop(transfer_id, None)
+            job = self._expected.get(transfer_id)
+            if job is not None and not job.eager:
+                # Its bytes will not come (the sender was told); an eager job's bytes
+                # may be on their way already, so it stays to have them discarded.
+                del self._expected[transfer_id]
             current = self._current
             if job is None and current is not None and current.transfer_id == transfer_id:
                 job = current
@@ -274,12 +290,16 @@ class RecvChannel(Channel):
 
     def _stop(self) -> None:
         self._stopping = True
+        with self._announced:
+            self._announced.notify_all()
 
     def _fail_pending(self, error: KvdError) -> None:
         with self._lock:
             jobs, self._expected = list(self._expected.values()), {}
             if self._current is not None and not self._writing:
                 jobs.append(self._current)
+        with self._announced:  # a worker waiting for an eager transfer's offer: wake it
+            self._announced.notify_all()
         for job in jobs:
             _settle(job.future, error=error)
 
@@ -300,7 +320,7 @@ class RecvChannel(Channel):
                 magic, tid, n, flags = HEADER.unpack(header)
                 if magic != MAGIC:
                     raise ProtocolError(f"channel {self.name}: bad data header {magic!r}")
-                job = self._start(tid)
+                job = self._start(tid, eager=bool(flags & FLAG_EAGER))
                 if job is not None and cursor is None:
                     cursor, received = _Cursor(job.views), 0
                 if flags & FLAG_CANCELLED:
@@ -319,9 +339,9 @@ class RecvChannel(Channel):
                         self._recv_exactly(sock, cursor.take(n))
                     finally:
                         self._end_write(job)
-                    received += n
                 else:
                     self._discard(sock, n)
+                received += n
                 if flags & FLAG_LAST:
                     if job is not None:
                         if received != job.nbytes:
@@ -338,8 +358,18 @@ class RecvChannel(Channel):
                     _settle(current.future, error=err)
                 return
 
-    def _start(self, tid: int) -> RecvJob | None:
-        """The job the chunk with id ``tid`` belongs to (None: discard its bytes)."""
+    def _start(self, tid: int, eager: bool = False) -> RecvJob | None:
+        """The job the chunk with id ``tid`` belongs to (None: discard its bytes). The
+        bytes of an eager transfer can overtake its OFFER (they travel on another
+        connection): wait until the loop has answered it, one way or the other."""
+        if eager:
+            with self._announced:
+                if not self._announced.wait_for(
+                        lambda: (tid in self._expected or self._error is not None
+                                 or self._stopping or (self._current is not None)),
+                        self.io_timeout_s):
+                    raise ProtocolError(f"channel {self.name}: eager transfer {tid} was "
+                                        f"never offered")
         with self._lock:
             if self._current is not None and self._current.transfer_id == tid:
                 return self._current
