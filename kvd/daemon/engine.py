@@ -645,6 +645,22 @@ class Engine:
         self._claim(item)
         return item
 
+    def hold_regions(self, regions: Sequence[Region], fut: asyncio.Future[Any]) -> None:
+        """Keep ``regions`` mapped until ``fut`` settles: call it when a thread starts
+        reading or writing their memory, before anything else can run on the loop."""
+        for region in regions:
+            self._region_copies.setdefault(region.region_id, set()).add(fut)
+
+        def release(_fut: asyncio.Future[Any]) -> None:
+            for region in regions:
+                pending = self._region_copies.get(region.region_id)
+                if pending is not None:
+                    pending.discard(fut)
+                    if not pending:
+                        del self._region_copies[region.region_id]
+
+        fut.add_done_callback(release)
+
     @contextlib.contextmanager
     def using_regions(self, regions: Sequence[Region], fut: asyncio.Future[Any]) -> Any:
         """Keep ``regions`` mapped until ``fut`` (bytes moving elsewhere) is settled."""

@@ -19,6 +19,7 @@ receive jobs are discarded by the channel, and a cancelled send waits for its by
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import secrets
@@ -94,6 +95,7 @@ class _Outgoing:
     nbytes: int = 0
     src_dev: str = CPU_DEVICE  # our end of an NCCL channel ("cpu": none)
     one_run: bool = False  # told in the offer: see Offer.one_run
+    regions: Sequence[Region] = ()  # the client regions read (held while a send runs)
     ready_events: list[Any] = field(default_factory=list)  # the source regions' clients
     tcp_channel: SendChannel | None = None  # our data connection, if TCP may be chosen
     nccl_job: NcclJob | None = None  # set when an ACCEPT chose NCCL
@@ -115,6 +117,13 @@ class _Incoming:
     @property
     def transport(self) -> str:
         return "nccl" if isinstance(self.job, NcclJob) else "tcp"
+
+    @property
+    def regions(self) -> list[Region]:
+        """The client regions the bytes land in (a pull's, or a waiting get's)."""
+        waiter = self.arrival.waiter
+        return [r for r in (self.arrival.region, waiter.region if waiter else None)
+                if r is not None]
 
 
 @dataclass(eq=False)
@@ -193,6 +202,7 @@ class PeerTransfers:
             src_dev = source.gpu or self.plane.gpus[0]
         out = _Outgoing(tid, key, link, source, layout, num_blocks, deadline, nbytes, src_dev,
                         one_run=source.gpu is not None and source.blocks.one_run(),
+                        regions=regions,
                         ready_events=[e for r in regions for e in r.ready_events])
         self._outgoing[tid] = out
         outcome = "failed"
@@ -279,7 +289,7 @@ class PeerTransfers:
                 self.plane.send(out.link, msgspec.structs.replace(offer, eager=True))
                 assert out.tcp_channel is not None
                 out.eager_job = SendJob(out.transfer_id, out.source.views(), eager=True)
-                out.tcp_channel.submit(out.eager_job)
+                self._send_started(out, out.tcp_channel.submit(out.eager_job))
                 eager = False  # a retry after BUSY waits for its ACCEPT
             else:
                 self.plane.send(out.link, offer)
@@ -301,6 +311,10 @@ class PeerTransfers:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             raise ProtocolError(f"unexpected {type(reply).__name__} in answer to an offer")
+
+    def _send_started(self, out: _Outgoing, fut: concurrent.futures.Future[int]) -> None:
+        """A send job now reads the client's regions: they stay mapped until it ends."""
+        self.engine.hold_regions(out.regions, asyncio.wrap_future(fut))
 
     async def _wait_started(self, out: _Outgoing) -> None:
         """A send the ACCEPT started must end before the pusher answers: no byte may be
@@ -355,7 +369,7 @@ class PeerTransfers:
                 out.tcp_job = out.eager_job
                 return msg
             out.tcp_job = SendJob(msg.transfer_id, out.source.views())
-            out.tcp_channel.submit(out.tcp_job)
+            self._send_started(out, out.tcp_channel.submit(out.tcp_job))
             return msg
         try:
             if self.nccl is None or (out is not None and out.src_dev == CPU_DEVICE):
@@ -368,6 +382,7 @@ class PeerTransfers:
             out.nccl_job = self._start_nccl_send(link, msg, out.source.blocks, out.layout,
                                                  out.num_blocks, out.src_dev, out.deadline,
                                                  out.ready_events)
+            self._send_started(out, out.nccl_job.future)
             return msg
         except KvdError as err:
             # The receiver has queued its receive on that channel and would wait for bytes
@@ -548,6 +563,8 @@ class PeerTransfers:
                 pull.future.set_exception(err)
             return False
         incoming = _Incoming(tid, offer.key, link, arrival, job)
+        # The job may start writing before _receive runs: hold the regions from now on.
+        self.engine.hold_regions(incoming.regions, asyncio.wrap_future(job.future))
         self._incoming[(id(link), tid)] = incoming
         self.plane.send(link, accept)
         self._spawn(self._receive(incoming, pull))
@@ -603,13 +620,9 @@ class PeerTransfers:
         tid, link = incoming.transfer_id, incoming.link
         offered = time.monotonic()
         afut = asyncio.wrap_future(incoming.job.future)
-        regions = [r for r in (incoming.arrival.region,
-                               incoming.arrival.waiter.region if incoming.arrival.waiter
-                               else None) if r is not None]
         outcome = "failed"
         try:
-            with self.engine.using_regions(regions, afut):
-                nbytes = await asyncio.shield(afut)
+            nbytes = await asyncio.shield(afut)  # regions held since the job was queued
         except (asyncio.CancelledError, Exception) as exc:
             err = _as_kvd_error(exc, f"transfer {tid}")
             outcome = "cancelled" if isinstance(err, Cancelled) else "failed"
