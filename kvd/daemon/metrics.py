@@ -139,4 +139,29 @@ class _StateCollector(Collector):
         channels.add_metric(["send", "tcp"], sends)
         channels.add_metric(["recv", "tcp"], recvs)
         channels.add_metric(["local", "local"], 1)
+        nccl = transfers.nccl.stats() if transfers is not None and transfers.nccl else None
+        for direction in ("send", "recv"):
+            channels.add_metric([direction, "nccl"], sum(
+                1 for c in (nccl or {}).get("channels", []) if c["direction"] == direction))
         yield channels
+        yield from _gpu_families(engine, nccl)
+
+
+def _gpu_families(engine: Any, nccl: dict[str, Any] | None) -> Iterator[Any]:
+    """GPU staging and NCCL channel figures (no samples on a daemon without GPUs)."""
+    staging = GaugeMetricFamily("kvd_gpu_staging_bytes", "GPU staging for NCCL arrivals "
+                                "nobody waits for yet, by GPU and state.",
+                                labels=["device", "state"])
+    for device, pool in sorted(engine.gpu_pools.items()):
+        staging.add_metric([device, "capacity"], pool.capacity_bytes)
+        staging.add_metric([device, "used"], pool.used_bytes)
+    yield staging
+    spills = CounterMetricFamily("kvd_gpu_spills", "NCCL arrivals that found GPU staging "
+                                 "full and went to the host pool.")
+    spills.add_metric([], engine.counters.gpu_spills)
+    yield spills
+    events = CounterMetricFamily("kvd_nccl_channel_events", "NCCL channels created, failed "
+                                 "(aborted) and evicted (LRU cap).", labels=["event"])
+    for event in ("created", "failed", "evicted"):
+        events.add_metric([event], (nccl or {}).get(event, 0))
+    yield events
