@@ -24,6 +24,7 @@ channel that failed is never reused, the peer plane makes a new one.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -132,7 +133,11 @@ class NcclChannel:
             job: NcclJob = item
             try:
                 if not job.future.set_running_or_notify_cancel():
-                    continue
+                    # Nobody waits for it any more, but the peer's matching job will run:
+                    # send zeros / drop the bytes, so the pair stays in step.
+                    job = dataclasses.replace(job, blocks=None, abandoned=True,
+                                              future=concurrent.futures.Future())
+                    job.future.set_running_or_notify_cancel()
                 try:
                     if self.failed is not None:
                         raise self.failed
