@@ -100,19 +100,27 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_peers(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        peer = client.stats().get("peer", {})
+        stats = client.stats()
+    peer = stats.get("peer", {})
     links = peer.get("links", [])
+    nccl = (stats.get("transfers") or {}).get("nccl") or {}
+    for link in links:  # NCCL channels live beside the link: count them per peer
+        link["nccl_channels"] = [c for c in nccl.get("channels", [])
+                                 if c["peer"] == link["address"]]
     if args.json:
         _print_json(links)
         return 0
     if not links:
         print(f"no peers linked (this daemon: {peer.get('address', '-')})")
         return 0
-    header = ("ADDRESS", "NODE", "EPOCH", "DIR", "LAST HEARD", "CHANNELS")
+    header = ("ADDRESS", "NODE", "EPOCH", "DIR", "LAST HEARD", "GPUS", "CHANNELS")
     table = [header] + [
         (link["address"], link["node_id"], str(link["epoch"]), link["direction"],
          f"{link['last_heard_s_ago']:.1f}s ago",
-         ",".join(k for k, v in link.get("channels", {}).items() if v) or "-")
+         str(sum(1 for d in link.get("devices", []) if d.startswith("cuda"))),
+         ",".join([*(f"tcp-{k}" for k, v in link.get("channels", {}).items() if v),
+                   *(f"nccl-{c['direction']}-{c['device']}:{c['peer_device']}"
+                     for c in link["nccl_channels"])]) or "-")
         for link in links]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:

@@ -226,6 +226,8 @@ def test_cli_commands_against_a_daemon(two_nodes: Any) -> None:
     assert json.loads(result.stdout)["node_id"] == "a"
     result = run_cli("peers", "--socket-path", sock)
     assert result.returncode == 0 and b.address in result.stdout and "ADDRESS" in result.stdout
+    row = next(line for line in result.stdout.splitlines() if b.address in line)
+    assert "tcp-send" in row and "tcp-recv" in row and " 0 " in row  # b has no GPUs
     result = run_cli("bench", "--socket-path", sock, "--to", b.address, "--size", "8MiB",
                      "--blocks", "4", "--repeat", "3", "--json")
     assert result.returncode == 0, result.stderr
