@@ -134,8 +134,52 @@ class Flow:
             c.close()
 
 
+PHASES = ("queue_wait", "wire")
+
+
+def phase_sums(metrics_text: str) -> dict[str, float]:
+    """``{"<phase>_<direction>_<transport>_sum|_count": value}`` from a daemon's
+    /metrics: kvd's own per-transfer timings (queue wait: request to first byte; wire:
+    first byte to the end), to see where a case's time goes."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for phase in PHASES:
+            for part in ("_sum", "_count"):
+                prefix = f"kvd_transfer_{phase}_seconds{part}{{"
+                if line.startswith(prefix):
+                    labels, value = line[len(prefix):].rsplit("} ", 1)
+                    tags = dict(kv.split("=", 1) for kv in labels.split(","))
+                    key = f"{phase}_{tags['direction'].strip(chr(34))}_" \
+                          f"{tags['transport'].strip(chr(34))}{part}"
+                    out[key] = float(value)
+    return out
+
+
+def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean seconds per transfer of each phase between two scrapes."""
+    means = {}
+    for key, total in after.items():
+        if key.endswith("_sum"):
+            base = key[: -len("_sum")]
+            n = after.get(base + "_count", 0) - before.get(base + "_count", 0)
+            if n > 0:
+                means[base + "_mean_us"] = round((total - before.get(key, 0.0)) / n * 1e6, 1)
+    return means
+
+
+def scrape(client: kvd.KvdClient) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{client.stats()['http']}/metrics", timeout=10) as r:
+        return phase_sums(r.read().decode())
+
+
+PHASE_LOG: dict[str, dict[str, float]] = {}  # case -> kvd's own phase means (tx_/rx_)
+
+
 def checked_times(flow: Flow, src: list[torch.Tensor], src_ids: list[int],
-                  dst: list[torch.Tensor], dst_ids: list[int], repeat: int) -> list[float]:
+                  dst: list[torch.Tensor], dst_ids: list[int], repeat: int,
+                  case: str = "") -> list[float]:
     r_src, r_dst = flow.register(src, dst)
     flow.once(r_src, src_ids, r_dst, dst_ids)  # warm-up (channels, first NCCL transfer)
     torch.cuda.synchronize()
@@ -143,7 +187,13 @@ def checked_times(flow: Flow, src: list[torch.Tensor], src_ids: list[int],
         if not torch.equal(s[src_ids].to(d.device).view(torch.uint8), d[dst_ids].view(
                 torch.uint8)):
             raise RuntimeError("destination differs from the source")
+    before = (scrape(flow.tx), scrape(flow.rx))
     times = [flow.once(r_src, src_ids, r_dst, dst_ids) for _ in range(repeat)]
+    after = (scrape(flow.tx), scrape(flow.rx))
+    if case:
+        PHASE_LOG[case] = {
+            **{f"tx_{k}": v for k, v in phase_means(before[0], after[0]).items()},
+            **{f"rx_{k}": v for k, v in phase_means(before[1], after[1]).items()}}
     flow.tx.unregister(r_src)
     flow.rx.unregister(r_dst)
     return times
@@ -180,10 +230,11 @@ def kvd_side(repeat: int, latency_repeat: int) -> dict[str, Any]:
             big = [torch.randint(0, 255, (1024, MiB), dtype=torch.uint8, device="cuda:0")]
             big_dst = [torch.zeros_like(big[0], device="cuda:1")]
             all_ids = list(range(1024))
-            out["a"] = summary(checked_times(remote, big, all_ids, big_dst, all_ids, repeat),
+            out["a"] = summary(checked_times(remote, big, all_ids, big_dst, all_ids, repeat,
+                                             "a"),
                                GiB)
             out["c_us"] = [t * 1e6 for t in checked_times(remote, big, [7], big_dst, [9],
-                                                          latency_repeat)]
+                                                          latency_repeat, "c")]
             del big, big_dst
             torch.cuda.empty_cache()
             src, dst = llama("cuda:0", 1), [torch.zeros(LLAMA_SHAPE, dtype=torch.bfloat16,
@@ -192,7 +243,7 @@ def kvd_side(repeat: int, latency_repeat: int) -> dict[str, Any]:
             src_ids = torch.randperm(LLAMA_SHAPE[0], generator=rng)[:LLAMA_BLOCKS].tolist()
             dst_ids = torch.randperm(LLAMA_SHAPE[0], generator=rng)[:LLAMA_BLOCKS].tolist()
             nbytes = LLAMA_TENSORS * LLAMA_BLOCKS * 32 * 1024
-            out["b"] = summary(checked_times(remote, src, src_ids, dst, dst_ids, repeat),
+            out["b"] = summary(checked_times(remote, src, src_ids, dst, dst_ids, repeat, "b"),
                                nbytes)
         finally:
             remote.close()
@@ -200,7 +251,7 @@ def kvd_side(repeat: int, latency_repeat: int) -> dict[str, Any]:
         try:
             for d in dst:
                 d.zero_()
-            out["d"] = summary(checked_times(local, src, src_ids, dst, dst_ids, repeat),
+            out["d"] = summary(checked_times(local, src, src_ids, dst, dst_ids, repeat, "d"),
                                nbytes)
         finally:
             local.close()
@@ -272,6 +323,11 @@ def main() -> int:
     print(f"(c) 1 MiB put -> get latency: kvd median {kvd_lat:.0f} us (p90 "
           f"{res['c_kvd_p90_us']:.0f}), raw NCCL one-way {raw_lat:.0f} us, extra "
           f"{kvd_lat - raw_lat:.0f} us")
+    print("kvd's own per-transfer phases (mean us; queue_wait: request to first byte, wire: "
+          "first byte to the end; tx = sending daemon, rx = receiving daemon):")
+    for case, phases in sorted(PHASE_LOG.items()):
+        print(f"  ({case}) " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(phases.items())))
+        res.update({f"{case}_phase_{k}": v for k, v in phases.items()})
     if args.json:
         print(json.dumps(res, sort_keys=True))
     return 0
