@@ -6,22 +6,17 @@ restarted peer works again."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 import kvd
 from kvd.transport.nccl import nccl_available
+from tests.gpu_nodes import Node, free_port, start_node, stop_node
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and nccl_available()),
@@ -29,59 +24,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 SHAPE = (128, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
 LAYERS = 8
-
-
-@dataclass
-class Node:
-    sock: str
-    address: str  # host:port of its peer socket
-    proc: subprocess.Popen[bytes]
-    log_path: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_node(gpu: int, *extra: str, ports: tuple[int, int] | None = None) -> Node:
-    tmp = tempfile.mkdtemp(prefix=f"kvd-g{gpu}-", dir="/tmp")
-    sock = os.path.join(tmp, "kvd.sock")
-    peer_port, data_port = ports or (_free_port(), _free_port())
-    log_path = os.path.join(tmp, "log")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "NCCL_NVLS_ENABLE": "0"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock,
-             "--node-id", f"gpu{gpu}", "--peer-port", str(peer_port), "--data-port",
-             str(data_port), "--http-port", "0", "--pool-size-bytes", "1GiB",
-             "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2", *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            with kvd.KvdClient(sock, timeout_s=1) as c:
-                c.ping()
-            break
-        except kvd.DaemonUnavailable:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                with open(log_path) as f:
-                    raise AssertionError(f"daemon on GPU {gpu} did not start:\n"
-                                         + f.read()[-3000:]) from None
-            time.sleep(0.1)
-    return Node(sock, f"127.0.0.1:{peer_port}", proc, log_path)
-
-
-def stop_node(node: Node) -> None:
-    if node.proc.poll() is None:
-        node.proc.terminate()
-        try:
-            node.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            node.proc.kill()
-            node.proc.wait(10)
-            raise AssertionError("daemon did not stop within 60 s") from None
 
 
 @contextlib.contextmanager
@@ -212,7 +154,7 @@ def test_many_chunks_and_spill_to_host_pool() -> None:
 
 
 def test_peer_killed_mid_stream_then_restarted() -> None:
-    b_ports = (_free_port(), _free_port())
+    b_ports = (free_port(), free_port())
     a = start_node(0)
     b = start_node(1, ports=b_ports)
     try:

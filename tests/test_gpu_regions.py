@@ -4,11 +4,8 @@ GPUs, bytes checked; a client that exits takes its mappings with it."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -16,6 +13,7 @@ import pytest
 import torch
 
 import kvd
+from tests.gpu_nodes import running_node
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,37 +21,10 @@ pytestmark = [pytest.mark.gpu,
 SHAPE = (64, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
 
 
-@contextlib.contextmanager
-def running_daemon(*extra: str) -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="kvd-gpu-", dir="/tmp")
-    sock = os.path.join(tmp, "kvd.sock")
-    log = open(os.path.join(tmp, "log"), "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock, "--peer-port", "0",
-         "--data-port", "0", "--http-port", "0", "--pool-size-bytes", "1GiB", *extra],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with kvd.KvdClient(sock, timeout_s=1) as c:
-                    c.ping()
-                break
-            except kvd.DaemonUnavailable:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.1)
-        yield sock
-    finally:
-        proc.terminate()
-        code = proc.wait(60)
-        log.close()
-    assert code == 0
-
-
 @pytest.fixture
 def daemon() -> Iterator[str]:
-    with running_daemon() as sock:
-        yield sock
+    with running_node(None) as node:
+        yield node.sock
 
 
 def kv_layers(device: str, seed: int) -> list[torch.Tensor]:
@@ -117,8 +88,8 @@ def test_gpu_client_exit_drops_its_mappings(daemon: str) -> None:
 
 def test_pinned_pool_offload_and_get_speed() -> None:
     gib = 2**30
-    with running_daemon("--pool-size-bytes", "3GiB", "--pool-pin", "true") as sock, \
-            kvd.KvdClient(sock, timeout_s=120) as c:
+    with running_node(None, "--pool-size-bytes", "3GiB", "--pool-pin", "true") as node, \
+            kvd.KvdClient(node.sock, timeout_s=120) as c:
         assert c.stats()["pool"]["pinned"] is True
         src = torch.randint(0, 256, (64, 16 * 2**20), dtype=torch.uint8, device="cuda:0")
         dst = torch.zeros_like(src)

@@ -50,7 +50,6 @@ from kvd.memory.regions import (
 from kvd.protocol import CudaIpcTensor, TensorSpec
 from kvd.transport import local
 from kvd.transport.chunks import BlockSet
-from kvd.transport.views import block_views
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ class Arrival:
 
     def wire_views(self) -> list[memoryview]:
         """The destination as memoryviews, for a socket (host memory only)."""
-        return block_views(self.blocks.tensors, self.blocks.ids)
+        return self.blocks.views()
 
 
 @dataclass(frozen=True)
@@ -218,18 +217,18 @@ class Engine:
         afut = asyncio.wrap_future(cfut)
         self._copies_in_flight[id(afut)] = nbytes
         outcome, started, ended = "failed", None, None
+        self.hold_regions(regions, afut)
         try:
-            with self.using_regions(regions, afut):
-                try:
-                    started, result, ended = await asyncio.shield(afut)
-                    outcome = "done"
-                    return int(result)
-                except asyncio.CancelledError:
-                    outcome = "cancelled"
-                    if not cfut.cancel():
-                        with contextlib.suppress(Exception):
-                            await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
-                    raise
+            try:
+                started, result, ended = await asyncio.shield(afut)
+                outcome = "done"
+                return int(result)
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                if not cfut.cancel():
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
+                raise
         finally:
             del self._copies_in_flight[id(afut)]
             self._record_copy(outcome, nbytes,
@@ -660,21 +659,6 @@ class Engine:
                         del self._region_copies[region.region_id]
 
         fut.add_done_callback(release)
-
-    @contextlib.contextmanager
-    def using_regions(self, regions: Sequence[Region], fut: asyncio.Future[Any]) -> Any:
-        """Keep ``regions`` mapped until ``fut`` (bytes moving elsewhere) is settled."""
-        for region in regions:
-            self._region_copies.setdefault(region.region_id, set()).add(fut)
-        try:
-            yield
-        finally:
-            for region in regions:
-                pending = self._region_copies.get(region.region_id)
-                if pending is not None:
-                    pending.discard(fut)
-                    if not pending:
-                        del self._region_copies[region.region_id]
 
     # ------------------------------------------------------------ sessions and stats
 

@@ -60,7 +60,7 @@ from kvd.protocol import (
 from kvd.transport.chunks import BlockSet
 from kvd.transport.nccl_channel import NcclJob
 from kvd.transport.tcp import RecvJob, SendChannel, SendJob
-from kvd.transport.views import block_views, wire_bytes
+from kvd.transport.views import wire_bytes
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class _Source:
         return str(device) if device.type == "cuda" else None
 
     def views(self) -> list[memoryview]:
-        return block_views(self.blocks.tensors, self.blocks.ids)
+        return self.blocks.views()
 
 
 @dataclass(eq=False)
@@ -96,7 +96,6 @@ class _Outgoing:
     src_dev: str = CPU_DEVICE  # our end of an NCCL channel ("cpu": none)
     one_run: bool = False  # told in the offer: see Offer.one_run
     regions: Sequence[Region] = ()  # the client regions read (held while a send runs)
-    ready_events: list[Any] = field(default_factory=list)  # the source regions' clients
     tcp_channel: SendChannel | None = None  # our data connection, if TCP may be chosen
     nccl_job: NcclJob | None = None  # set when an ACCEPT chose NCCL
     tcp_job: SendJob | None = None  # or TCP
@@ -202,8 +201,7 @@ class PeerTransfers:
             src_dev = source.gpu or self.plane.gpus[0]
         out = _Outgoing(tid, key, link, source, layout, num_blocks, deadline, nbytes, src_dev,
                         one_run=source.gpu is not None and source.blocks.one_run(),
-                        regions=regions,
-                        ready_events=[e for r in regions for e in r.ready_events])
+                        regions=regions)
         self._outgoing[tid] = out
         outcome = "failed"
         requested = time.monotonic()
@@ -217,24 +215,24 @@ class PeerTransfers:
             if job is None:
                 raise ProtocolError(f"{link.address} accepted, but no transport started")
             afut = asyncio.wrap_future(job.future)
-            with self.engine.using_regions(regions, afut):
+            # the regions are held since the job was queued (_send_started)
+            try:
+                await asyncio.shield(afut)
+            except asyncio.CancelledError:
+                if isinstance(job, SendJob) and job.future.cancel():
+                    raise  # not started: nothing was sent
+                # On the wire: stop at the next chunk (TCP; an NCCL transfer runs to
+                # its end, the receiver waits for it), and wait so that no byte is
+                # read from the client's blocks after we answer.
+                if isinstance(job, SendJob):
+                    job.stop.set()
                 try:
-                    await asyncio.shield(afut)
-                except asyncio.CancelledError:
-                    if isinstance(job, SendJob) and job.future.cancel():
-                        raise  # not started: nothing was sent
-                    # On the wire: stop at the next chunk (TCP; an NCCL transfer runs to
-                    # its end, the receiver waits for it), and wait so that no byte is
-                    # read from the client's blocks after we answer.
-                    if isinstance(job, SendJob):
-                        job.stop.set()
-                    try:
-                        await asyncio.wait_for(asyncio.shield(afut), 60.0)
-                    except (Exception, asyncio.CancelledError):
-                        raise asyncio.CancelledError from None
-                    # Every byte had gone out before the stop was seen: the transfer
-                    # completes, and its result, not a cancellation, is the truth.
-                    _uncancel()
+                    await asyncio.wait_for(asyncio.shield(afut), 60.0)
+                except (Exception, asyncio.CancelledError):
+                    raise asyncio.CancelledError from None
+                # Every byte had gone out before the stop was seen: the transfer
+                # completes, and its result, not a cancellation, is the truth.
+                _uncancel()
             reply = await self._reply(out, deadline, "the receiver's confirmation")
             if isinstance(reply, XferFailed):
                 raise error_from_code(reply.code, f"receiver {link.address}: {reply.message}")
@@ -381,7 +379,8 @@ class PeerTransfers:
                 return None
             out.nccl_job = self._start_nccl_send(link, msg, out.source.blocks, out.layout,
                                                  out.num_blocks, out.src_dev, out.deadline,
-                                                 out.ready_events)
+                                                 [e for r in out.regions
+                                                  for e in r.ready_events])
             self._send_started(out, out.nccl_job.future)
             return msg
         except KvdError as err:

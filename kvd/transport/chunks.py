@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvd.errors import TransferFailed
 from kvd.memory.regions import Layout, packed_offsets
 from kvd.transport import gpu_copy
 from kvd.transport.gpu_copy import PieceTable
+from kvd.transport.views import block_views, packed_views
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class BlockSet:
     ids: list[int]
     _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     _tables: dict[torch.device, PieceTable | None] = field(default_factory=dict, repr=False)
+    _packed: tuple[torch.Tensor, Layout] | None = field(default=None, repr=False)
 
     @classmethod
     def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
@@ -94,7 +97,16 @@ class BlockSet:
         tensors = [buf[off : off + e.bytes_per_block * num_blocks].view(num_blocks,
                                                                          e.bytes_per_block)
                    for off, e in zip(offsets, layout, strict=True)]
-        return cls(tensors, list(range(num_blocks)))
+        return cls(tensors, list(range(num_blocks)), _packed=(buf, layout))
+
+    def views(self) -> list[memoryview]:
+        """This memory as memoryviews in wire order, for a socket (host memory only):
+        one per section of a packed buffer, else one per run of adjacent blocks."""
+        if any(t.is_cuda for t in self.tensors):
+            raise TransferFailed("GPU memory cannot be sent over TCP")
+        if self._packed is not None:
+            return packed_views(self._packed[0], self._packed[1], len(self.ids))
+        return block_views(self.tensors, self.ids)
 
     def ids_on(self, device: torch.device) -> torch.Tensor:
         found = self._ids_on.get(device)

@@ -152,9 +152,12 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
 
 
 def _finish_writes(*written: torch.Tensor) -> None:
-    """Copies into GPU memory are asynchronous: wait for them in this worker thread before
-    the daemon answers, so the client reads complete blocks. (Interprocess CUDA events
-    will replace this wait with stream ordering on the client's side.)"""
+    """Copies into GPU memory are asynchronous: wait for them before the daemon answers,
+    because its answer is the client's only signal that the blocks are complete (nothing
+    on the client's streams waits for the daemon's). The wait runs in this worker thread,
+    never on the loop, and per device written; copies are serial in this worker anyway.
+    A daemon-side interprocess event the client waits on would remove it (next steps in
+    docs/architecture.md)."""
     for device in {t.device for t in written if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 

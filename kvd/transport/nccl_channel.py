@@ -38,7 +38,7 @@ import torch
 from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
 from kvd.memory.cuda_ipc import wait_ready
 from kvd.memory.regions import Layout
-from kvd.transport.chunks import BlockSet, plan_chunks
+from kvd.transport.chunks import BlockSet, Chunk, plan_chunks
 from kvd.transport.nccl import Communicator
 
 log = logging.getLogger(__name__)
@@ -77,12 +77,13 @@ class NcclChannel:
         self.failed: KvdError | None = None
         self._on_failed = on_failed
         self._comm: Communicator | None = None
-        self._ready = threading.Event()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._staging: list[torch.Tensor] = []
         self._busy = 0  # jobs queued or running
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # Not a daemon thread: every NCCL call it makes is bounded by a deadline, and
+        # teardown stops it with a sentinel and joins it (NcclLinks._drop).
+        self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
 
     # ------------------------------------------------------------ loop side
@@ -165,8 +166,6 @@ class NcclChannel:
             self._fail(err)
         except Exception as exc:  # nccl4py raises its own types
             self._fail(TransferFailed(f"nccl init of {self.name} failed: {exc!r}"))
-        finally:
-            self._ready.set()
 
     def _fail(self, err: KvdError) -> None:
         first = self.failed is None
@@ -193,14 +192,16 @@ class NcclChannel:
             raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} ran out of time")
         return left
 
-    def _send(self, job: NcclJob) -> int:
-        comm = self._comm
-        assert comm is not None
+    def _plan(self, job: NcclJob) -> tuple[Communicator, list[Chunk], int]:
+        """The communicator, the transfer's chunks, and the staging size they need."""
+        assert self._comm is not None
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
-        size = max((c.nbytes for c in chunks), default=0)
+        return self._comm, chunks, max((c.nbytes for c in chunks), default=0)
+
+    def _send(self, job: NcclJob) -> int:
+        comm, chunks, size = self._plan(job)
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
-        total = 0
         for k, chunk in enumerate(chunks):
             b = k % STAGING_BUFFERS
             with torch.cuda.stream(self._copy_stream):
@@ -214,30 +215,20 @@ class NcclChannel:
                     stage = self._buffer(b, size)
                     buf = (blocks.load(chunk, stage) if blocks is not None
                            else stage[: chunk.nbytes].zero_())
-                loaded = torch.cuda.Event()
-                loaded.record(self._copy_stream)
-            self._comm_stream.wait_event(loaded)
+            self._comm_stream.wait_event(_recorded(self._copy_stream))
             comm.send(buf, 1, self._comm_stream, self._remaining(job))
-            sent = torch.cuda.Event()
-            sent.record(self._comm_stream)
-            freed[b] = sent
-            total += chunk.nbytes
-        done = torch.cuda.Event()
-        done.record(self._comm_stream)
-        comm.wait(done, self._remaining(job), f"send of transfer {job.transfer_id}")
-        return total
+            freed[b] = _recorded(self._comm_stream)
+        comm.wait(_recorded(self._comm_stream), self._remaining(job),
+                  f"send of transfer {job.transfer_id}")
+        return sum(c.nbytes for c in chunks)
 
     def _recv(self, job: NcclJob) -> int:
-        comm = self._comm
-        assert comm is not None
-        chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
-        size = max((c.nbytes for c in chunks), default=0)
+        comm, chunks, size = self._plan(job)
         stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
-        total = 0
         for k, chunk in enumerate(chunks):
             b = k % STAGING_BUFFERS
-            dropping = job.abandoned or job.blocks is None
-            buf = None if dropping else job.blocks.direct(chunk, self.device)  # type: ignore[union-attr]
+            blocks = None if job.abandoned else job.blocks  # None: drop the bytes
+            buf = blocks.direct(chunk, self.device) if blocks is not None else None
             staged = buf is None
             if staged:
                 free_at = stored[b]
@@ -246,27 +237,19 @@ class NcclChannel:
                 buf = self._buffer(b, size)[: chunk.nbytes]
             assert buf is not None
             comm.recv(buf, 0, self._comm_stream, self._remaining(job))
-            total += chunk.nbytes
-            if staged and not dropping:
-                arrived = torch.cuda.Event()
-                arrived.record(self._comm_stream)
-                self._copy_stream.wait_event(arrived)
+            if staged and blocks is not None:
+                self._copy_stream.wait_event(_recorded(self._comm_stream))
                 with torch.cuda.stream(self._copy_stream):
-                    job.blocks.store(chunk, buf)  # type: ignore[union-attr]
-                    done_storing = torch.cuda.Event()
-                    done_storing.record(self._copy_stream)
-                stored[b] = done_storing
+                    blocks.store(chunk, buf)
+                stored[b] = _recorded(self._copy_stream)
             elif staged:
-                received = torch.cuda.Event()
-                received.record(self._comm_stream)
-                stored[b] = received
+                stored[b] = _recorded(self._comm_stream)
         self._copy_stream.wait_stream(self._comm_stream)
-        done = torch.cuda.Event()
-        done.record(self._copy_stream)
-        comm.wait(done, self._remaining(job), f"receive of transfer {job.transfer_id}")
+        comm.wait(_recorded(self._copy_stream), self._remaining(job),
+                  f"receive of transfer {job.transfer_id}")
         if job.abandoned or job.blocks is None:
             raise Cancelled(f"transfer {job.transfer_id} was given up; its bytes were dropped")
-        return total
+        return sum(c.nbytes for c in chunks)
 
     def _release(self) -> None:
         comm = self._comm
@@ -274,3 +257,10 @@ class NcclChannel:
             # A clean stop still aborts: destroy would wait for the peer, abort does not.
             comm.abort()
         self._staging = []
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded now on ``stream``: later work (or a poll) can wait for it."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event

@@ -1,0 +1,85 @@
+"""`kvd serve` subprocesses for the GPU tests (one GPU each, or all of them)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import kvd
+
+
+@dataclass
+class Node:
+    sock: str
+    address: str  # host:port of its peer socket
+    proc: subprocess.Popen[bytes]
+    log_path: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_node(gpu: int | None, *extra: str, ports: tuple[int, int] | None = None) -> Node:
+    """A `kvd serve` on GPU ``gpu`` only (``CUDA_VISIBLE_DEVICES``; None: all GPUs),
+    answering pings. Flags in ``extra`` override the defaults here."""
+    tmp = tempfile.mkdtemp(prefix=f"kvd-g{gpu}-", dir="/tmp")
+    sock = os.path.join(tmp, "kvd.sock")
+    peer_port, data_port = ports or (free_port(), free_port())
+    log_path = os.path.join(tmp, "log")
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock,
+             "--node-id", f"gpu{gpu}", "--peer-port", str(peer_port), "--data-port",
+             str(data_port), "--http-port", "0", "--pool-size-bytes", "1GiB",
+             "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2", *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            with kvd.KvdClient(sock, timeout_s=1) as c:
+                c.ping()
+            break
+        except kvd.DaemonUnavailable:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log_path) as f:
+                    raise AssertionError(f"daemon on GPU {gpu} did not start:\n"
+                                         + f.read()[-3000:]) from None
+            time.sleep(0.1)
+    return Node(sock, f"127.0.0.1:{peer_port}", proc, log_path)
+
+
+def stop_node(node: Node) -> int:
+    """Stop it (SIGTERM, 60 s) and return its exit code."""
+    if node.proc.poll() is None:
+        node.proc.terminate()
+        try:
+            node.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait(10)
+            raise AssertionError("daemon did not stop within 60 s") from None
+    return node.proc.returncode
+
+
+@contextlib.contextmanager
+def running_node(gpu: int | None, *extra: str) -> Iterator[Node]:
+    """A node for the duration of a test, which must end cleanly (exit code 0)."""
+    node = start_node(gpu, *extra)
+    try:
+        yield node
+    finally:
+        code = stop_node(node)
+    assert code == 0, f"daemon exited with {code}"
