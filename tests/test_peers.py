@@ -281,6 +281,36 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
         ctx.term()
 
 
+def test_accepted_offer_without_a_data_connection_fails_and_frees(nodes: object) -> None:
+    """A peer that is ACCEPTed but never opens its data connection: the receive fails
+    after the connect timeout, the link is dropped and the pool memory comes back."""
+    (a,) = nodes(1, "--peer-connect-timeout-s", "1")  # type: ignore[operator]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://{a.address}")
+    try:
+        sock.send(pack({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
+                        "node_id": "mute", "epoch": 1, "address": "127.0.0.1:1",
+                        "data_port": 1, "data_token": b"t" * 32, "devices": ["cpu"]}))
+        assert isinstance(decode_peer(sock.recv()), PeerWelcome)
+        sock.send(pack({"op": "offer", "transfer_id": 9, "key": "k", "src_dev": "cpu",
+                        "dst_dev": "cpu",
+                        "nbytes": BLOCK, "num_blocks": 1, "layout": [[BLOCK, "uint8"]]}))
+        assert decode_peer(sock.recv()).__struct_config__.tag == "accept"
+        assert a.client.stats()["pool"]["used_bytes"] == BLOCK
+        stats = wait_until(lambda: (s := a.client.stats())["transfers"]["received"].get(
+            "failed") and s, timeout_s=10)
+        assert stats["pool"]["used_bytes"] == 0 and stats["keys"] == 0
+        assert stats["peer"]["links"] == []
+        assert "data connection did not come within 1s" in a.proc.log()
+        assert a.client.ping() > 0
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 def test_second_peer_unaffected_by_first_dying(nodes: object) -> None:
     a, b, c = nodes(3)  # type: ignore[operator]
     src = random_region(4, 9)

@@ -98,6 +98,9 @@ class PeerPlane:
         self._by_dealer: dict[zmq.Socket[Any], PeerLink] = {}
         self._by_token: dict[bytes, PeerLink] = {}
         self._pending_hello: dict[zmq.Socket[Any], asyncio.Future[PeerWelcome]] = {}
+        # Tokens of our handshakes in flight: the peer may dial our data port as soon as
+        # it has welcomed us, before our loop has made the link that knows the token.
+        self._handshake_done: dict[bytes, asyncio.Future[None]] = {}
         self._linking: dict[str, asyncio.Task[PeerLink]] = {}
         self._warmups: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
@@ -240,7 +243,19 @@ class PeerPlane:
         token = secrets.token_bytes(32)
         welcome_fut: asyncio.Future[PeerWelcome] = self._loop.create_future()
         self._pending_hello[dealer] = welcome_fut
+        done = self._handshake_done[token] = self._loop.create_future()
         self._watch(dealer)
+        try:
+            return await self._complete_handshake(address, dealer, token, welcome_fut,
+                                                  timeout_s)
+        finally:
+            del self._handshake_done[token]
+            if not done.done():
+                done.set_result(None)
+
+    async def _complete_handshake(self, address: str, dealer: zmq.Socket[Any], token: bytes,
+                                  welcome_fut: asyncio.Future[PeerWelcome],
+                                  timeout_s: float) -> PeerLink:
         try:
             async with asyncio.timeout(min(timeout_s, self.config.peer_connect_timeout_s)):
                 while True:  # IMMEDIATE: sends fail until the TCP connection is up
@@ -282,7 +297,8 @@ class PeerPlane:
         self._by_token[link.token_for_them] = link
         link.recv_channel = RecvChannel(f"kvd-recv-{link.node_id}-{CPU_DEVICE}",
                                         self.config.tcp_chunk_bytes, self._io_timeout(),
-                                        self._on_broken(link))
+                                        self._on_broken(link),
+                                        attach_timeout_s=self.config.peer_connect_timeout_s)
 
     def _on_broken(self, link: PeerLink) -> Callable[[KvdError], None]:
         """A data connection that breaks takes its link down: the next transfer starts
@@ -528,6 +544,11 @@ class PeerPlane:
                     buf += chunk
             token = parse_data_hello(buf)
             link = self._by_token.get(token)
+            if link is None and token in self._handshake_done:
+                # It welcomed us and dialled in before our handshake made the link.
+                async with asyncio.timeout(self.config.peer_connect_timeout_s):
+                    await asyncio.shield(self._handshake_done[token])
+                link = self._by_token.get(token)
             if link is None or not link.alive or link.recv_channel is None:
                 raise ProtocolError("data connection with an unknown token")
             conn.setblocking(True)

@@ -243,7 +243,10 @@ class RecvChannel(Channel):
     """Receives whatever the peer sends, into the job registered for its transfer id."""
 
     def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
-                 on_broken: Callable[[KvdError], None] | None = None) -> None:
+                 on_broken: Callable[[KvdError], None] | None = None,
+                 attach_timeout_s: float | None = None) -> None:
+        # How long an expected job may wait for the peer's data connection to appear.
+        self.attach_timeout_s = io_timeout_s if attach_timeout_s is None else attach_timeout_s
         self._expected: dict[int, RecvJob] = {}
         self._announced = threading.Condition()  # notified when a job is expected
         self._current: RecvJob | None = None  # the transfer whose chunks are arriving
@@ -307,9 +310,11 @@ class RecvChannel(Channel):
         header = bytearray(HEADER.size)
         received = 0
         cursor: _Cursor | None = None
+        unattached_since: float | None = None
         while not self._stopping:
             try:
                 if not self._attached.wait(0.2):
+                    unattached_since = self._check_attach_wait(unattached_since)
                     continue
                 if self._error is not None:
                     return
@@ -357,6 +362,21 @@ class RecvChannel(Channel):
                 if current is not None:
                     _settle(current.future, error=err)
                 return
+
+    def _check_attach_wait(self, since: float | None) -> float | None:
+        """No data connection yet: fine while nothing is expected; a job that waits longer
+        than ``attach_timeout_s`` for one breaks the channel (its bytes cannot come)."""
+        with self._lock:
+            waiting = bool(self._expected)
+        if not waiting:
+            return None
+        now = time.monotonic()
+        if since is None:
+            return now
+        if now - since > self.attach_timeout_s:
+            raise PeerUnreachable(f"channel {self.name}: the peer's data connection did not "
+                                  f"come within {self.attach_timeout_s:g}s")
+        return since
 
     def _start(self, tid: int, eager: bool = False) -> RecvJob | None:
         """The job the chunk with id ``tid`` belongs to (None: discard its bytes). The
