@@ -26,7 +26,9 @@ from kvd.errors import ProtocolError
 # Protocol versions (bump on any incompatible change to a message below):
 #   1 — 2026-11: Hello/Register(shm)/Offload/Get/Put(local)/Publish/Cancel/Stats.
 #   2 — 2026-11: peer plane (PeerHello .. PullRequest), Pull, Put to another daemon.
-PROTOCOL_VERSION = 3
+#   3 — 2026-11: NCCL fields in Offer/Accept, ChannelDown.
+#   4 — 2026-11: Lend (publish for one reader, replied when the blocks are free again).
+PROTOCOL_VERSION = 4
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -193,6 +195,18 @@ class Publish(_Msg, tag="publish", frozen=True):
     ttl_s: Seconds | None = None
 
 
+class Lend(_Msg, tag="lend", frozen=True):
+    """Publish blocks in place for exactly one reader (a get here or a peer's pull). The
+    reply comes when the daemon no longer touches the blocks: ``Done(nbytes)`` with the
+    bytes that reader took, or 0 when nobody did before ``ttl_s`` or a cancel."""
+
+    req_id: ReqId
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
+    ttl_s: Seconds
+
+
 class Unpublish(_Msg, tag="unpublish", frozen=True):
     req_id: ReqId
     key: Key
@@ -225,7 +239,7 @@ class Drain(_Msg, tag="drain", frozen=True):
 
 
 Request = (
-    Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Pull | Publish
+    Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Pull | Publish | Lend
     | Unpublish | Delete | Cancel | Stats | Drain
 )
 

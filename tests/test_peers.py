@@ -132,6 +132,46 @@ def test_pull_published_and_offloaded(nodes: object) -> None:
     assert torch.equal(dst_b[5:8], src[1:4])
 
 
+def test_lend_to_one_reader_then_the_blocks_are_free(nodes: object) -> None:
+    a, b = nodes(2)  # type: ignore[operator]
+    src = random_region(8, 3)
+    r_src = a.client.register("kv", [src])
+    dst = shared_zeros((8, BLOCK), torch.uint8)
+    r_dst = b.client.register("kv", [dst])
+
+    lent = a.client.lend("once", r_src, [5, 1], ttl_s=30)
+    assert b.client.pull("once", a.address, r_dst, [0, 1], timeout_s=10) == 2 * BLOCK
+    assert lent.wait(10) == 2 * BLOCK  # the reader took them: the blocks are ours again
+    assert torch.equal(dst[0], src[5]) and torch.equal(dst[1], src[1])
+    with pytest.raises(kvd.UnknownKey):  # one reader only
+        b.client.pull("once", a.address, r_dst, [0, 1], timeout_s=5)
+
+    # a local get is a reader too
+    lent = a.client.lend("local", r_src, [2], ttl_s=30)
+    back = shared_zeros((1, BLOCK), torch.uint8)
+    r_back = a.client.register("back", [back])
+    assert a.client.get("local", r_back, [0], timeout_s=5) == BLOCK
+    assert lent.wait(10) == BLOCK and torch.equal(back[0], src[2])
+
+    # nobody reads it: the TTL ends the loan with 0 bytes taken
+    lent = a.client.lend("unread", r_src, [3], ttl_s=0.3)
+    assert lent.wait(10) == 0
+    with pytest.raises(kvd.UnknownKey):
+        b.client.pull("unread", a.address, r_dst, [0], timeout_s=5)
+
+    # the owner takes it back
+    lent = a.client.lend("withdrawn", r_src, [4], ttl_s=30)
+    assert not lent.done()
+    lent.cancel()
+    with pytest.raises(kvd.Cancelled):
+        lent.wait(5)
+    with pytest.raises(kvd.UnknownKey):
+        b.client.pull("withdrawn", a.address, r_dst, [0], timeout_s=5)
+    with pytest.raises(kvd.BadRequest, match="ttl_s"):
+        a.client.lend("bad", r_src, [0], ttl_s=0).wait(5)
+    assert a.client.stats()["keys"] == 0
+
+
 def test_busy_then_success_and_exhausted_at_deadline(nodes: object) -> None:
     a, b = nodes(1)[0], nodes(1, "--pool-size-bytes", "4MiB")[1]  # type: ignore[operator]
     src = random_region(4, 5, 2 * 2**20)  # 2 MiB blocks

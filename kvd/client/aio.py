@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncTransfer:
-    """A put in flight: ``await t.wait()``, ``t.done()``, ``await t.cancel()``."""
+    """A put or lend in flight: ``await t.wait()``, ``t.done()``, ``await t.cancel()``."""
 
     def __init__(self, client: AsyncKvdClient, call: Call, future: asyncio.Future[Reply],
                  started: float) -> None:
@@ -235,6 +235,15 @@ class AsyncKvdClient:
                   timeout_s: float | None = None) -> AsyncTransfer:
         """Send blocks to daemon ``to`` (this one by default) under ``key``."""
         call = self._b.put(key, region, blocks, to, ttl_s, timeout_s)
+        started = time.perf_counter()
+        return AsyncTransfer(self, call, await self._send(call), started)
+
+    async def lend(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                   ttl_s: float, timeout_s: float | None = None) -> AsyncTransfer:
+        """Publish blocks in place for one reader (a get here, or a peer's pull). The
+        transfer ends when the daemon no longer reads them, with the bytes that reader
+        took (0 if nobody did within ``ttl_s``); do not reuse the blocks before."""
+        call = self._b.lend(key, region, blocks, ttl_s, timeout_s)
         started = time.perf_counter()
         return AsyncTransfer(self, call, await self._send(call), started)
 

@@ -29,6 +29,7 @@ from kvd.protocol import (
     Get,
     Hello,
     LayoutEntry,
+    Lend,
     Offload,
     Ping,
     Pong,
@@ -229,6 +230,13 @@ class RequestBuilder:
         msg = Publish(req_id=self.next_id(), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
+
+    def lend(self, key: str, region: Region | int, blocks: Iterable[int], ttl_s: float,
+             timeout_s: float | None) -> Call:
+        msg = Lend(req_id=self.next_id(), key=key, region_id=_reading(region),
+                   blocks=_blocks(blocks), ttl_s=ttl_s)
+        # A read that began just before the TTL still ends before the reply.
+        return Call(msg, ttl_s + self._t(timeout_s) + REPLY_MARGIN_S, "nbytes")
 
     def unpublish(self, key: str, timeout_s: float | None) -> Call:
         return Call(Unpublish(req_id=self.next_id(), key=key), self._t(timeout_s), "none")

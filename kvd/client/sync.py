@@ -30,7 +30,8 @@ _MONITOR_SLICE_MS = 100
 
 
 class Transfer:
-    """A put in flight: ``t.wait()``, ``t.done()``, ``t.cancel()``."""
+    """A request in flight (``put``, ``lend``, ``start_get``, ``start_pull``): ``t.wait()``,
+    ``t.done()``, ``t.cancel()``."""
 
     def __init__(self, client: KvdClient, call: Call, started: float) -> None:
         self._client = client
@@ -251,7 +252,26 @@ class KvdClient:
             to: str | None = None, ttl_s: float | None = None,
             timeout_s: float | None = None) -> Transfer:
         """Send blocks to daemon ``to`` (this one by default) under ``key``."""
-        call = self._b.put(key, region, blocks, to, ttl_s, timeout_s)
+        return self._start(self._b.put(key, region, blocks, to, ttl_s, timeout_s))
+
+    def lend(self, key: str, region: Region | int, blocks: Iterable[int], *, ttl_s: float,
+             timeout_s: float | None = None) -> Transfer:
+        """Publish blocks in place for one reader (a get here, or a peer's pull). The
+        transfer ends when the daemon no longer reads them, with the bytes that reader
+        took (0 if nobody did within ``ttl_s``); do not reuse the blocks before."""
+        return self._start(self._b.lend(key, region, blocks, ttl_s, timeout_s))
+
+    def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                  timeout_s: float | None = None) -> Transfer:
+        """``get`` without blocking: the returned transfer ends when the bytes are in."""
+        return self._start(self._b.get(key, region, blocks, timeout_s))
+
+    def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
+                   timeout_s: float | None = None) -> Transfer:
+        """``pull`` without blocking: the returned transfer ends when the bytes are in."""
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s))
+
+    def _start(self, call: Call) -> Transfer:
         with self._lock:
             started = time.perf_counter()
             self._send(call)

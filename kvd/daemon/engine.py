@@ -352,6 +352,7 @@ class Engine:
                 nbytes = await self._copy(
                     [region], item.nbytes, local.scatter, view, item.layout, region.tensors,
                     idx, gpu=view.is_cuda)
+            item.bytes_read += nbytes
         finally:
             item.end_read()
         self.counters.bytes_in += nbytes
@@ -535,6 +536,37 @@ class Engine:
         )
         self._add_item(item)
         return nbytes
+
+    async def lend(
+        self, session: int, key: str, region_id: int, blocks: Sequence[int], ttl_s: float,
+    ) -> int:
+        """Publish for one reader; returns, once no copy reads the blocks any more, the
+        bytes that reader took (0: nobody took them before the TTL or a cancel). Until then
+        the owner must not reuse the blocks."""
+        region, idx = self._source(session, region_id, blocks)
+        expires_at = self._ttl_deadline(ttl_s)
+        self.store.reserve(key)
+        _, nbytes = packed_offsets(region.layout, len(idx))
+        freed: asyncio.Future[int] = self._loop.create_future()
+
+        def on_free(item: Item) -> None:
+            if not freed.done():
+                freed.set_result(item.bytes_read)
+
+        item = Item(
+            key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes, owner=session,
+            expires_at=expires_at, consume_once=True, region=region, region_idx=idx,
+            on_free=on_free,
+        )
+        self._add_item(item)
+        try:
+            return await asyncio.shield(freed)
+        except asyncio.CancelledError:
+            # Withdrawn by the owner: a read in progress still finishes before we answer.
+            self.store.remove(item)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(freed), 60.0)
+            raise
 
     def unpublish(self, session: int, key: str) -> None:
         item = self._owned_item(session, key)

@@ -47,6 +47,7 @@ from kvd.protocol import (
     ErrorReply,
     Get,
     Hello,
+    Lend,
     Offload,
     Ping,
     Pong,
@@ -274,6 +275,9 @@ class LocalServer:
                 case Publish():
                     n = e.publish(s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s)
                     self._done(s, msg.req_id, n)
+                case Lend():
+                    self._spawn(s, msg.req_id, op, e.lend(
+                        s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s))
                 case Unpublish():
                     e.unpublish(s.sid, msg.key)
                     self._done(s, msg.req_id)

@@ -40,6 +40,7 @@ class Item:
     region_idx: torch.Tensor | None = None
     readers: int = 0
     removed: bool = False
+    bytes_read: int = 0  # by reads that completed (a lent item reports it to its owner)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     on_free: Callable[[Item], None] | None = field(default=None, repr=False)
 

@@ -689,8 +689,8 @@ class PeerTransfers:
 
         async def serve() -> None:
             try:
-                await self._push(link, tid, req.key, source, item.layout, item.num_blocks,
-                                 None, deadline, regions)
+                item.bytes_read += await self._push(link, tid, req.key, source, item.layout,
+                                                    item.num_blocks, None, deadline, regions)
             except KvdError:
                 pass  # logged in _push; the puller has its own error
             finally:

@@ -1,0 +1,384 @@
+"""Moving one engine's paged KV blocks through its kvd daemon, without the engine's types.
+
+This is the data path of the vLLM connector (``kvd.integrations.vllm``), kept free of vLLM
+so that it is tested in kvd's own suite. A ``KvMover`` lives in the worker process that
+owns the KV tensors (one per layer, blocks on one dimension, the same block ids in every
+layer). It registers them with the daemon once and then, driven by the engine's step loop,
+never blocks:
+
+- ``send(order)``: the request's blocks leave under a key. Pull flow: they are *lent*
+  (published for exactly one reader, the decode daemon's pull); push flow: they are *put*
+  to the decode daemon. The blocks stay the engine's until ``poll`` reports the request in
+  ``released``.
+- ``load(order)``: blocks arrive under a key into the request's new blocks: pulled from
+  the prefill daemon (pull flow, retried while the key is not lent yet) or taken from
+  this daemon when the prefill daemon pushes them (push flow).
+- ``poll()``: what finished since the last call: sends whose blocks the engine may free,
+  loads that completed, loads that failed (with the block ids that hold no valid data).
+
+GPU tensors are registered in place (CUDA IPC) and move without copies. CPU tensors of an
+engine are private memory the daemon cannot map, so they go through a *staging* region in
+shared memory: a send copies the blocks into staging slots (the engine's blocks are free
+at once), a load lands in staging and is copied into the blocks. A load whose first blocks
+are already cached locally (a prefix hit) also goes through staging, so that only the
+missing blocks are written. Every wait has a deadline: a send is withdrawn when its lease
+ends, a load fails when its timeout passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvd.client.shm import shared_empty
+from kvd.client.sync import KvdClient, Transfer
+from kvd.errors import BadRequest, KvdError, UnknownKey
+
+log = logging.getLogger(__name__)
+
+PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tries again
+
+
+@dataclass
+class SendOrder:
+    """Send blocks ``block_ids`` of request ``req_id`` under ``key``: lent for one pull
+    (``push_to`` None) or put to the daemon at ``push_to``; given up after ``lease_s``."""
+
+    req_id: str
+    key: str
+    block_ids: list[int]
+    lease_s: float
+    push_to: str | None = None
+
+
+@dataclass
+class LoadOrder:
+    """Bring ``key`` (``remote_blocks`` blocks) into this engine: its blocks from
+    ``first`` on go into ``block_ids`` (the ones before are cached here already). From
+    daemon ``source`` (pull), or, with ``source`` None, pushed to this daemon."""
+
+    req_id: str
+    key: str
+    source: str | None
+    remote_blocks: int
+    first: int
+    block_ids: list[int]
+    timeout_s: float
+
+
+@dataclass
+class Polled:
+    released: set[str] = field(default_factory=set)  # sends: the engine may free the blocks
+    loaded: set[str] = field(default_factory=set)  # loads that completed
+    failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
+
+
+@dataclass
+class MoverStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sends: int = 0
+    sends_unread: int = 0  # lent, and nobody pulled them before the lease ended
+    send_failures: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    load_seconds: float = 0.0  # summed over completed loads
+
+    def as_dict(self) -> dict[str, int | float]:
+        return dict(self.__dict__)
+
+
+def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
+    """Which dimension indexes blocks: the first one of size ``num_blocks``."""
+    for dim, size in enumerate(tensor.shape[:2]):
+        if size == num_blocks:
+            return dim
+    raise BadRequest(f"KV tensor of shape {tuple(tensor.shape)} has no dimension of "
+                     f"{num_blocks} blocks among its first two")
+
+
+class _Slots:
+    """Which staging slots are free (first fit, lowest first)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = list(range(count))
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def give(self, slots: Sequence[int]) -> None:
+        self._free = sorted([*self._free, *slots])
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+@dataclass(eq=False)
+class _Send:
+    order: SendOrder
+    deadline: float
+    slots: list[int] | None = None
+    transfer: Transfer | None = None
+    released: bool = False  # the engine's blocks were reported free
+
+
+@dataclass(eq=False)
+class _Load:
+    order: LoadOrder
+    deadline: float
+    started: float
+    slots: list[int] | None = None
+    transfer: Transfer | None = None
+    retry_at: float = 0.0
+
+
+class KvMover:
+    """The worker side of a connector: one daemon client, one registration, no blocking."""
+
+    def __init__(self, client: KvdClient, layers: Sequence[torch.Tensor], num_blocks: int,
+                 staging_blocks: int, name: str = "kv") -> None:
+        if not layers:
+            raise BadRequest("no KV tensors to register")
+        self.client = client
+        self.num_blocks = num_blocks
+        self.block_dims = [block_dim_of(t, num_blocks) for t in layers]
+        # Block-major views: index 0 picks a block, in every layer.
+        self.layers = [t.movedim(d, 0) if d else t for t, d in zip(layers, self.block_dims,
+                                                                   strict=True)]
+        self.direct = all(t.is_cuda for t in layers)
+        if not self.direct and any(t.is_cuda for t in layers):
+            raise BadRequest("KV tensors are on both CPU and GPU")
+        self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
+        if self.direct and len(set(self.block_dims)) != 1:
+            raise BadRequest(f"KV tensors have their blocks on different dims {self.block_dims}")
+        # GPU tensors are registered in place; CPU ones only through staging.
+        self.region: Any = (client.register(name, list(layers), block_dim=self.block_dims[0])
+                            if self.direct else None)
+        self._staging_blocks = staging_blocks
+        self._staging: list[torch.Tensor] | None = None
+        self._staging_region: Any = None
+        self._slots = _Slots(0)
+        if not self.direct:
+            self._make_staging()
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+        self._done = Polled()
+        self.stats = MoverStats()
+
+    # ------------------------------------------------------------ staging
+
+    def _make_staging(self) -> None:
+        """Slots shaped like one block of each layer, in memory the daemon can map (shared
+        memory for CPU tensors, the same GPU for GPU tensors)."""
+        n = self._staging_blocks
+        if n <= 0:
+            raise BadRequest("staging_blocks must be positive for CPU KV tensors")
+        if self.direct:
+            tensors = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                       for t in self.layers]
+        else:
+            tensors = [shared_empty((n, *t.shape[1:]), t.dtype) for t in self.layers]
+        self._staging = tensors
+        self._staging_region = self.client.register("kv-staging", tensors)
+        self._slots = _Slots(n)
+
+    def _take_slots(self, n: int) -> list[int] | None:
+        if self._staging is None:
+            self._make_staging()
+        if n > self._slots.count:
+            raise BadRequest(f"{n} blocks do not fit in {self._slots.count} staging blocks "
+                             "(raise staging_blocks)")
+        return self._slots.take(n)
+
+    def _stage_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        assert self._staging is not None
+        src = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
+        dst = torch.tensor(list(slots), dtype=torch.long, device=self.layers[0].device)
+        for layer, stage in zip(self.layers, self._staging, strict=True):
+            stage.index_copy_(0, dst, layer.index_select(0, src))
+
+    def _stage_out(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        assert self._staging is not None
+        src = torch.tensor(list(slots), dtype=torch.long, device=self.layers[0].device)
+        dst = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
+        for layer, stage in zip(self.layers, self._staging, strict=True):
+            layer.index_copy_(0, dst, stage.index_select(0, src))
+
+    # ------------------------------------------------------------ orders
+
+    def send(self, order: SendOrder) -> None:
+        if order.req_id in self._sends:
+            raise BadRequest(f"request {order.req_id} is already being sent")
+        self._sends[order.req_id] = _Send(order, time.monotonic() + order.lease_s)
+        self._advance_send(self._sends[order.req_id])
+
+    def load(self, order: LoadOrder) -> None:
+        if order.req_id in self._loads:
+            raise BadRequest(f"request {order.req_id} is already loading")
+        if len(order.block_ids) != order.remote_blocks - order.first or order.first < 0:
+            self._done.failed[order.req_id] = list(order.block_ids)
+            self.stats.load_failures += 1
+            log.error("kvd load %s: %d blocks for %d remote blocks from %d: not loading",
+                      order.req_id, len(order.block_ids), order.remote_blocks, order.first)
+            return
+        now = time.monotonic()
+        self._loads[order.req_id] = _Load(order, now + order.timeout_s, now)
+        self._advance_load(self._loads[order.req_id])
+
+    def pending(self) -> int:
+        return len(self._sends) + len(self._loads)
+
+    def poll(self) -> Polled:
+        for send in list(self._sends.values()):
+            self._advance_send(send)
+        for load in list(self._loads.values()):
+            self._advance_load(load)
+        done, self._done = self._done, Polled()
+        return done
+
+    # ------------------------------------------------------------ sends
+
+    def _advance_send(self, send: _Send) -> None:
+        order = send.order
+        try:
+            if send.transfer is None:
+                self._start_send(send)
+            elif send.transfer.done():
+                nbytes = send.transfer.wait(0)
+                self.stats.sends += 1
+                self.stats.bytes_sent += nbytes
+                if nbytes == 0 and order.push_to is None:
+                    self.stats.sends_unread += 1
+                    log.warning("kvd send %s: key %s was not pulled within its %gs lease",
+                                order.req_id, order.key, order.lease_s)
+                self._end_send(send)
+        except KvdError as err:
+            self.stats.send_failures += 1
+            log.error("kvd send %s (key %s) failed: %s", order.req_id, order.key, err)
+            self._end_send(send)
+
+    def _start_send(self, send: _Send) -> None:
+        order = send.order
+        left = send.deadline - time.monotonic()
+        if left <= 0:
+            raise KvdError(f"no staging room within its {order.lease_s:g}s lease")
+        if self.direct:
+            region, blocks = self.region, order.block_ids
+        else:
+            slots = self._take_slots(len(order.block_ids))
+            if slots is None:
+                return  # staging is full: try again at the next poll
+            send.slots = slots
+            self._stage_in(order.block_ids, slots)
+            self._release(send)  # the bytes are in staging: the engine's blocks are free
+            region, blocks = self._staging_region, slots
+        if order.push_to is None:
+            send.transfer = self.client.lend(order.key, region, blocks, ttl_s=left)
+        else:
+            send.transfer = self.client.put(order.key, region, blocks, to=order.push_to,
+                                            ttl_s=order.lease_s, timeout_s=left)
+
+    def _release(self, send: _Send) -> None:
+        if not send.released:
+            send.released = True
+            self._done.released.add(send.order.req_id)
+
+    def _end_send(self, send: _Send) -> None:
+        self._sends.pop(send.order.req_id, None)
+        if send.slots is not None:
+            self._slots.give(send.slots)
+            send.slots = None
+        self._release(send)
+
+    # ------------------------------------------------------------ loads
+
+    def _advance_load(self, load: _Load) -> None:
+        order = load.order
+        now = time.monotonic()
+        try:
+            if load.transfer is None:
+                if now >= load.retry_at:
+                    self._start_load(load, now)
+                elif now >= load.deadline:
+                    raise KvdError(f"key {order.key!r} did not come within "
+                                   f"{order.timeout_s:g}s")
+                return
+            if not load.transfer.done():
+                return
+            try:
+                nbytes = load.transfer.wait(0)
+            except UnknownKey:
+                # Pull flow: prefill lends the key one engine step after it answered; the
+                # decode request can get here first.
+                if time.monotonic() + PULL_RETRY_S >= load.deadline:
+                    raise
+                load.transfer, load.retry_at = None, time.monotonic() + PULL_RETRY_S
+                return
+            if load.slots is not None:
+                self._stage_out(load.slots[order.first:], order.block_ids)
+            self.stats.loads += 1
+            self.stats.bytes_received += nbytes
+            self.stats.load_seconds += time.monotonic() - load.started
+            self._end_load(load)
+            self._done.loaded.add(order.req_id)
+        except KvdError as err:
+            self.stats.load_failures += 1
+            log.error("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
+            self._end_load(load)
+            self._done.failed[order.req_id] = list(order.block_ids)
+
+    def _start_load(self, load: _Load, now: float) -> None:
+        order = load.order
+        left = load.deadline - now
+        if left <= 0:
+            raise KvdError(f"key {order.key!r} did not come within {order.timeout_s:g}s")
+        if self.direct and order.first == 0:
+            region, blocks = self.region, order.block_ids
+        else:
+            if load.slots is None:
+                load.slots = self._take_slots(order.remote_blocks)
+                if load.slots is None:
+                    return  # staging is full: try again at the next poll
+            region, blocks = self._staging_region, load.slots
+        if order.source is None:
+            load.transfer = self.client.start_get(order.key, region, blocks, timeout_s=left)
+        else:
+            load.transfer = self.client.start_pull(order.key, order.source, region, blocks,
+                                                   timeout_s=left)
+
+    def _end_load(self, load: _Load) -> None:
+        self._loads.pop(load.order.req_id, None)
+        if load.slots is not None:
+            self._slots.give(load.slots)
+            load.slots = None
+
+    # ------------------------------------------------------------ shutdown
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Withdraw what is in flight (bounded), then close the client: the daemon drops
+        this client's registrations."""
+        items: list[_Send | _Load] = [*self._sends.values(), *self._loads.values()]
+        for item in items:
+            if item.transfer is not None and not item.transfer.done():
+                try:
+                    item.transfer.cancel(timeout_s)
+                except KvdError as err:
+                    log.warning("kvd: cancelling %s at shutdown: %s", item.order.req_id, err)
+        self._sends.clear()
+        self._loads.clear()
+        self.client.close()
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size) if tokens > 0 else 0

@@ -1,0 +1,418 @@
+"""``KvdConnector``: vLLM's KV connector API (``KVConnectorBase_V1``) on kvd daemons.
+
+Load it in both instances of a disaggregated pair::
+
+    --kv-transfer-config '{"kv_connector": "KvdConnector",
+                           "kv_connector_module_path": "kvd.integrations.vllm",
+                           "kv_role": "kv_producer",          # decode: "kv_consumer"
+                           "kv_connector_extra_config": {"kvd_socket": "/run/kvd/kvd.sock"}}'
+
+Extra config (all optional): ``kvd_socket`` (the local daemon; default ``KVD_SOCKET_PATH``
+or kvd's default), ``kvd_address`` (this daemon's peer address as other nodes reach it;
+default: asked from the daemon), ``flow`` ("pull", default, or "push"), ``lease_s`` (30:
+how long prefill keeps a request's blocks for decode), ``load_timeout_s`` (30: how long
+decode waits for them), ``staging_blocks`` (256: shared-memory blocks for CPU engines).
+
+The request-level protocol (``kv_transfer_params``, set by a proxy, see
+``examples/vllm/``):
+
+- to prefill: ``{"do_remote_decode": true}`` (push flow: plus ``"kvd_push_to":
+  "<decode daemon host:port>"``). When the request finishes, prefill keeps its blocks
+  (``delay_free``) and answers with the params for decode: ``do_remote_prefill``,
+  ``kvd_key``, ``kvd_source`` (its daemon), ``kvd_flow``, ``kvd_num_tokens``,
+  ``kvd_num_blocks``, ``kvd_block_size``. Pull flow: the blocks are lent under the key
+  until decode's daemon pulls them or the lease ends; push flow: they are put to the
+  decode daemon at once. Either way prefill frees them when kvd is done with them.
+- to decode: those params. Decode claims the prompt's tokens that it has not cached as an
+  asynchronous load, pulls (or takes the pushed) blocks into its own, and reports the
+  request done. A load that fails or times out is reported as invalid blocks, so vLLM's
+  ``kv_load_failure_policy`` applies (recompute, or fail the request).
+
+The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
+The data path is ``kvd.integrations.kv_mover``, which knows nothing about vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvd.errors import BadRequest, KvdError
+from kvd.integrations.kv_mover import (
+    KvMover,
+    LoadOrder,
+    MoverStats,
+    SendOrder,
+    blocks_for,
+)
+
+log = logging.getLogger(__name__)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+    from vllm.v1.request import RequestStatus
+
+    _VLLM_ERROR: ImportError | None = None
+except ImportError as exc:  # kvd never depends on vLLM: only using the classes needs it
+    _VLLM_ERROR = exc
+
+if TYPE_CHECKING:
+    import torch
+
+FLOWS = ("pull", "push")
+_NAMES = ("KvdConnector", "KvdConnectorMetadata", "KvdConnectorStats", "KvdPromMetrics")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``, checked once at start."""
+
+    kvd_socket: str | None = None
+    kvd_address: str | None = None
+    flow: str = "pull"
+    lease_s: float = 30.0
+    load_timeout_s: float = 30.0
+    staging_blocks: int = 256
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise BadRequest(f"unknown kv_connector_extra_config keys {unknown}; "
+                             f"KvdConnector knows {sorted(known)}")
+        settings = cls(**extra)
+        if settings.flow not in FLOWS:
+            raise BadRequest(f"flow must be one of {FLOWS}, got {settings.flow!r}")
+        for name in ("lease_s", "load_timeout_s"):
+            value = getattr(settings, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise BadRequest(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(settings.staging_blocks, int) or settings.staging_blocks <= 0:
+            raise BadRequest(f"staging_blocks must be a positive integer, "
+                             f"got {settings.staging_blocks!r}")
+        return settings
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What decode reads from a request's ``kv_transfer_params``."""
+
+    key: str
+    source: str | None  # the prefill daemon (pull flow); None: pushed to us
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, params: Any) -> RemotePrefill | None:
+        """None when the request has no KV to load; ``BadRequest`` when it claims to but
+        the params are broken."""
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        try:
+            key, flow = params["kvd_key"], params.get("kvd_flow", "pull")
+            nums = [params[k] for k in ("kvd_num_tokens", "kvd_num_blocks", "kvd_block_size")]
+        except KeyError as exc:
+            raise BadRequest(f"kv_transfer_params lack {exc.args[0]!r}") from None
+        source = params.get("kvd_source")
+        if not isinstance(key, str) or not key or flow not in FLOWS:
+            raise BadRequest(f"bad kvd_key {key!r} or kvd_flow {flow!r}")
+        if not all(isinstance(n, int) and n > 0 for n in nums):
+            raise BadRequest(f"bad token/block counts {nums}")
+        if flow == "pull" and not (isinstance(source, str) and source):
+            raise BadRequest("pull flow without kvd_source")
+        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2])
+
+
+def _remote_prefill(request: Any) -> RemotePrefill | None:
+    try:
+        return RemotePrefill.of(request.kv_transfer_params)
+    except BadRequest as err:
+        log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id,
+                    err.message)
+        return None
+
+
+def _client(settings: Settings, name: str) -> Any:
+    from kvd.client.sync import KvdClient
+
+    client = KvdClient(settings.kvd_socket, name=name)
+    client.connect()
+    return client
+
+
+def _stats_delta(now: MoverStats, before: dict[str, Any]) -> dict[str, Any]:
+    current = now.as_dict()
+    return {k: v - before.get(k, 0) for k, v in current.items()}
+
+
+if _VLLM_ERROR is None:
+
+    @dataclass
+    class KvdConnectorMetadata(KVConnectorMetadata):
+        """Scheduler to worker, every step: what to send and what to load."""
+
+        sends: list[SendOrder] = field(default_factory=list)
+        loads: list[LoadOrder] = field(default_factory=list)
+
+    @dataclass
+    class KvdConnectorStats(KVConnectorStats):
+        """Counts since the last report; summed over workers and intervals."""
+
+        def reset(self) -> None:
+            empty: dict[str, Any] = {}
+            self.data = empty
+
+        def aggregate(self, other: KVConnectorStats) -> KvdConnectorStats:
+            merged = dict(self.data)
+            for k, v in other.data.items():
+                merged[k] = merged.get(k, 0) + v
+            return KvdConnectorStats(data=merged)
+
+        def reduce(self) -> dict[str, int | float]:
+            d = self.data
+            out: dict[str, int | float] = {k: d[k] for k in sorted(d)}
+            loads = d.get("loads", 0)
+            if loads:
+                out["avg_load_ms"] = round(1000 * d.get("load_seconds", 0.0) / loads, 3)
+            return out
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
+
+    class KvdPromMetrics(KVConnectorPromMetrics):
+        """kvd's counters in vLLM's own Prometheus registry, one child per engine."""
+
+        _COUNTERS = {
+            "bytes_sent": "Bytes of KV cache sent through kvd",
+            "bytes_received": "Bytes of KV cache received through kvd",
+            "sends": "KV sends through kvd that completed",
+            "sends_unread": "KV lent through kvd that no decode pulled within its lease",
+            "send_failures": "KV sends through kvd that failed",
+            "loads": "KV loads through kvd that completed",
+            "load_failures": "KV loads through kvd that failed (reported as invalid blocks)",
+            "load_seconds": "Seconds spent in completed KV loads through kvd",
+        }
+
+        def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                     labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                     ) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {}
+            for name, doc in self._COUNTERS.items():
+                metric = self._counter_cls(name=f"vllm:kvd_{name}", documentation=doc,
+                                           labelnames=labelnames)
+                self._counters[name] = {idx: metric.labels(*values) for idx, values
+                                        in per_engine_labelvalues.items()}
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for name, children in self._counters.items():
+                value = transfer_stats_data.get(name, 0)
+                if value and engine_idx in children:
+                    children[engine_idx].inc(value)
+
+    class KvdConnector(KVConnectorBase_V1):
+        """Disaggregated prefill/decode through kvd: see the module docstring."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            transfer = vllm_config.kv_transfer_config
+            self.settings = Settings.parse(transfer.kv_connector_extra_config)
+            self.engine_id = transfer.engine_id or secrets.token_hex(8)
+            self.is_producer = bool(transfer.is_kv_producer)
+            self.block_size = vllm_config.cache_config.block_size
+            self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
+                               else vllm_config.cache_config.num_gpu_blocks)
+            # scheduler side
+            self._sends: list[SendOrder] = []
+            self._loads: list[LoadOrder] = []
+            self.address = self.settings.kvd_address or ""
+            # worker side
+            self._client: Any = None
+            self._mover: KvMover | None = None
+            self._load_errors: set[int] = set()
+            self._reported: dict[str, Any] = {}
+            if role == KVConnectorRole.SCHEDULER and self.is_producer and not self.address:
+                self.address = self._daemon_address()
+            if role == KVConnectorRole.WORKER:
+                self._client = _client(self.settings, f"vllm-worker-{self.engine_id}")
+
+        def _daemon_address(self) -> str:
+            client = _client(self.settings, f"vllm-scheduler-{self.engine_id}")
+            try:
+                address = str(client.stats()["peer"]["address"] or "")
+            finally:
+                client.close()
+            if not address:
+                raise BadRequest("the kvd daemon has no peer address (is its peer plane "
+                                 "off?); set kvd_address in kv_connector_extra_config")
+            return address
+
+        # ------------------------------------------------------------ scheduler side
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                       ) -> tuple[int | None, bool]:
+            remote = _remote_prefill(request)
+            if remote is None:
+                return 0, False
+            prompt = len(request.prompt_token_ids)
+            if (remote.num_tokens != prompt or remote.block_size != self.block_size
+                    or remote.num_blocks != blocks_for(prompt, self.block_size)):
+                log.warning("request %s: prefill's KV (%d tokens, %d blocks of %d) does not "
+                            "fit this prompt (%d tokens, blocks of %d): recomputing",
+                            request.request_id, remote.num_tokens, remote.num_blocks,
+                            remote.block_size, prompt, self.block_size)
+                return 0, False
+            count = prompt - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+
+        def update_state_after_alloc(self, request: Any, blocks: Any,
+                                     num_external_tokens: int) -> None:
+            if num_external_tokens <= 0:
+                return
+            remote = _remote_prefill(request)
+            if remote is None:
+                return
+            request.kv_transfer_params["do_remote_prefill"] = False  # load it once only
+            ids = blocks.get_block_ids()[0]
+            first = remote.num_blocks - blocks_for(num_external_tokens, self.block_size)
+            self._loads.append(LoadOrder(
+                req_id=request.request_id, key=remote.key, source=remote.source,
+                remote_blocks=remote.num_blocks, first=first,
+                block_ids=list(ids[first:remote.num_blocks]),
+                timeout_s=self.settings.load_timeout_s))
+
+        def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
+            meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads)
+            self._sends, self._loads = [], []
+            return meta
+
+        def request_finished(self, request: Any, block_ids: list[int],
+                             ) -> tuple[bool, dict[str, Any] | None]:
+            params = request.kv_transfer_params
+            if not (self.is_producer and isinstance(params, dict)
+                    and params.get("do_remote_decode")):
+                return False, None
+            if request.status not in (RequestStatus.FINISHED_STOPPED,
+                                      RequestStatus.FINISHED_LENGTH_CAPPED):
+                return False, None  # aborted or failed: nothing worth sending
+            prompt = len(request.prompt_token_ids)
+            n = blocks_for(prompt, self.block_size)
+            if n == 0 or len(block_ids) < n or request.num_computed_tokens < prompt:
+                return False, None
+            push_to = None
+            if self.settings.flow == "push":
+                push_to = params.get("kvd_push_to")
+                if not isinstance(push_to, str) or not push_to:
+                    log.error("request %s: push flow, but the proxy named no decode daemon "
+                              "(kvd_push_to); decode will recompute", request.request_id)
+                    return False, None
+            key = f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
+            self._sends.append(SendOrder(req_id=request.request_id, key=key,
+                                         block_ids=list(block_ids[:n]),
+                                         lease_s=self.settings.lease_s, push_to=push_to))
+            return True, {
+                "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": key,
+                "kvd_source": self.address, "kvd_flow": self.settings.flow,
+                "kvd_num_tokens": prompt, "kvd_num_blocks": n,
+                "kvd_block_size": self.block_size,
+            }
+
+        # ------------------------------------------------------------ worker side
+
+        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            layers = list(kv_caches.values())
+            self._mover = KvMover(self._client, layers, self.num_blocks,
+                                  self.settings.staging_blocks,
+                                  name=f"vllm-{self.engine_id}")
+            log.info("kvd: registered %d KV tensors (%d blocks, %s, %s)", len(layers),
+                     self.num_blocks, layers[0].device,
+                     "in place" if self._mover.direct else
+                     f"{self.settings.staging_blocks} staging blocks")
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            if self._mover is None or not self.has_connector_metadata():
+                return
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KvdConnectorMetadata)
+            for order in meta.sends:
+                self._mover.send(order)
+            for load in meta.loads:
+                self._mover.load(load)
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return  # loads are asynchronous: the scheduler runs a request once it is in
+
+        def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            return  # blocks leave whole, once the request is finished (request_finished)
+
+        def wait_for_save(self) -> None:
+            return
+
+        def get_finished(self, finished_req_ids: set[str],
+                         ) -> tuple[set[str] | None, set[str] | None]:
+            if self._mover is None:
+                return None, None
+            polled = self._mover.poll()
+            for blocks in polled.failed.values():
+                self._load_errors.update(blocks)
+            # A failed load is finished too: its blocks are reported invalid.
+            recving = polled.loaded | set(polled.failed)
+            return polled.released or None, recving or None
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            errors, self._load_errors = self._load_errors, set()
+            return errors
+
+        def get_kv_connector_stats(self) -> KvdConnectorStats | None:
+            if self._mover is None:
+                return None
+            delta = _stats_delta(self._mover.stats, self._reported)
+            self._reported = self._mover.stats.as_dict()
+            stats = KvdConnectorStats(data=delta)
+            return None if stats.is_empty() else stats
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,
+                                     ) -> KvdConnectorStats:
+            return KvdConnectorStats(data=dict(data or {}))
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                               labelnames: list[str],
+                               per_engine_labelvalues: dict[int, list[object]],
+                               ) -> KvdPromMetrics:
+            return KvdPromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
+
+        def shutdown(self) -> None:
+            mover, self._mover = self._mover, None
+            if mover is not None:
+                try:
+                    mover.close()
+                except KvdError as err:
+                    log.warning("kvd connector shutdown: %s", err)
+            elif self._client is not None:
+                self._client.close()
+            self._client = None
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name in _NAMES:
+            raise ImportError(f"kvd.integrations.vllm.{name} needs vLLM, which does not "
+                              f"import here: {_VLLM_ERROR}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

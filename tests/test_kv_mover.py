@@ -1,0 +1,159 @@
+"""The vLLM connector's data path without vLLM: two `kvd serve` daemons, an engine's KV
+tensors (private CPU memory, paged like vLLM's CPU backend) on each side, requests' blocks
+lent and pulled, or pushed, through staging; bytes checked block by block."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvd import KvdClient
+from kvd.errors import BadRequest
+from kvd.integrations.kv_mover import KvMover, LoadOrder, Polled, SendOrder, block_dim_of
+from tests.conftest import ProcessDaemon
+
+NUM_BLOCKS, LAYERS = 24, 3
+PAGE = (2, 4, 16)  # kv heads, block size, 2 * head size: vLLM's [B, H, N, 2C] per layer
+
+
+def engine_kv(seed: int) -> list[torch.Tensor]:
+    """One allocation, a view per layer (as vLLM allocates it), random contents."""
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.randn((LAYERS, NUM_BLOCKS, *PAGE), generator=gen)
+    return [storage[i] for i in range(LAYERS)]
+
+
+class Side:
+    def __init__(self, root: str, name: str, seed: int, staging_blocks: int = 16) -> None:
+        path = os.path.join(root, name)
+        os.makedirs(path, exist_ok=True)
+        self.proc = ProcessDaemon(path, "--node-id", name).wait_ready()
+        self.kv = engine_kv(seed)
+        client = KvdClient(self.proc.socket_path, name=f"engine-{name}")
+        client.connect()
+        self.address = client.stats()["peer"]["address"]
+        self.mover = KvMover(client, self.kv, NUM_BLOCKS, staging_blocks)
+        self.seen = Polled()
+
+    def poll(self) -> Polled:
+        got = self.mover.poll()
+        self.seen.released |= got.released
+        self.seen.loaded |= got.loaded
+        self.seen.failed.update(got.failed)
+        return got
+
+    def block(self, i: int) -> list[torch.Tensor]:
+        return [layer[i].clone() for layer in self.kv]
+
+
+@pytest.fixture
+def sides(sock_dir: str) -> Iterator[tuple[Side, Side]]:
+    p, d = Side(sock_dir, "prefill", 1), Side(sock_dir, "decode", 2)
+    yield p, d
+    for side in (p, d):
+        side.mover.close()
+        assert side.proc.stop() == 0, side.proc.log()
+
+
+def drive(*sides: Side, until: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():  # type: ignore[operator]
+        assert time.monotonic() < deadline, [s.seen for s in sides]
+        for side in sides:
+            side.poll()
+        time.sleep(0.002)
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_pull_flow_whole_and_prefix_hit(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    want = {i: p.block(i) for i in (3, 7, 1)}
+    p.mover.send(SendOrder("r1", "key-r1", [3, 7, 1], lease_s=10))
+    # Staged: the engine may free its blocks at once, before anyone pulls.
+    assert p.poll().released == {"r1"}
+    untouched = d.block(0)
+    d.mover.load(LoadOrder("r1", "key-r1", p.address, 3, 0, [2, 5, 9], timeout_s=10))
+    drive(p, d, until=lambda: "r1" in d.seen.loaded)
+    assert same(d.block(2), want[3]) and same(d.block(5), want[7]) and same(d.block(9), want[1])
+    assert same(d.block(0), untouched)
+    drive(p, d, until=lambda: p.mover.stats.sends == 1)  # the loan ended: staging is free
+    assert p.mover.stats.bytes_sent == d.mover.stats.bytes_received == 3 * p.mover.block_bytes
+    assert p.mover._slots.free == 16 and d.mover._slots.free == 16
+
+    # Decode has the first block cached: only blocks 1.. of the key are written.
+    p.mover.send(SendOrder("r2", "key-r2", [10, 11, 12], lease_s=10))
+    before = d.block(20)
+    d.mover.load(LoadOrder("r2", "key-r2", p.address, 3, 1, [13, 14], timeout_s=10))
+    drive(p, d, until=lambda: "r2" in d.seen.loaded)
+    assert same(d.block(13), p.block(11)) and same(d.block(14), p.block(12))
+    assert same(d.block(20), before)
+
+
+def test_decode_asks_before_prefill_lends_and_push_flow(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    d.mover.load(LoadOrder("early", "key-early", p.address, 2, 0, [0, 1], timeout_s=10))
+    for _ in range(5):  # the pull finds no key yet and keeps trying
+        d.poll()
+        time.sleep(0.01)
+    assert not d.seen.loaded and not d.seen.failed
+    p.mover.send(SendOrder("early", "key-early", [4, 5], lease_s=10))
+    drive(p, d, until=lambda: "early" in d.seen.loaded)
+    assert same(d.block(0), p.block(4)) and same(d.block(1), p.block(5))
+
+    # Push: decode waits on its own daemon, prefill puts to it.
+    d.mover.load(LoadOrder("pushed", "key-pushed", None, 2, 0, [6, 7], timeout_s=10))
+    p.mover.send(SendOrder("pushed", "key-pushed", [8, 9], lease_s=10, push_to=d.address))
+    drive(p, d, until=lambda: "pushed" in d.seen.loaded)
+    assert same(d.block(6), p.block(8)) and same(d.block(7), p.block(9))
+    drive(p, d, until=lambda: p.mover.stats.sends == 2)
+    assert p.mover.stats.send_failures == 0 and p.mover.stats.sends_unread == 0
+
+
+def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    d.mover.load(LoadOrder("never", "key-never", p.address, 2, 0, [3, 4], timeout_s=0.5))
+    d.mover.load(LoadOrder("nopush", "key-nopush", None, 1, 0, [5], timeout_s=0.5))
+    d.mover.load(LoadOrder("wrong", "key-wrong", p.address, 3, 0, [5], timeout_s=5))
+    drive(p, d, until=lambda: len(d.seen.failed) == 3)
+    assert d.seen.failed == {"never": [3, 4], "nopush": [5], "wrong": [5]}
+    assert d.mover.stats.load_failures == 3 and not d.seen.loaded
+
+    # Lent and never pulled: the lease ends the loan, the staging comes back.
+    p.mover.send(SendOrder("unread", "key-unread", [1, 2], lease_s=0.3))
+    drive(p, d, until=lambda: p.mover.stats.sends_unread == 1)
+    assert p.mover._slots.free == 16
+
+    # More blocks than staging holds: a clear failure, and the engine's blocks come back.
+    p.mover.send(SendOrder("huge", "key-huge", list(range(17)), lease_s=5))
+    assert "huge" in p.poll().released and p.mover.stats.send_failures == 1
+
+
+def test_full_staging_waits_for_room(sock_dir: str) -> None:
+    p, d = Side(sock_dir, "p", 3, staging_blocks=4), Side(sock_dir, "d", 4)
+    try:
+        p.mover.send(SendOrder("a", "key-a", [0, 1, 2], lease_s=10))
+        p.mover.send(SendOrder("b", "key-b", [3, 4, 5], lease_s=10))
+        assert p.poll().released == {"a"}  # b waits: one slot left
+        d.mover.load(LoadOrder("a", "key-a", p.address, 3, 0, [0, 1, 2], timeout_s=10))
+        drive(p, d, until=lambda: "b" in p.seen.released)
+        d.mover.load(LoadOrder("b", "key-b", p.address, 3, 0, [3, 4, 5], timeout_s=10))
+        drive(p, d, until=lambda: "b" in d.seen.loaded)
+        assert all(same(d.block(i), p.block(i)) for i in range(6))
+    finally:
+        for side in (p, d):
+            side.mover.close()
+            side.proc.stop()
+
+
+def test_block_dim_is_found_or_refused() -> None:
+    assert block_dim_of(torch.empty(5, 2, 3), 5) == 0
+    assert block_dim_of(torch.empty(2, 5, 3), 5) == 1  # FlashAttention's [2, N, ...]
+    with pytest.raises(BadRequest, match="no dimension of 7 blocks"):
+        block_dim_of(torch.empty(2, 5, 7), 7)
