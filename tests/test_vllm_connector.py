@@ -62,7 +62,8 @@ _hash = get_hash_fn_by_name("sha256")
 init_none_hash(_hash)
 
 
-def vllm_config(role: str, extra: dict[str, Any], policy: str = "recompute") -> VllmConfig:
+def vllm_config(role: str, extra: dict[str, Any], policy: str = "recompute",
+                num_blocks: int = NUM_BLOCKS) -> VllmConfig:
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32",
                         max_model_len=512, seed=0)
     config = VllmConfig(
@@ -74,23 +75,24 @@ def vllm_config(role: str, extra: dict[str, Any], policy: str = "recompute") -> 
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
             kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra))
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    config.cache_config.num_gpu_blocks = num_blocks
     return config
 
 
-def kv_cache_config() -> KVCacheConfig:
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                              dtype=torch.float32)
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
 
 
 class Sched:
     """A real vLLM scheduler with KvdConnector, and the engine's side played by hand."""
 
-    def __init__(self, role: str, extra: dict[str, Any], policy: str = "recompute") -> None:
-        self.config = vllm_config(role, extra, policy)
-        self.s = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config(),
+    def __init__(self, role: str, extra: dict[str, Any], policy: str = "recompute",
+                 num_blocks: int = NUM_BLOCKS) -> None:
+        self.config = vllm_config(role, extra, policy, num_blocks)
+        self.s = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config(num_blocks),
                            structured_output_manager=StructuredOutputManager(self.config),
                            block_size=BLOCK, log_stats=True)
         self.finished: dict[str, Any] = {}
@@ -250,6 +252,25 @@ def test_consumer_abort_while_loading_frees_once_the_load_ends() -> None:
     assert d.free_blocks() == free - 3  # the worker may still be writing into them
     d.step(KVConnectorOutput(finished_recving={"w"}))
     assert d.free_blocks() == free
+
+
+def test_consumer_preempted_after_its_load_recomputes_instead_of_loading_again() -> None:
+    d = Sched("kv_consumer", {}, num_blocks=9)  # 8 usable blocks of 16 tokens
+    d.add("local", list(range(1, 41)), max_tokens=60)
+    d.step()
+    d.add("remote", list(range(100, 140)), max_tokens=60, params=remote("k6", 40))
+    _, meta = d.step()
+    assert [lo.req_id for lo in meta.loads] == ["remote"]
+    d.step(KVConnectorOutput(finished_recving={"remote"}))
+    loads, preempted = [], False
+    for _ in range(80):  # both decode until the blocks run out and one is preempted
+        so, meta = d.step()
+        loads += meta.loads
+        preempted = preempted or d.s.requests["remote"].num_preemptions > 0
+        if preempted and so.num_scheduled_tokens.get("remote", 0) > 1:
+            break
+    assert preempted and not loads  # recomputed locally, not loaded a second time
+    assert so.num_scheduled_tokens["remote"] > 1
 
 
 # ---------------------------------------------------------------- worker side
