@@ -176,11 +176,16 @@ def test_producer_push_flow_needs_the_decode_daemon(daemon: ProcessDaemon) -> No
     p.add("a", list(range(1, 41)), params={"do_remote_decode": True,
                                            "kvd_push_to": "10.0.0.2:7700"})
     p.add("b", list(range(50, 90)), params={"do_remote_decode": True})  # proxy forgot it
+    p.add("c", list(range(100, 140)), params={"do_remote_decode": True, "kvd_key": "prx/c",
+                                              "kvd_push_to": "10.0.0.2:7700"})
     p.step()
     assert p.finished["a"].kv_transfer_params["kvd_flow"] == "push"
     assert p.finished["b"].kv_transfer_params is None  # decode will recompute
+    assert p.finished["c"].kv_transfer_params["kvd_key"] == "prx/c"  # decode waits on it
     _, meta = p.step()
-    assert [(s.req_id, s.push_to) for s in meta.sends] == [("a", "10.0.0.2:7700")]
+    assert [(s.req_id, s.push_to) for s in meta.sends] == [("a", "10.0.0.2:7700"),
+                                                           ("c", "10.0.0.2:7700")]
+    assert meta.sends[1].key == "prx/c"
 
 
 def test_bad_extra_config_is_refused() -> None:
@@ -206,6 +211,14 @@ def test_consumer_async_load_then_runs() -> None:
     d.step(KVConnectorOutput(finished_recving={"x"}))
     so, _ = d.step()
     assert so.num_scheduled_tokens == {"x": 1}  # only the last prompt token is recomputed
+
+    # Push flow, sent by the proxy before prefill answered: no counts, they follow from
+    # the prompt.
+    d.add("early", list(range(300, 340)), max_tokens=2,
+          params={"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": "prx/e"})
+    _, meta = d.step()
+    (load,) = meta.loads
+    assert (load.key, load.source, load.remote_blocks, load.first) == ("prx/e", None, 3, 0)
 
     # A miss (no params) and broken params both prefill locally.
     d.add("miss", list(range(100, 140)))

@@ -11,6 +11,7 @@ separate virtualenv for it with ``.ci/vllm-venv``).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,14 +29,15 @@ MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 BLOCK = 32
 
 
-def engine(role: str, socket_path: str, multiprocess: bool, **extra: Any) -> LLM:
+def engine(role: str, socket_path: str, multiprocess: bool, policy: str = "recompute",
+           **extra: Any) -> LLM:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     return LLM(model=MODEL, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
                block_size=BLOCK, enforce_eager=True, max_model_len=256, seed=0,
                kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
                kv_transfer_config=KVTransferConfig(
                    kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
-                   kv_role=role, kv_load_failure_policy="recompute",
+                   kv_role=role, kv_load_failure_policy=policy,
                    kv_connector_extra_config={"kvd_socket": socket_path, **extra}))
 
 
@@ -57,6 +59,16 @@ class Pair:
         self.prefill_push = engine("kv_producer", sock, multiprocess=True, flow="push")
         self.decode = engine("kv_consumer", self.daemons["decode"].socket_path,
                              multiprocess=False, load_timeout_s=10)
+        self._decode_strict: LLM | None = None
+
+    @property
+    def decode_strict(self) -> LLM:
+        """A second decode (multiprocess, kv_load_failure_policy=fail), made when first
+        used: its metrics replace the first decode's in this process's registry."""
+        if self._decode_strict is None:
+            self._decode_strict = engine("kv_consumer", self.daemons["decode"].socket_path,
+                                         multiprocess=True, policy="fail", load_timeout_s=2)
+        return self._decode_strict
 
     def _address(self, name: str) -> str:
         from kvd import KvdClient
@@ -74,14 +86,23 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     p = Pair(str(tmp_path_factory.mktemp("pair")))
     yield p
-    for llm in (p.prefill, p.prefill_push, p.decode):
-        llm.llm_engine.engine_core.shutdown()
+    for llm in (p.prefill, p.prefill_push, p.decode, p._decode_strict):
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
     for d in p.daemons.values():
         d.stop()
 
 
 def kvd_counter(llm: LLM, name: str) -> float:
+    """kvd's counter in vLLM's own metrics (per process: valid while one decode exists)."""
     return sum(m.value for m in llm.get_metrics() if m.name == f"vllm:kvd_{name}")
+
+
+def decode_mover_stats() -> Any:
+    """The in-process decode's worker connector lives in this process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._mover.stats
 
 
 def test_pull_flow_decode_matches_one_instance(pair: Pair) -> None:
@@ -119,12 +140,55 @@ def test_push_flow_decode_matches_one_instance(pair: Pair) -> None:
     assert [list(out.outputs[0].token_ids)] == want
 
 
+def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
+    """What examples/vllm/proxy.py does in the push flow: decode gets the request first,
+    under a key the proxy chose and without prefill's counts, and waits; prefill puts to
+    it when it finishes."""
+    prompt = list(range(220, 260))
+    want = pair.alone([prompt], 6)
+    key = "proxy/concurrent-1"
+    result: dict[str, Any] = {}
+
+    def run_decode() -> None:
+        out = pair.decode.generate([{"prompt_token_ids": prompt}], greedy(6, {
+            "do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}))[0]
+        result["tokens"] = list(out.outputs[0].token_ids)
+
+    waiting = threading.Thread(target=run_decode)
+    waiting.start()
+    time.sleep(1.0)  # decode is waiting for its KV now
+    assert waiting.is_alive()
+    handed = pair.prefill_push.generate([{"prompt_token_ids": prompt}], greedy(1, {
+        "do_remote_decode": True, "kvd_push_to": pair.decode_address, "kvd_key": key}))[0]
+    assert handed.kv_transfer_params["kvd_key"] == key
+    waiting.join(30)
+    assert not waiting.is_alive() and [result["tokens"]] == want
+
+
+def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:
+    prompt = list(range(40, 110))
+    want = pair.alone([prompt], 5)
+    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
+                                   greedy(1, {"do_remote_decode": True}))[0]
+    out = pair.decode_strict.generate([{"prompt_token_ids": prompt}],
+                                      greedy(5, handed.kv_transfer_params))[0]
+    assert [list(out.outputs[0].token_ids)] == want
+
+    # KV that never comes (no such key): with kv_load_failure_policy=fail the request ends
+    # with an error after load_timeout_s instead of decoding on uninitialised blocks.
+    lost = {**handed.kv_transfer_params, "kvd_key": "no-such-key"}
+    started = time.monotonic()
+    out = pair.decode_strict.generate([{"prompt_token_ids": prompt}], greedy(5, lost))[0]
+    assert time.monotonic() - started < 15
+    assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) == 0
+
+
 def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> None:
     prompt = list(range(400, 470))
     want = pair.alone([prompt], 6)
     handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
                                    greedy(1, {"do_remote_decode": True}))[0]
-    failures = kvd_counter(pair.decode, "load_failures")
+    failures = decode_mover_stats().load_failures
     daemon = pair.daemons["prefill"]
     daemon.proc.kill()
     daemon.proc.wait(10)
@@ -133,4 +197,4 @@ def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> 
                                greedy(6, handed.kv_transfer_params))[0]
     assert time.monotonic() - started < 15  # the pull's bound, not a hang
     assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
-    assert kvd_counter(pair.decode, "load_failures") == failures + 1
+    assert decode_mover_stats().load_failures == failures + 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -131,7 +132,8 @@ class Proxy:
             raise Answer(error(502, f"{role} {url} broke off its answer: {exc}", url)) from exc
 
     async def run_prefill(self, url: str, path: str, body: dict[str, Any],
-                          headers: dict[str, str], push_to: str | None) -> Any:
+                          headers: dict[str, str], push_to: str | None,
+                          key: str | None = None) -> Any:
         """Prefill the prompt; return the ``kv_transfer_params`` prefill answered with."""
         payload = dict(body)
         payload["max_tokens"] = 1
@@ -143,6 +145,8 @@ class Proxy:
         params: dict[str, Any] = {"do_remote_decode": True}
         if push_to is not None:
             params["kvd_push_to"] = push_to
+        if key is not None:
+            params["kvd_key"] = key
         payload["kv_transfer_params"] = params
         resp = await self._request("prefill", "POST", url + path, headers, payload)
         async with resp:
@@ -156,17 +160,56 @@ class Proxy:
                                     f"JSON: {data[:200]!r}", url)) from exc
         return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
 
-    async def run_decode(self, request: web.Request, target: DecodeTarget,
-                         body: dict[str, Any], headers: dict[str, str],
-                         kv_params: dict[str, Any] | None) -> web.StreamResponse:
-        """Send the original request plus prefill's params; relay decode's answer as it is."""
+    async def send_decode(self, request: web.Request, target: DecodeTarget,
+                          body: dict[str, Any], headers: dict[str, str],
+                          kv_params: dict[str, Any] | None) -> aiohttp.ClientResponse:
+        """Send the original request plus ``kv_params``; the response, not yet read."""
         payload = dict(body)
         if kv_params is None:
             payload.pop("kv_transfer_params", None)
         else:
             payload["kv_transfer_params"] = kv_params
-        resp = await self._request("decode", "POST", target.url + request.path, headers,
+        return await self._request("decode", "POST", target.url + request.path, headers,
                                    payload)
+
+    async def run_decode(self, request: web.Request, target: DecodeTarget,
+                         body: dict[str, Any], headers: dict[str, str],
+                         kv_params: dict[str, Any] | None) -> web.StreamResponse:
+        """Send the original request plus prefill's params; relay decode's answer as it is."""
+        resp = await self.send_decode(request, target, body, headers, kv_params)
+        return await self.relay(request, target, body, resp)
+
+    async def run_push(self, request: web.Request, prefill: str, target: DecodeTarget,
+                       body: dict[str, Any], headers: dict[str, str], rid: str,
+                       ) -> web.StreamResponse:
+        """Push flow: decode gets the request at the same time as prefill, under a key the
+        proxy chose, so it is already waiting when prefill's daemon pushes the blocks.
+        Decode's answer is relayed once prefill has succeeded; if prefill fails, decode's
+        request is dropped (vLLM aborts it) and prefill's error is the answer."""
+        key = f"proxy/{rid}"
+        waiting = asyncio.create_task(self.send_decode(
+            request, target, body, headers,
+            {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}))
+        try:
+            kv_params = await self.run_prefill(prefill, request.path, body, headers,
+                                               target.kvd, key)
+        except BaseException:
+            waiting.cancel()
+            with contextlib.suppress(BaseException):
+                (await waiting).close()
+            raise
+        resp = await waiting
+        if not isinstance(kv_params, dict):
+            # Prefill sent nothing: decode would wait for blocks that never come.
+            resp.close()
+            log.warning("%s: prefill %s returned no kv_transfer_params (%r); decode %s "
+                        "will recompute the prompt", rid, prefill, kv_params, target.url)
+            return await self.run_decode(request, target, body, headers, None)
+        return await self.relay(request, target, body, resp)
+
+    async def relay(self, request: web.Request, target: DecodeTarget, body: dict[str, Any],
+                    resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        """Decode's answer to the client as it comes (streamed if the client asked)."""
         async with resp:
             if not body.get("stream"):
                 return passthrough(resp, await self._read("decode", target.url, resp))
@@ -205,15 +248,19 @@ class Proxy:
         prefill, decode = next(self._next_prefill), next(self._next_decode)
         start = time.monotonic()
         prefill_s = float("nan")
+        response: web.StreamResponse
         try:
-            kv_params = await self.run_prefill(prefill, request.path, body, headers,
-                                               decode.kvd if self.flow == "push" else None)
-            prefill_s = time.monotonic() - start
-            if not isinstance(kv_params, dict):
-                log.warning("%s: prefill %s returned no kv_transfer_params (%r); decode %s "
-                            "will recompute the prompt", rid, prefill, kv_params, decode.url)
-                kv_params = None
-            response = await self.run_decode(request, decode, body, headers, kv_params)
+            if self.flow == "push":
+                response = await self.run_push(request, prefill, decode, body, headers, rid)
+            else:
+                kv_params = await self.run_prefill(prefill, request.path, body, headers, None)
+                prefill_s = time.monotonic() - start
+                if not isinstance(kv_params, dict):
+                    log.warning("%s: prefill %s returned no kv_transfer_params (%r); decode "
+                                "%s will recompute the prompt", rid, prefill, kv_params,
+                                decode.url)
+                    kv_params = None
+                response = await self.run_decode(request, decode, body, headers, kv_params)
         except Answer as answer:
             response = answer.response
         log.info("%s %s prefill=%s decode=%s prefill_s=%.3f total_s=%.3f status=%d", rid,

@@ -17,16 +17,19 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
 ``examples/vllm/``):
 
 - to prefill: ``{"do_remote_decode": true}`` (push flow: plus ``"kvd_push_to":
-  "<decode daemon host:port>"``). When the request finishes, prefill keeps its blocks
-  (``delay_free``) and answers with the params for decode: ``do_remote_prefill``,
-  ``kvd_key``, ``kvd_source`` (its daemon), ``kvd_flow``, ``kvd_num_tokens``,
-  ``kvd_num_blocks``, ``kvd_block_size``. Pull flow: the blocks are lent under the key
-  until decode's daemon pulls them or the lease ends; push flow: they are put to the
-  decode daemon at once. Either way prefill frees them when kvd is done with them.
-- to decode: those params. Decode claims the prompt's tokens that it has not cached as an
-  asynchronous load, pulls (or takes the pushed) blocks into its own, and reports the
-  request done. A load that fails or times out is reported as invalid blocks, so vLLM's
-  ``kv_load_failure_policy`` applies (recompute, or fail the request).
+  "<decode daemon host:port>"`` and, optionally, the ``kvd_key`` to put under). When the
+  request finishes, prefill keeps its blocks (``delay_free``) and answers with the params
+  for decode: ``do_remote_prefill``, ``kvd_key``, ``kvd_source`` (its daemon),
+  ``kvd_flow``, ``kvd_num_tokens``, ``kvd_num_blocks``, ``kvd_block_size``. Pull flow: the
+  blocks are lent under the key until decode's daemon pulls them or the lease ends; push
+  flow: they are put to the decode daemon at once. Either way prefill frees them when kvd
+  is done with them.
+- to decode: those params; or, push flow, sent at the same time as to prefill:
+  ``{"do_remote_prefill": true, "kvd_flow": "push", "kvd_key": <the same key>}``, so that
+  decode is already waiting when the blocks come. Decode claims the prompt's tokens that it
+  has not cached as an asynchronous load, pulls (or takes the pushed) blocks into its own,
+  and reports the request done. A load that fails or times out is reported as invalid
+  blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or fail the request).
 
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
 The data path is ``kvd.integrations.kv_mover``, which knows nothing about vLLM.
@@ -105,15 +108,31 @@ class Settings:
         return settings
 
 
+MAX_KEY_CHARS = 512  # kvd takes up to 1024; the connector keeps room for its own keys
+_COUNTS = ("kvd_num_tokens", "kvd_num_blocks", "kvd_block_size")
+
+
+def _key_param(params: dict[str, Any]) -> str | None:
+    """A key chosen by the proxy (push flow, sent to both instances up front)."""
+    key = params.get("kvd_key")
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
+        raise BadRequest(f"kvd_key must be a string of 1..{MAX_KEY_CHARS} characters")
+    return key
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
-    """What decode reads from a request's ``kv_transfer_params``."""
+    """What decode reads from a request's ``kv_transfer_params``. The counts come from
+    prefill's answer; a proxy that sends to decode before prefill has answered (push flow)
+    leaves them out, and they follow from the prompt."""
 
     key: str
     source: str | None  # the prefill daemon (pull flow); None: pushed to us
-    num_tokens: int
-    num_blocks: int
-    block_size: int
+    num_tokens: int | None
+    num_blocks: int | None
+    block_size: int | None
 
     @classmethod
     def of(cls, params: Any) -> RemotePrefill | None:
@@ -121,16 +140,15 @@ class RemotePrefill:
         the params are broken."""
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
-        try:
-            key, flow = params["kvd_key"], params.get("kvd_flow", "pull")
-            nums = [params[k] for k in ("kvd_num_tokens", "kvd_num_blocks", "kvd_block_size")]
-        except KeyError as exc:
-            raise BadRequest(f"kv_transfer_params lack {exc.args[0]!r}") from None
-        source = params.get("kvd_source")
-        if not isinstance(key, str) or not key or flow not in FLOWS:
-            raise BadRequest(f"bad kvd_key {key!r} or kvd_flow {flow!r}")
-        if not all(isinstance(n, int) and n > 0 for n in nums):
+        key, flow = _key_param(params), params.get("kvd_flow", "pull")
+        if key is None or flow not in FLOWS:
+            raise BadRequest(f"kv_transfer_params need kvd_key and a kvd_flow in {FLOWS}")
+        nums = [params.get(k) for k in _COUNTS]
+        if flow == "pull" and None in nums:
+            raise BadRequest(f"pull flow without {[k for k in _COUNTS if k not in params]}")
+        if not all(n is None or (isinstance(n, int) and n > 0) for n in nums):
             raise BadRequest(f"bad token/block counts {nums}")
+        source = params.get("kvd_source")
         if flow == "pull" and not (isinstance(source, str) and source):
             raise BadRequest("pull flow without kvd_source")
         return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2])
@@ -268,12 +286,12 @@ if _VLLM_ERROR is None:
             if remote is None:
                 return 0, False
             prompt = len(request.prompt_token_ids)
-            if (remote.num_tokens != prompt or remote.block_size != self.block_size
-                    or remote.num_blocks != blocks_for(prompt, self.block_size)):
-                log.warning("request %s: prefill's KV (%d tokens, %d blocks of %d) does not "
-                            "fit this prompt (%d tokens, blocks of %d): recomputing",
-                            request.request_id, remote.num_tokens, remote.num_blocks,
-                            remote.block_size, prompt, self.block_size)
+            expected = (prompt, blocks_for(prompt, self.block_size), self.block_size)
+            offered = (remote.num_tokens, remote.num_blocks, remote.block_size)
+            if any(o is not None and o != e for o, e in zip(offered, expected, strict=True)):
+                log.warning("request %s: prefill's KV (tokens, blocks, block size %s) does "
+                            "not fit this prompt %s: recomputing", request.request_id,
+                            offered, expected)
                 return 0, False
             count = prompt - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
@@ -287,11 +305,11 @@ if _VLLM_ERROR is None:
                 return
             request.kv_transfer_params["do_remote_prefill"] = False  # load it once only
             ids = blocks.get_block_ids()[0]
-            first = remote.num_blocks - blocks_for(num_external_tokens, self.block_size)
+            n = blocks_for(len(request.prompt_token_ids), self.block_size)
+            first = n - blocks_for(num_external_tokens, self.block_size)
             self._loads.append(LoadOrder(
                 req_id=request.request_id, key=remote.key, source=remote.source,
-                remote_blocks=remote.num_blocks, first=first,
-                block_ids=list(ids[first:remote.num_blocks]),
+                remote_blocks=n, first=first, block_ids=list(ids[first:n]),
                 timeout_s=self.settings.load_timeout_s))
 
         def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
@@ -312,14 +330,20 @@ if _VLLM_ERROR is None:
             n = blocks_for(prompt, self.block_size)
             if n == 0 or len(block_ids) < n or request.num_computed_tokens < prompt:
                 return False, None
-            push_to = None
+            push_to, key = None, None
             if self.settings.flow == "push":
                 push_to = params.get("kvd_push_to")
+                try:
+                    key = _key_param(params)  # decode may be waiting for it already
+                except BadRequest as err:
+                    log.error("request %s: %s; decode will recompute", request.request_id,
+                              err.message)
+                    return False, None
                 if not isinstance(push_to, str) or not push_to:
                     log.error("request %s: push flow, but the proxy named no decode daemon "
                               "(kvd_push_to); decode will recompute", request.request_id)
                     return False, None
-            key = f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
+            key = key or f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
             self._sends.append(SendOrder(req_id=request.request_id, key=key,
                                          block_ids=list(block_ids[:n]),
                                          lease_s=self.settings.lease_s, push_to=push_to))
