@@ -30,11 +30,12 @@ BLOCK = 32
 
 
 def engine(role: str, socket_path: str, multiprocess: bool, policy: str = "recompute",
-           **extra: Any) -> LLM:
+           llm_args: dict[str, Any] | None = None, **extra: Any) -> LLM:
+    """A vLLM engine with KvdConnector; ``extra`` goes to kv_connector_extra_config."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     return LLM(model=MODEL, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
                block_size=BLOCK, enforce_eager=True, max_model_len=256, seed=0,
-               kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
+               kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False, **(llm_args or {}),
                kv_transfer_config=KVTransferConfig(
                    kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
                    kv_role=role, kv_load_failure_policy=policy,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvd.errors import BadRequest, KvdError
@@ -261,6 +261,7 @@ if _VLLM_ERROR is None:
             self._client: Any = None
             self._mover: KvMover | None = None
             self._load_errors: set[int] = set()
+            self._key_suffix = ""
             self._reported: dict[str, Any] = {}
             if role == KVConnectorRole.SCHEDULER and self.is_producer and not self.address:
                 self.address = self._daemon_address()
@@ -357,6 +358,13 @@ if _VLLM_ERROR is None:
         # ------------------------------------------------------------ worker side
 
         def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            from vllm.distributed import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            if get_tensor_model_parallel_world_size() > 1:
+                self._key_suffix = f"#tp{get_tensor_model_parallel_rank()}"
             layers = list(kv_caches.values())
             self._mover = KvMover(self._client, layers, self.num_blocks,
                                   self.settings.staging_blocks,
@@ -371,10 +379,12 @@ if _VLLM_ERROR is None:
                 return
             meta = self._get_connector_metadata()
             assert isinstance(meta, KvdConnectorMetadata)
+            # With tensor parallelism each worker moves its own shard under its own key;
+            # decode's rank r reads prefill's rank r.
             for order in meta.sends:
-                self._mover.send(order)
+                self._mover.send(replace(order, key=order.key + self._key_suffix))
             for load in meta.loads:
-                self._mover.load(load)
+                self._mover.load(replace(load, key=load.key + self._key_suffix))
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             return  # loads are asynchronous: the scheduler runs a request once it is in
