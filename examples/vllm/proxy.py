@@ -181,12 +181,13 @@ class Proxy:
 
     async def run_push(self, request: web.Request, prefill: str, target: DecodeTarget,
                        body: dict[str, Any], headers: dict[str, str], rid: str,
-                       ) -> web.StreamResponse:
+                       ) -> tuple[web.StreamResponse, float]:
         """Push flow: decode gets the request at the same time as prefill, under a key the
         proxy chose, so it is already waiting when prefill's daemon pushes the blocks.
         Decode's answer is relayed once prefill has succeeded; if prefill fails, decode's
         request is dropped (vLLM aborts it) and prefill's error is the answer."""
         key = f"proxy/{rid}"
+        start = time.monotonic()
         waiting = asyncio.create_task(self.send_decode(
             request, target, body, headers,
             {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}))
@@ -198,14 +199,15 @@ class Proxy:
             with contextlib.suppress(BaseException):
                 (await waiting).close()
             raise
+        prefill_s = time.monotonic() - start
         resp = await waiting
         if not isinstance(kv_params, dict):
             # Prefill sent nothing: decode would wait for blocks that never come.
             resp.close()
             log.warning("%s: prefill %s returned no kv_transfer_params (%r); decode %s "
                         "will recompute the prompt", rid, prefill, kv_params, target.url)
-            return await self.run_decode(request, target, body, headers, None)
-        return await self.relay(request, target, body, resp)
+            return await self.run_decode(request, target, body, headers, None), prefill_s
+        return await self.relay(request, target, body, resp), prefill_s
 
     async def relay(self, request: web.Request, target: DecodeTarget, body: dict[str, Any],
                     resp: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -251,7 +253,8 @@ class Proxy:
         response: web.StreamResponse
         try:
             if self.flow == "push":
-                response = await self.run_push(request, prefill, decode, body, headers, rid)
+                response, prefill_s = await self.run_push(request, prefill, decode, body,
+                                                          headers, rid)
             else:
                 kv_params = await self.run_prefill(prefill, request.path, body, headers, None)
                 prefill_s = time.monotonic() - start
