@@ -135,6 +135,38 @@ def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> No
     assert "huge" in p.poll().released and p.mover.stats.send_failures == 1
 
 
+def test_a_request_in_parts(sides: tuple[Side, Side]) -> None:
+    """Push while prefill still runs: parts go as their blocks are written, the request is
+    released once its final part is done; decode's request is loaded once every part is
+    in, or reported with the blocks of the parts that failed once none can write."""
+    p, d = sides
+    loads = [LoadOrder("r", f"r#p{i}", None, 2, 0, [20 + 2 * i, 21 + 2 * i], 10, parts=2)
+             for i in range(2)]
+    for order in loads:
+        d.mover.load(order)
+    p.mover.send(SendOrder("r", "r#p0", [0, 1], 10, d.address, final=False, stage=True))
+    drive(p, d, until=lambda: p.mover.stats.sends == 1)
+    assert not p.seen.released and not d.seen.loaded  # one part of two
+    p.mover.send(SendOrder("r", "r#p1", [2, 3], 10, d.address))
+    drive(p, d, until=lambda: "r" in d.seen.loaded and "r" in p.seen.released)
+    assert all(same(d.block(20 + i), p.block(i)) for i in range(4))
+    assert d.mover.stats.loads == 1
+
+    # The second part never comes: the first part's blocks are valid, the second's not.
+    for i in range(2):
+        d.mover.load(LoadOrder("q", f"q#p{i}", None, 1, 0, [12 + i], 0.5 if i else 10,
+                               parts=2))
+    p.mover.send(SendOrder("q", "q#p0", [5], 10, d.address, final=False))
+    drive(p, d, until=lambda: "q" in d.seen.failed)
+    assert d.seen.failed["q"] == [13] and "q" not in d.seen.loaded
+    assert same(d.block(12), p.block(5))
+
+    # Block ids the engine does not have: refused up front, not an IndexError in a poll.
+    d.mover.load(LoadOrder("bad", "bad", None, 1, 0, [NUM_BLOCKS], 5))
+    p.mover.send(SendOrder("bad", "bad", [-1], 5, d.address))
+    assert d.poll().failed == {"bad": [NUM_BLOCKS]} and "bad" in p.poll().released
+
+
 def test_full_staging_waits_for_room(sock_dir: str) -> None:
     p, d = Side(sock_dir, "p", 3, staging_blocks=4), Side(sock_dir, "d", 4)
     try:

@@ -48,13 +48,20 @@ PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tr
 @dataclass
 class SendOrder:
     """Send blocks ``block_ids`` of request ``req_id`` under ``key``: lent for one pull
-    (``push_to`` None) or put to the daemon at ``push_to``; given up after ``lease_s``."""
+    (``push_to`` None) or put to the daemon at ``push_to``; given up after ``lease_s``.
+
+    A request may be sent in parts (one order each, one key each): it is released once its
+    ``final`` order has come and every part is done with the engine's blocks. ``stage``:
+    copy the blocks to staging first even when they could be read in place (a part sent
+    while the request still runs: the engine may reuse its blocks before the send ends)."""
 
     req_id: str
     key: str
     block_ids: list[int]
     lease_s: float
     push_to: str | None = None
+    final: bool = True
+    stage: bool = False
 
 
 @dataclass
@@ -70,6 +77,7 @@ class LoadOrder:
     first: int
     block_ids: list[int]
     timeout_s: float
+    parts: int = 1  # how many orders (keys) the request is loaded from; all come together
 
 
 @dataclass
@@ -125,6 +133,25 @@ class _Slots:
 
 
 @dataclass(eq=False)
+class _SendGroup:
+    """The parts of one request being sent."""
+
+    open: set[str] = field(default_factory=set)  # keys still holding the engine's blocks
+    final: bool = False
+
+
+@dataclass(eq=False)
+class _LoadGroup:
+    """The parts of one request being loaded."""
+
+    expected: int
+    started: float  # time.monotonic() of its first part
+    ended: int = 0
+    failed_blocks: list[int] = field(default_factory=list)
+    failed: bool = False
+
+
+@dataclass(eq=False)
 class _Send:
     order: SendOrder
     deadline: float
@@ -137,7 +164,6 @@ class _Send:
 class _Load:
     order: LoadOrder
     deadline: float
-    started: float
     slots: list[int] | None = None
     transfer: Transfer | None = None
     retry_at: float = 0.0
@@ -171,8 +197,10 @@ class KvMover:
         self._slots = _Slots(0)
         if not self.direct:
             self._make_staging()
-        self._sends: dict[str, _Send] = {}
-        self._loads: dict[str, _Load] = {}
+        self._sends: dict[str, _Send] = {}  # by key
+        self._loads: dict[str, _Load] = {}  # by key
+        self._send_groups: dict[str, _SendGroup] = {}  # by request
+        self._load_groups: dict[str, _LoadGroup] = {}  # by request
         self._done = Polled()
         self.stats = MoverStats()
 
@@ -218,23 +246,37 @@ class KvMover:
     # ------------------------------------------------------------ orders
 
     def send(self, order: SendOrder) -> None:
-        if order.req_id in self._sends:
-            raise BadRequest(f"request {order.req_id} is already being sent")
-        self._sends[order.req_id] = _Send(order, time.monotonic() + order.lease_s)
-        self._advance_send(self._sends[order.req_id])
+        if order.key in self._sends:
+            raise BadRequest(f"key {order.key!r} is already being sent")
+        group = self._send_groups.setdefault(order.req_id, _SendGroup())
+        group.open.add(order.key)
+        group.final = group.final or order.final
+        send = self._sends[order.key] = _Send(order, time.monotonic() + order.lease_s)
+        if not self._valid(order.block_ids):
+            self.stats.send_failures += 1
+            log.error("kvd send %s: block ids %s outside 0..%d: not sending", order.req_id,
+                      order.block_ids, self.num_blocks - 1)
+            self._end_send(send)
+            return
+        self._advance_send(send)
+
+    def _valid(self, block_ids: Sequence[int]) -> bool:
+        return all(0 <= b < self.num_blocks for b in block_ids)
 
     def load(self, order: LoadOrder) -> None:
-        if order.req_id in self._loads:
-            raise BadRequest(f"request {order.req_id} is already loading")
-        if len(order.block_ids) != order.remote_blocks - order.first or order.first < 0:
-            self._done.failed[order.req_id] = list(order.block_ids)
-            self.stats.load_failures += 1
-            log.error("kvd load %s: %d blocks for %d remote blocks from %d: not loading",
-                      order.req_id, len(order.block_ids), order.remote_blocks, order.first)
-            return
+        if order.key in self._loads:
+            raise BadRequest(f"key {order.key!r} is already loading")
         now = time.monotonic()
-        self._loads[order.req_id] = _Load(order, now + order.timeout_s, now)
-        self._advance_load(self._loads[order.req_id])
+        self._load_groups.setdefault(order.req_id, _LoadGroup(max(order.parts, 1), now))
+        load = _Load(order, now + order.timeout_s)
+        if (len(order.block_ids) != order.remote_blocks - order.first or order.first < 0
+                or not self._valid(order.block_ids)):
+            log.error("kvd load %s: blocks %s for %d remote blocks from %d: not loading",
+                      order.req_id, order.block_ids, order.remote_blocks, order.first)
+            self._load_ended(load, ok=False)
+            return
+        self._loads[order.key] = load
+        self._advance_load(load)
 
     def pending(self) -> int:
         return len(self._sends) + len(self._loads)
@@ -273,7 +315,7 @@ class KvMover:
         left = send.deadline - time.monotonic()
         if left <= 0:
             raise KvdError(f"no staging room within its {order.lease_s:g}s lease")
-        if self.direct:
+        if self.direct and not order.stage:
             region, blocks = self.region, order.block_ids
         else:
             slots = self._take_slots(len(order.block_ids))
@@ -290,12 +332,22 @@ class KvMover:
                                             ttl_s=order.lease_s, timeout_s=left)
 
     def _release(self, send: _Send) -> None:
-        if not send.released:
-            send.released = True
-            self._done.released.add(send.order.req_id)
+        """This part no longer needs the engine's blocks; the request is released when
+        its final part has come and no part needs them."""
+        if send.released:
+            return
+        send.released = True
+        req = send.order.req_id
+        group = self._send_groups.get(req)
+        if group is None:
+            return
+        group.open.discard(send.order.key)
+        if group.final and not group.open:
+            del self._send_groups[req]
+            self._done.released.add(req)
 
     def _end_send(self, send: _Send) -> None:
-        self._sends.pop(send.order.req_id, None)
+        self._sends.pop(send.order.key, None)
         if send.slots is not None:
             self._slots.give(send.slots)
             send.slots = None
@@ -306,8 +358,11 @@ class KvMover:
     def _advance_load(self, load: _Load) -> None:
         order = load.order
         now = time.monotonic()
+        group = self._load_groups.get(order.req_id)
         try:
             if load.transfer is None:
+                if group is not None and group.failed:
+                    raise KvdError("another part of this request failed")
                 if now >= load.retry_at:
                     self._start_load(load, now)
                 elif now >= load.deadline:
@@ -327,16 +382,36 @@ class KvMover:
                 return
             if load.slots is not None:
                 self._stage_out(load.slots[order.first:], order.block_ids)
-            self.stats.loads += 1
             self.stats.bytes_received += nbytes
-            self.stats.load_seconds += time.monotonic() - load.started
             self._end_load(load)
-            self._done.loaded.add(order.req_id)
+            self._load_ended(load, ok=True)
         except KvdError as err:
-            self.stats.load_failures += 1
             log.error("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
-            self._done.failed[order.req_id] = list(order.block_ids)
+            self._load_ended(load, ok=False)
+
+    def _load_ended(self, load: _Load, ok: bool) -> None:
+        """Count a part; once every part of the request has ended (none can write into
+        its blocks any more), report the request loaded, or failed with the blocks of
+        the parts that failed."""
+        order = load.order
+        group = self._load_groups.get(order.req_id)
+        if group is None:
+            return
+        group.ended += 1
+        if not ok:
+            group.failed = True
+            group.failed_blocks.extend(order.block_ids)
+        if group.ended < group.expected:
+            return
+        del self._load_groups[order.req_id]
+        if group.failed:
+            self.stats.load_failures += 1
+            self._done.failed[order.req_id] = group.failed_blocks
+        else:
+            self.stats.loads += 1
+            self.stats.load_seconds += time.monotonic() - group.started
+            self._done.loaded.add(order.req_id)
 
     def _start_load(self, load: _Load, now: float) -> None:
         order = load.order
@@ -358,7 +433,7 @@ class KvMover:
                                                    timeout_s=left)
 
     def _end_load(self, load: _Load) -> None:
-        self._loads.pop(load.order.req_id, None)
+        self._loads.pop(load.order.key, None)
         if load.slots is not None:
             self._slots.give(load.slots)
             load.slots = None
@@ -377,6 +452,8 @@ class KvMover:
                     log.warning("kvd: cancelling %s at shutdown: %s", item.order.req_id, err)
         self._sends.clear()
         self._loads.clear()
+        self._send_groups.clear()
+        self._load_groups.clear()
         self.client.close()
 
 
