@@ -63,14 +63,15 @@ init_none_hash(_hash)
 
 
 def vllm_config(role: str, extra: dict[str, Any], policy: str = "recompute",
-                num_blocks: int = NUM_BLOCKS) -> VllmConfig:
+                num_blocks: int = NUM_BLOCKS, max_batched: int = 256) -> VllmConfig:
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32",
                         max_model_len=512, seed=0)
     config = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                         max_model_len=512, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
+                                         max_model_len=512, is_encoder_decoder=False,
+                                         enable_chunked_prefill=True),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
@@ -90,8 +91,8 @@ class Sched:
     """A real vLLM scheduler with KvdConnector, and the engine's side played by hand."""
 
     def __init__(self, role: str, extra: dict[str, Any], policy: str = "recompute",
-                 num_blocks: int = NUM_BLOCKS) -> None:
-        self.config = vllm_config(role, extra, policy, num_blocks)
+                 num_blocks: int = NUM_BLOCKS, max_batched: int = 256) -> None:
+        self.config = vllm_config(role, extra, policy, num_blocks, max_batched)
         self.s = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config(num_blocks),
                            structured_output_manager=StructuredOutputManager(self.config),
                            block_size=BLOCK, log_stats=True)
@@ -106,11 +107,14 @@ class Sched:
         return req
 
     def step(self, kv: KVConnectorOutput | None = None) -> tuple[Any, KvdConnectorMetadata]:
-        """One schedule() and its output: each scheduled request samples token 7."""
+        """One schedule() and its output: each scheduled request whose prompt is now
+        computed samples token 7 (a prefill chunk samples nothing)."""
         so = self.s.schedule()
         ids = list(so.num_scheduled_tokens)
+        reqs = [self.s.requests[r] for r in ids]
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[[7] for _ in ids],
+                                sampled_token_ids=[[7] if q.num_computed_tokens >=
+                                                   q.num_prompt_tokens else [] for q in reqs],
                                 kv_connector_output=kv)
         for outputs in self.s.update_from_output(so, out).values():
             for o in outputs.outputs:
@@ -186,6 +190,36 @@ def test_producer_push_flow_needs_the_decode_daemon(daemon: ProcessDaemon) -> No
     assert [(s.req_id, s.push_to) for s in meta.sends] == [("a", "10.0.0.2:7700"),
                                                            ("c", "10.0.0.2:7700")]
     assert meta.sends[1].key == "prx/c"
+
+
+def test_push_sends_parts_while_a_chunked_prefill_runs(daemon: ProcessDaemon) -> None:
+    p = Sched("kv_producer", {"kvd_socket": daemon.socket_path, "flow": "push",
+                              "push_part_blocks": 4}, max_batched=64)
+    p.add("long", list(range(1, 151)), params={"do_remote_decode": True, "kvd_key": "L",
+                                               "kvd_push_to": "10.0.0.2:7700"})
+    sends = []
+    for chunk in (64, 64, 22):  # 150 tokens in chunks of 64: 10 blocks, parts 4 + 4 + 2
+        so, meta = p.step()
+        assert so.num_scheduled_tokens == {"long": chunk}
+        sends += meta.sends
+    # Parts 0 and 1 went while prefill still ran (their blocks were written by then),
+    # staged, not final; the last one goes when the request finishes.
+    assert [(s.key, s.final, s.stage) for s in sends] == [("L#p0", False, True),
+                                                         ("L#p1", False, True)]
+    assert p.finished["long"].kv_transfer_params["kvd_push_parts"] == 4
+    _, meta = p.step()
+    assert [(s.key, s.final, len(s.block_ids)) for s in meta.sends] == [("L#p2", True, 2)]
+    ids = [b for s in [*sends, *meta.sends] for b in s.block_ids]
+    assert len(ids) == len(set(ids)) == 10
+
+    # Decode, told before prefill ran (no counts): one load per part, all or nothing.
+    d = Sched("kv_consumer", {"push_part_blocks": 4})
+    d.add("long", list(range(1, 151)), max_tokens=2,
+          params={"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": "L"})
+    _, meta = d.step()
+    assert [(lo.key, lo.remote_blocks, lo.first, len(lo.block_ids), lo.parts)
+            for lo in meta.loads] == [("L#p0", 4, 0, 4, 3), ("L#p1", 4, 0, 4, 3),
+                                      ("L#p2", 2, 0, 2, 3)]
 
 
 def test_bad_extra_config_is_refused() -> None:

@@ -23,6 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (see .ci/v
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
+from kvd import KvdClient  # noqa: E402
 from tests.conftest import ProcessDaemon  # noqa: E402
 
 MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
@@ -57,9 +58,13 @@ class Pair:
         self.decode_address = self._address("decode")
         sock = self.daemons["prefill"].socket_path
         self.prefill = engine("kv_producer", sock, multiprocess=True, lease_s=20)
-        self.prefill_push = engine("kv_producer", sock, multiprocess=True, flow="push")
+        # Push: prefill in chunks of 64 tokens, sent in parts of 2 blocks as they are written.
+        self.prefill_push = engine("kv_producer", sock, multiprocess=True, flow="push",
+                                   push_part_blocks=2,
+                                   llm_args={"max_num_batched_tokens": 64,
+                                             "enable_chunked_prefill": True})
         self.decode = engine("kv_consumer", self.daemons["decode"].socket_path,
-                             multiprocess=False, load_timeout_s=10)
+                             multiprocess=False, load_timeout_s=10, push_part_blocks=2)
         self._decode_strict: LLM | None = None
 
     @property
@@ -72,8 +77,6 @@ class Pair:
         return self._decode_strict
 
     def _address(self, name: str) -> str:
-        from kvd import KvdClient
-
         with KvdClient(self.daemons[name].socket_path) as c:
             return str(c.stats()["peer"]["address"])
 
@@ -130,7 +133,7 @@ def test_pull_flow_decode_matches_one_instance(pair: Pair) -> None:
 
 
 def test_push_flow_decode_matches_one_instance(pair: Pair) -> None:
-    prompt = list(range(120, 190))
+    prompt = list(range(120, 190))  # 3 blocks: 2 parts
     want = pair.alone([prompt], 6)
     handed = pair.prefill_push.generate(
         [{"prompt_token_ids": prompt}],
@@ -145,7 +148,7 @@ def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
     """What examples/vllm/proxy.py does in the push flow: decode gets the request first,
     under a key the proxy chose and without prefill's counts, and waits; prefill puts to
     it when it finishes."""
-    prompt = list(range(220, 260))
+    prompt = list(range(250, 400))  # 150 tokens: 5 blocks, 3 parts, prefill in 3 chunks
     want = pair.alone([prompt], 6)
     key = "proxy/concurrent-1"
     result: dict[str, Any] = {}
@@ -162,8 +165,11 @@ def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
     handed = pair.prefill_push.generate([{"prompt_token_ids": prompt}], greedy(1, {
         "do_remote_decode": True, "kvd_push_to": pair.decode_address, "kvd_key": key}))[0]
     assert handed.kv_transfer_params["kvd_key"] == key
+    assert handed.kv_transfer_params["kvd_push_parts"] == 2
     waiting.join(30)
     assert not waiting.is_alive() and [result["tokens"]] == want
+    with KvdClient(pair.daemons["decode"].socket_path) as c:
+        assert c.stats()["keys"] == 0  # every part was taken
 
 
 def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:

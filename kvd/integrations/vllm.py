@@ -49,6 +49,8 @@ from kvd.integrations.kv_mover import (
     MoverStats,
     SendOrder,
     blocks_for,
+    part_key,
+    part_ranges,
 )
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Settings:
     lease_s: float = 30.0
     load_timeout_s: float = 30.0
     staging_blocks: int = 256
+    push_part_blocks: int = 64  # push flow: send a long prompt in parts as they are written
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Settings:
@@ -105,6 +108,9 @@ class Settings:
         if not isinstance(settings.staging_blocks, int) or settings.staging_blocks <= 0:
             raise BadRequest(f"staging_blocks must be a positive integer, "
                              f"got {settings.staging_blocks!r}")
+        if not isinstance(settings.push_part_blocks, int) or settings.push_part_blocks < 0:
+            raise BadRequest(f"push_part_blocks must be an integer >= 0, "
+                             f"got {settings.push_part_blocks!r}")
         return settings
 
 
@@ -133,6 +139,7 @@ class RemotePrefill:
     num_tokens: int | None
     num_blocks: int | None
     block_size: int | None
+    push_parts: int | None = None  # prefill's push_part_blocks, when it told us
 
     @classmethod
     def of(cls, params: Any) -> RemotePrefill | None:
@@ -151,7 +158,10 @@ class RemotePrefill:
         source = params.get("kvd_source")
         if flow == "pull" and not (isinstance(source, str) and source):
             raise BadRequest("pull flow without kvd_source")
-        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2])
+        parts = params.get("kvd_push_parts")
+        if parts is not None and not (isinstance(parts, int) and parts >= 0):
+            raise BadRequest(f"bad kvd_push_parts {parts!r}")
+        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2], parts)
 
 
 def _remote_prefill(request: Any) -> RemotePrefill | None:
@@ -161,6 +171,16 @@ def _remote_prefill(request: Any) -> RemotePrefill | None:
         log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id,
                     err.message)
         return None
+
+
+@dataclass(eq=False)
+class _Pushing:
+    """A push-flow request on prefill: its parts go while its prefill still runs."""
+
+    request: Any
+    key: str
+    push_to: str
+    sent: int = 0  # parts sent so far
 
 
 def _client(settings: Settings, name: str) -> Any:
@@ -256,6 +276,7 @@ if _VLLM_ERROR is None:
             # scheduler side
             self._sends: list[SendOrder] = []
             self._loads: list[LoadOrder] = []
+            self._pushing: dict[str, _Pushing] = {}
             self.address = self.settings.kvd_address or ""
             # worker side
             self._client: Any = None
@@ -299,6 +320,8 @@ if _VLLM_ERROR is None:
 
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
+            if self.is_producer and self.settings.flow == "push":
+                self._track_push(request)
             if num_external_tokens <= 0:
                 return
             remote = _remote_prefill(request)
@@ -308,18 +331,71 @@ if _VLLM_ERROR is None:
             ids = blocks.get_block_ids()[0]
             n = blocks_for(len(request.prompt_token_ids), self.block_size)
             first = n - blocks_for(num_external_tokens, self.block_size)
-            self._loads.append(LoadOrder(
-                req_id=request.request_id, key=remote.key, source=remote.source,
-                remote_blocks=n, first=first, block_ids=list(ids[first:n]),
-                timeout_s=self.settings.load_timeout_s))
+            ranges = [(0, n)]
+            if remote.source is None:  # pushed: in the parts prefill sends them in
+                part_blocks = (self.settings.push_part_blocks if remote.push_parts is None
+                               else remote.push_parts)
+                ranges = part_ranges(n, part_blocks)
+            wanted = [(j, lo, hi) for j, (lo, hi) in enumerate(ranges) if hi > first]
+            for j, lo, hi in wanted:
+                self._loads.append(LoadOrder(
+                    req_id=request.request_id, key=part_key(remote.key, j, len(ranges)),
+                    source=remote.source, remote_blocks=hi - lo, first=max(first - lo, 0),
+                    block_ids=list(ids[max(lo, first):hi]),
+                    timeout_s=self.settings.load_timeout_s, parts=len(wanted)))
+
+        def _track_push(self, request: Any) -> None:
+            """Prefill, push flow: remember the request so that its parts can go as soon
+            as their blocks are written (``build_connector_meta``)."""
+            params = request.kv_transfer_params
+            if request.request_id in self._pushing or not (
+                    isinstance(params, dict) and params.get("do_remote_decode")):
+                return
+            push_to = params.get("kvd_push_to")
+            try:
+                key = _key_param(params)
+            except BadRequest:
+                return  # request_finished reports it
+            if isinstance(push_to, str) and push_to:
+                key = key or self._new_key(request)
+                self._pushing[request.request_id] = _Pushing(request, key, push_to)
+
+        def _new_key(self, request: Any) -> str:
+            return f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
+
+        def _send_written_parts(self) -> None:
+            """Push the parts of running prefills whose blocks the last steps wrote (all but
+            the last part, which goes when the request finishes). They go through staging:
+            a running request's blocks may be reused (preemption) before a send ends."""
+            for entry in self._pushing.values():
+                req = entry.request
+                if req.status != RequestStatus.RUNNING:
+                    continue
+                # Tokens scheduled but not yet computed are "in flight" (async scheduling).
+                written = req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0)
+                n = blocks_for(len(req.prompt_token_ids), self.block_size)
+                ranges = part_ranges(n, self.settings.push_part_blocks)
+                while entry.sent < len(ranges) - 1:
+                    lo, hi = ranges[entry.sent]
+                    if written < hi * self.block_size:
+                        break
+                    ids = self._kv_cache_manager.get_block_ids(req.request_id)[0]
+                    self._sends.append(SendOrder(
+                        req_id=req.request_id, key=part_key(entry.key, entry.sent, len(ranges)),
+                        block_ids=list(ids[lo:hi]), lease_s=self.settings.lease_s,
+                        push_to=entry.push_to, final=False, stage=True))
+                    entry.sent += 1
 
         def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
+            if self._pushing:
+                self._send_written_parts()
             meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads)
             self._sends, self._loads = [], []
             return meta
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
+            pushing = self._pushing.pop(request.request_id, None)
             params = request.kv_transfer_params
             if not (self.is_producer and isinstance(params, dict)
                     and params.get("do_remote_decode")):
@@ -344,15 +420,23 @@ if _VLLM_ERROR is None:
                     log.error("request %s: push flow, but the proxy named no decode daemon "
                               "(kvd_push_to); decode will recompute", request.request_id)
                     return False, None
-            key = key or f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
-            self._sends.append(SendOrder(req_id=request.request_id, key=key,
-                                         block_ids=list(block_ids[:n]),
-                                         lease_s=self.settings.lease_s, push_to=push_to))
+            if pushing is not None:
+                key = pushing.key
+            key = key or self._new_key(request)
+            part_blocks = self.settings.push_part_blocks if push_to is not None else 0
+            ranges = part_ranges(n, part_blocks)
+            sent = pushing.sent if pushing is not None else 0
+            for j in range(sent, len(ranges)):  # what is left: the blocks stay ours till then
+                lo, hi = ranges[j]
+                self._sends.append(SendOrder(
+                    req_id=request.request_id, key=part_key(key, j, len(ranges)),
+                    block_ids=list(block_ids[lo:hi]), lease_s=self.settings.lease_s,
+                    push_to=push_to, final=j == len(ranges) - 1))
             return True, {
                 "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": key,
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
                 "kvd_num_tokens": prompt, "kvd_num_blocks": n,
-                "kvd_block_size": self.block_size,
+                "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
             }
 
         # ------------------------------------------------------------ worker side
