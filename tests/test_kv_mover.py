@@ -167,6 +167,28 @@ def test_a_request_in_parts(sides: tuple[Side, Side]) -> None:
     assert d.poll().failed == {"bad": [NUM_BLOCKS]} and "bad" in p.poll().released
 
 
+def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:
+    """kvd restarts under a running engine: what was in flight fails (decode recomputes),
+    new work fails fast meanwhile, and once the daemon is back the mover registers again
+    by itself and moves bytes."""
+    p, d = sides
+    d.mover.load(LoadOrder("before", "key-before", p.address, 1, 0, [3], timeout_s=30))
+    d.poll()
+    assert d.proc.stop() == 0
+    drive(p, d, until=lambda: "before" in d.seen.failed)
+    assert not d.mover.connected
+    d.mover.load(LoadOrder("down", "key-down", p.address, 1, 0, [4], timeout_s=30))
+    assert "down" in d.poll().failed  # at once, not at its timeout
+
+    d.proc = ProcessDaemon(os.path.dirname(d.proc.socket_path), "--node-id",
+                           "decode").wait_ready()
+    drive(p, d, until=lambda: d.mover.connected)
+    p.mover.send(SendOrder("after", "key-after", [7, 8], lease_s=10))
+    d.mover.load(LoadOrder("after", "key-after", p.address, 2, 0, [9, 10], timeout_s=10))
+    drive(p, d, until=lambda: "after" in d.seen.loaded)
+    assert same(d.block(9), p.block(7)) and same(d.block(10), p.block(8))
+
+
 def test_full_staging_waits_for_room(sock_dir: str) -> None:
     p, d = Side(sock_dir, "p", 3, staging_blocks=4), Side(sock_dir, "d", 4)
     try:

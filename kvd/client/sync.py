@@ -97,6 +97,10 @@ class KvdClient:
     def socket_path(self) -> str:
         return self._b.socket_path
 
+    @property
+    def name(self) -> str:
+        return self._b.name
+
     def __enter__(self) -> KvdClient:
         self.connect()
         return self

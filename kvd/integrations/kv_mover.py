@@ -22,11 +22,15 @@ shared memory: a send copies the blocks into staging slots (the engine's blocks 
 at once), a load lands in staging and is copied into the blocks. A load whose first blocks
 are already cached locally (a prefix hit) also goes through staging, so that only the
 missing blocks are written. Every wait has a deadline: a send is withdrawn when its lease
-ends, a load fails when its timeout passes.
+ends, a load fails when its timeout passes. If the daemon goes away (restarted, upgraded),
+what was in flight fails, new orders fail at once, and the mover connects and registers
+again by itself as soon as a daemon answers on the socket: kvd restarts without the
+engine restarting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -38,11 +42,13 @@ import torch
 
 from kvd.client.shm import shared_empty
 from kvd.client.sync import KvdClient, Transfer
-from kvd.errors import BadRequest, KvdError, UnknownKey
+from kvd.errors import BadRequest, DaemonUnavailable, KvdError, UnknownKey
 
 log = logging.getLogger(__name__)
 
 PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tries again
+RECONNECT_S = 1.0  # after the daemon went away: how often to try a restarted one
+HELLO_TIMEOUT_S = 0.2  # a reconnect attempt blocks the engine's step at most this long
 
 
 @dataclass
@@ -188,21 +194,71 @@ class KvMover:
         self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
         if self.direct and len(set(self.block_dims)) != 1:
             raise BadRequest(f"KV tensors have their blocks on different dims {self.block_dims}")
-        # GPU tensors are registered in place; CPU ones only through staging.
-        self.region: Any = (client.register(name, list(layers), block_dim=self.block_dims[0])
-                            if self.direct else None)
+        self._tensors = list(layers)
+        self._name = name
         self._staging_blocks = staging_blocks
+        self.region: Any = None
         self._staging: list[torch.Tensor] | None = None
         self._staging_region: Any = None
         self._slots = _Slots(0)
-        if not self.direct:
-            self._make_staging()
+        self._register()
+        self.connected = True  # False from when the daemon goes away until one is back
+        self._reconnect_at = 0.0
         self._sends: dict[str, _Send] = {}  # by key
         self._loads: dict[str, _Load] = {}  # by key
         self._send_groups: dict[str, _SendGroup] = {}  # by request
         self._load_groups: dict[str, _LoadGroup] = {}  # by request
         self._done = Polled()
         self.stats = MoverStats()
+
+    def _register(self) -> None:
+        """Register with the daemon: GPU tensors in place, CPU ones through staging.
+        Staging is made anew each time (memory an old daemon may still hold is not
+        reused)."""
+        self._staging, self._staging_region, self._slots = None, None, _Slots(0)
+        if self.direct:
+            self.region = self.client.register(self._name, self._tensors,
+                                               block_dim=self.block_dims[0])
+        else:
+            self._make_staging()
+
+    # ------------------------------------------------------------ the daemon goes away
+
+    def _note(self, err: KvdError) -> None:
+        if isinstance(err, DaemonUnavailable) and self.connected:
+            log.error("kvd daemon at %s went away: failing what is in flight, and trying "
+                      "every %gs to reach it again", self.client.socket_path, RECONNECT_S)
+            self.connected = False
+
+    def _recover(self) -> None:
+        """Fail everything in flight (its daemon is gone, so no byte can land any more),
+        then, at most every ``RECONNECT_S``, try a restarted daemon: a new client and a new
+        registration. Until then new orders fail at once (decode recomputes)."""
+        for send in list(self._sends.values()):
+            self.stats.send_failures += 1
+            self._end_send(send)
+        for load in list(self._loads.values()):
+            self._end_load(load)
+            self._load_ended(load, ok=False)
+        now = time.monotonic()
+        if now < self._reconnect_at:
+            return
+        self._reconnect_at = now + RECONNECT_S
+        client = KvdClient(self.client.socket_path, name=self.client.name)
+        try:
+            client.connect(timeout_s=HELLO_TIMEOUT_S)
+        except KvdError:
+            return  # not back yet
+        old, self.client = self.client, client
+        with contextlib.suppress(KvdError, OSError):
+            old.close()
+        try:
+            self._register()
+        except KvdError as err:
+            log.error("kvd: registering with the restarted daemon failed: %s", err)
+            return
+        self.connected = True
+        log.info("kvd daemon at %s is back: registered again", client.socket_path)
 
     # ------------------------------------------------------------ staging
 
@@ -282,6 +338,8 @@ class KvMover:
         return len(self._sends) + len(self._loads)
 
     def poll(self) -> Polled:
+        if not self.connected:
+            self._recover()
         for send in list(self._sends.values()):
             self._advance_send(send)
         for load in list(self._loads.values()):
@@ -306,6 +364,7 @@ class KvMover:
                                 order.req_id, order.key, order.lease_s)
                 self._end_send(send)
         except KvdError as err:
+            self._note(err)
             self.stats.send_failures += 1
             log.error("kvd send %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_send(send)
@@ -386,6 +445,7 @@ class KvMover:
             self._end_load(load)
             self._load_ended(load, ok=True)
         except KvdError as err:
+            self._note(err)
             log.error("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
             self._load_ended(load, ok=False)
