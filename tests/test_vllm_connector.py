@@ -227,6 +227,10 @@ def test_bad_extra_config_is_refused() -> None:
         Sched("kv_consumer", {"kvd_sokcet": "/tmp/x"})
     with pytest.raises(Exception, match="flow must be one of"):
         Sched("kv_consumer", {"flow": "sideways"})
+    with pytest.raises(Exception, match="staging_blocks must be an integer >= 1"):
+        Sched("kv_consumer", {"staging_blocks": "many"})
+    with pytest.raises(Exception, match="kvd_socket must be a non-empty string"):
+        Sched("kv_consumer", {"kvd_socket": 7})
 
 
 # ---------------------------------------------------------------- scheduler: decode side

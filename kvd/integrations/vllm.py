@@ -99,18 +99,20 @@ class Settings:
             raise BadRequest(f"unknown kv_connector_extra_config keys {unknown}; "
                              f"KvdConnector knows {sorted(known)}")
         settings = cls(**extra)
+        for name in ("kvd_socket", "kvd_address"):
+            value = getattr(settings, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise BadRequest(f"{name} must be a non-empty string, got {value!r}")
         if settings.flow not in FLOWS:
             raise BadRequest(f"flow must be one of {FLOWS}, got {settings.flow!r}")
         for name in ("lease_s", "load_timeout_s"):
             value = getattr(settings, name)
-            if not isinstance(value, int | float) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise BadRequest(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(settings.staging_blocks, int) or settings.staging_blocks <= 0:
-            raise BadRequest(f"staging_blocks must be a positive integer, "
-                             f"got {settings.staging_blocks!r}")
-        if not isinstance(settings.push_part_blocks, int) or settings.push_part_blocks < 0:
-            raise BadRequest(f"push_part_blocks must be an integer >= 0, "
-                             f"got {settings.push_part_blocks!r}")
+        for name, least in (("staging_blocks", 1), ("push_part_blocks", 0)):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise BadRequest(f"{name} must be an integer >= {least}, got {value!r}")
         return settings
 
 
