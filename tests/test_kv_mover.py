@@ -165,6 +165,13 @@ def test_a_request_in_parts(sides: tuple[Side, Side]) -> None:
     d.mover.load(LoadOrder("bad", "bad", None, 1, 0, [NUM_BLOCKS], 5))
     p.mover.send(SendOrder("bad", "bad", [-1], 5, d.address))
     assert d.poll().failed == {"bad": [NUM_BLOCKS]} and "bad" in p.poll().released
+    # A key already in flight: the second order fails alone, the first carries on.
+    d.mover.load(LoadOrder("one", "same", None, 1, 0, [14], 10))
+    d.mover.load(LoadOrder("two", "same", None, 1, 0, [15], 10))
+    assert d.poll().failed == {"two": [15]}
+    p.mover.send(SendOrder("one", "same", [6], 10, d.address))
+    drive(p, d, until=lambda: "one" in d.seen.loaded)
+    assert same(d.block(14), p.block(6))
 
 
 def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:

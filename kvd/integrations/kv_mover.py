@@ -302,11 +302,18 @@ class KvMover:
     # ------------------------------------------------------------ orders
 
     def send(self, order: SendOrder) -> None:
-        if order.key in self._sends:
-            raise BadRequest(f"key {order.key!r} is already being sent")
+        """Start sending (never raises: a bad order is logged, counted and released)."""
         group = self._send_groups.setdefault(order.req_id, _SendGroup())
-        group.open.add(order.key)
         group.final = group.final or order.final
+        if order.key in self._sends:
+            self.stats.send_failures += 1
+            log.error("kvd send %s: key %r is already being sent: not sending",
+                      order.req_id, order.key)
+            if group.final and not group.open:
+                del self._send_groups[order.req_id]
+                self._done.released.add(order.req_id)
+            return
+        group.open.add(order.key)
         send = self._sends[order.key] = _Send(order, time.monotonic() + order.lease_s)
         if not self._valid(order.block_ids):
             self.stats.send_failures += 1
@@ -320,15 +327,16 @@ class KvMover:
         return all(0 <= b < self.num_blocks for b in block_ids)
 
     def load(self, order: LoadOrder) -> None:
-        if order.key in self._loads:
-            raise BadRequest(f"key {order.key!r} is already loading")
+        """Start loading (never raises: a bad order is logged and reported failed)."""
         now = time.monotonic()
         self._load_groups.setdefault(order.req_id, _LoadGroup(max(order.parts, 1), now))
         load = _Load(order, now + order.timeout_s)
-        if (len(order.block_ids) != order.remote_blocks - order.first or order.first < 0
-                or not self._valid(order.block_ids)):
-            log.error("kvd load %s: blocks %s for %d remote blocks from %d: not loading",
-                      order.req_id, order.block_ids, order.remote_blocks, order.first)
+        if (order.key in self._loads
+                or len(order.block_ids) != order.remote_blocks - order.first
+                or order.first < 0 or not self._valid(order.block_ids)):
+            log.error("kvd load %s of %r: blocks %s for %d remote blocks from %d, or the key "
+                      "is loading already: not loading", order.req_id, order.key,
+                      order.block_ids, order.remote_blocks, order.first)
             self._load_ended(load, ok=False)
             return
         self._loads[order.key] = load
