@@ -117,6 +117,24 @@ def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
                      f"{num_blocks} blocks among its first two")
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (blocks first) as [blocks, words] of the widest integer its block bytes allow,
+    when each block is one contiguous run: a block copy then moves 8 bytes per element
+    instead of 2 (about twice as fast for bf16 on CPU). Otherwise ``t`` itself."""
+    try:
+        flat = t.view(t.shape[0], -1)
+    except RuntimeError:
+        return t  # a block is not one run (e.g. K and V apart): copy it as it is
+    nbytes = flat.shape[1] * flat.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if nbytes % dtype.itemsize == 0 and flat.stride(-1) == 1:
+            try:
+                return flat.view(dtype)
+            except RuntimeError:
+                continue
+    return t
+
+
 class _Slots:
     """Which staging slots are free (first fit, lowest first)."""
 
@@ -200,6 +218,7 @@ class KvMover:
         self.region: Any = None
         self._staging: list[torch.Tensor] | None = None
         self._staging_region: Any = None
+        self._wide_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (layer, staging)
         self._slots = _Slots(0)
         self._register()
         self.connected = True  # False from when the daemon goes away until one is back
@@ -275,6 +294,8 @@ class KvMover:
             tensors = [shared_empty((n, *t.shape[1:]), t.dtype) for t in self.layers]
         self._staging = tensors
         self._staging_region = self.client.register("kv-staging", tensors)
+        self._wide_pairs = [(_wide(t), _wide(st)) for t, st in zip(self.layers, tensors,
+                                                                   strict=True)]
         self._slots = _Slots(n)
 
     def _take_slots(self, n: int) -> list[int] | None:
@@ -286,17 +307,15 @@ class KvMover:
         return self._slots.take(n)
 
     def _stage_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        assert self._staging is not None
         src = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
         dst = torch.tensor(list(slots), dtype=torch.long, device=self.layers[0].device)
-        for layer, stage in zip(self.layers, self._staging, strict=True):
+        for layer, stage in self._wide_pairs:
             stage.index_copy_(0, dst, layer.index_select(0, src))
 
     def _stage_out(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        assert self._staging is not None
         src = torch.tensor(list(slots), dtype=torch.long, device=self.layers[0].device)
         dst = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
-        for layer, stage in zip(self.layers, self._staging, strict=True):
+        for layer, stage in self._wide_pairs:
             layer.index_copy_(0, dst, stage.index_select(0, src))
 
     # ------------------------------------------------------------ orders
