@@ -196,6 +196,32 @@ def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:
     assert same(d.block(9), p.block(7)) and same(d.block(10), p.block(8))
 
 
+def test_blocks_on_dim_1_whose_blocks_are_not_one_run(sides: tuple[Side, Side]) -> None:
+    """The older FlashAttention layout, [2, N, block, heads, dim] per layer: a block's K and
+    V halves lie apart, so staging copies them as they are."""
+    p, d = sides
+    movers = []
+    for side, seed in ((p, 5), (d, 6)):
+        gen = torch.Generator().manual_seed(seed)
+        kv = [torch.randn((2, NUM_BLOCKS, 4, 2, 8), generator=gen) for _ in range(LAYERS)]
+        client = KvdClient(side.proc.socket_path, name=f"fa-{seed}")
+        client.connect()
+        movers.append((KvMover(client, kv, NUM_BLOCKS, 8, name="fa"), kv))
+    (mp, p_kv), (md, d_kv) = movers
+    try:
+        mp.send(SendOrder("fa", "key-fa", [1, 9, 4], lease_s=10))
+        md.load(LoadOrder("fa", "key-fa", p.address, 3, 0, [0, 2, 3], timeout_s=10))
+        deadline = time.monotonic() + 10
+        while "fa" not in md.poll().loaded:
+            mp.poll()
+            assert time.monotonic() < deadline
+        for src, dst in zip(p_kv, d_kv, strict=True):
+            assert torch.equal(dst[:, [0, 2, 3]], src[:, [1, 9, 4]])
+    finally:
+        mp.close()
+        md.close()
+
+
 def test_full_staging_waits_for_room(sock_dir: str) -> None:
     p, d = Side(sock_dir, "p", 3, staging_blocks=4), Side(sock_dir, "d", 4)
     try:

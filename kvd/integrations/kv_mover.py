@@ -135,6 +135,14 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _wide_pair(layer: torch.Tensor, stage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer and its staging, both widened alike, or both as they are."""
+    wide_layer, wide_stage = _wide(layer), _wide(stage)
+    if wide_layer.dtype == wide_stage.dtype and wide_layer.dim() == wide_stage.dim() == 2:
+        return wide_layer, wide_stage
+    return layer, stage
+
+
 class _Slots:
     """Which staging slots are free (first fit, lowest first)."""
 
@@ -294,8 +302,8 @@ class KvMover:
             tensors = [shared_empty((n, *t.shape[1:]), t.dtype) for t in self.layers]
         self._staging = tensors
         self._staging_region = self.client.register("kv-staging", tensors)
-        self._wide_pairs = [(_wide(t), _wide(st)) for t, st in zip(self.layers, tensors,
-                                                                   strict=True)]
+        self._wide_pairs = [_wide_pair(t, st) for t, st in zip(self.layers, tensors,
+                                                               strict=True)]
         self._slots = _Slots(n)
 
     def _take_slots(self, n: int) -> list[int] | None:
