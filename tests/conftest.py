@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,11 @@ class ProcessDaemon:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
 
+    def peer_address(self) -> str:
+        """host:port of its peer socket, as other daemons reach it."""
+        with KvdClient(self.socket_path) as c:
+            return str(c.stats()["peer"]["address"])
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
@@ -201,6 +206,16 @@ class ProcessDaemon:
             code = self.proc.wait(5)
         self._log.close()
         return code
+
+
+def start_daemons(root: str, *names: str, extra: Sequence[str] = ()) -> list[ProcessDaemon]:
+    """A ready `kvd serve` per name, each in its own folder under ``root``, node id = name."""
+    daemons = []
+    for name in names:
+        path = os.path.join(root, name)
+        os.makedirs(path)
+        daemons.append(ProcessDaemon(path, "--node-id", name, *extra).wait_ready())
+    return daemons
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ Runs only where vLLM imports (``.ci/run`` builds a separate virtualenv with
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -52,7 +51,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvd.integrations.kv_mover import LoadOrder, SendOrder
 from kvd.integrations.vllm import KvdConnectorMetadata
-from tests.conftest import ProcessDaemon
+from tests.conftest import ProcessDaemon, start_daemons
+from tests.gpu_nodes import free_port
 
 MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 BLOCK, NUM_BLOCKS, LAYERS = 16, 64, ["model.layers.0.self_attn.attn",
@@ -146,10 +146,7 @@ def remote(key: str, tokens: int, **over: Any) -> dict[str, Any]:
 
 def test_producer_keeps_blocks_until_sent_and_hands_off_params(daemon: ProcessDaemon) -> None:
     p = Sched("kv_producer", {"kvd_socket": daemon.socket_path, "lease_s": 12})
-    from kvd import KvdClient
-
-    with KvdClient(daemon.socket_path) as c:
-        address = c.stats()["peer"]["address"]
+    address = daemon.peer_address()
     free = p.free_blocks()
     p.add("a", list(range(1, 41)), params={"do_remote_decode": True})  # 40 tokens: 3 blocks
     so, meta = p.step()
@@ -327,19 +324,9 @@ def test_consumer_preempted_after_its_load_recomputes_instead_of_loading_again()
 # ---------------------------------------------------------------- worker side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def two_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ProcessDaemon]]:
-    root = tmp_path_factory.mktemp("workers")
-    ds = []
-    for name in ("p", "d"):
-        os.makedirs(root / name)
-        ds.append(ProcessDaemon(str(root / name), "--node-id", name).wait_ready())
+    ds = start_daemons(str(tmp_path_factory.mktemp("workers")), "p", "d")
     yield ds
     for d in ds:
         assert d.stop() == 0, d.log()
@@ -376,7 +363,7 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
     d_conf = vllm_config("kv_consumer", {"kvd_socket": dd.socket_path})
     with set_current_vllm_config(d_conf):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ensure_model_parallel_initialized(1, 1)
         ensure_kv_transfer_initialized(d_conf, kv_cache_config())
         decode = get_kv_transfer_group()
@@ -394,7 +381,7 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
                                                                    10.0)]))[0]
         assert sent == {"r"}
         received = step(decode, KvdConnectorMetadata(loads=[
-            LoadOrder("r", key, pd_address(pd), 3, 0, [40, 41, 42], 10.0)]))[1] or set()
+            LoadOrder("r", key, pd.peer_address(), 3, 0, [40, 41, 42], 10.0)]))[1] or set()
         deadline = time.monotonic() + 10
         while "r" not in received:
             assert time.monotonic() < deadline, (sent, received)
@@ -414,7 +401,7 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
         assert stats.data["bytes_received"] == 3 * 2 * 2 * BLOCK * 64 * 4
 
         # A load that cannot succeed: finished, with its blocks reported invalid.
-        step(decode, KvdConnectorMetadata(loads=[LoadOrder("lost", "no-such-key", pd_address(pd),
+        step(decode, KvdConnectorMetadata(loads=[LoadOrder("lost", "no-such-key", pd.peer_address(),
                                                            1, 0, [50], 0.3)]))
         deadline = time.monotonic() + 10
         while "lost" not in (step(decode, KvdConnectorMetadata())[1] or set()):
@@ -425,13 +412,6 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
         ensure_kv_transfer_shutdown()
         destroy_model_parallel()
         destroy_distributed_environment()
-
-
-def pd_address(d: ProcessDaemon) -> str:
-    from kvd import KvdClient
-
-    with KvdClient(d.socket_path) as c:
-        return str(c.stats()["peer"]["address"])
 
 
 def step(conn: Any, meta: KvdConnectorMetadata) -> tuple[set[str] | None, set[str] | None]:

@@ -24,7 +24,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
 from kvd import KvdClient  # noqa: E402
-from tests.conftest import ProcessDaemon  # noqa: E402
+from tests.conftest import start_daemons  # noqa: E402
 
 MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 BLOCK = 32
@@ -50,12 +50,10 @@ def greedy(n: int, params: dict[str, Any] | None = None) -> SamplingParams:
 
 class Pair:
     def __init__(self, root: str) -> None:
-        self.daemons = {}
-        for name in ("prefill", "decode"):
-            os.makedirs(os.path.join(root, name))
-            self.daemons[name] = ProcessDaemon(os.path.join(root, name), "--node-id", name,
-                                               "--peer-connect-timeout-s", "2").wait_ready()
-        self.decode_address = self._address("decode")
+        names = ("prefill", "decode")
+        self.daemons = dict(zip(names, start_daemons(
+            root, *names, extra=("--peer-connect-timeout-s", "2")), strict=True))
+        self.decode_address = self.daemons["decode"].peer_address()
         sock = self.daemons["prefill"].socket_path
         self.prefill = engine("kv_producer", sock, multiprocess=True, lease_s=20)
         # Push: prefill in chunks of 64 tokens, sent in parts of 2 blocks as they are written.
@@ -75,10 +73,6 @@ class Pair:
             self._decode_strict = engine("kv_consumer", self.daemons["decode"].socket_path,
                                          multiprocess=True, policy="fail", load_timeout_s=2)
         return self._decode_strict
-
-    def _address(self, name: str) -> str:
-        with KvdClient(self.daemons[name].socket_path) as c:
-            return str(c.stats()["peer"]["address"])
 
     def alone(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         """Greedy tokens of one instance doing prefill and decode itself."""

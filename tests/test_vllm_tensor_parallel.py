@@ -16,17 +16,13 @@ if (os.cpu_count() or 1) < 2:
 from vllm import LLM
 
 from kvd import KvdClient
-from tests.conftest import ProcessDaemon
+from tests.conftest import ProcessDaemon, start_daemons
 from tests.test_vllm_engines import engine, greedy
 
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ProcessDaemon]]:
-    root = tmp_path_factory.mktemp("tp")
-    ds = []
-    for name in ("prefill", "decode"):
-        os.makedirs(root / name)
-        ds.append(ProcessDaemon(str(root / name), "--node-id", name).wait_ready())
+    ds = start_daemons(str(tmp_path_factory.mktemp("tp")), "prefill", "decode")
     yield ds
     for d in ds:
         assert d.stop() == 0, d.log()

@@ -526,16 +526,25 @@ class Engine:
         self, session: int, key: str, region_id: int, blocks: Sequence[int],
         ttl_s: float | None,
     ) -> int:
+        return self._publish(session, key, region_id, blocks, ttl_s).nbytes
+
+    def _publish(
+        self, session: int, key: str, region_id: int, blocks: Sequence[int],
+        ttl_s: float | None, consume_once: bool = False,
+        on_free: Callable[[Item], None] | None = None,
+    ) -> Item:
+        """Store a slice of a region under ``key``, read in place."""
         region, idx = self._source(session, region_id, blocks)
         expires_at = self._ttl_deadline(ttl_s)
         self.store.reserve(key)
         _, nbytes = packed_offsets(region.layout, len(idx))
         item = Item(
             key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes, owner=session,
-            expires_at=expires_at, consume_once=False, region=region, region_idx=idx,
+            expires_at=expires_at, consume_once=consume_once, region=region, region_idx=idx,
+            on_free=on_free,
         )
         self._add_item(item)
-        return nbytes
+        return item
 
     async def lend(
         self, session: int, key: str, region_id: int, blocks: Sequence[int], ttl_s: float,
@@ -543,22 +552,14 @@ class Engine:
         """Publish for one reader; returns, once no copy reads the blocks any more, the
         bytes that reader took (0: nobody took them before the TTL or a cancel). Until then
         the owner must not reuse the blocks."""
-        region, idx = self._source(session, region_id, blocks)
-        expires_at = self._ttl_deadline(ttl_s)
-        self.store.reserve(key)
-        _, nbytes = packed_offsets(region.layout, len(idx))
         freed: asyncio.Future[int] = self._loop.create_future()
 
         def on_free(item: Item) -> None:
             if not freed.done():
                 freed.set_result(item.bytes_read)
 
-        item = Item(
-            key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes, owner=session,
-            expires_at=expires_at, consume_once=True, region=region, region_idx=idx,
-            on_free=on_free,
-        )
-        self._add_item(item)
+        item = self._publish(session, key, region_id, blocks, ttl_s, consume_once=True,
+                             on_free=on_free)
         try:
             return await asyncio.shield(freed)
         except asyncio.CancelledError:

@@ -189,7 +189,6 @@ class _Send:
     deadline: float
     slots: list[int] | None = None
     transfer: Transfer | None = None
-    released: bool = False  # the engine's blocks were reported free
 
 
 @dataclass(eq=False)
@@ -314,17 +313,16 @@ class KvMover:
                              "(raise staging_blocks)")
         return self._slots.take(n)
 
-    def _stage_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        src = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
-        dst = torch.tensor(list(slots), dtype=torch.long, device=self.layers[0].device)
+    def _stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool) -> None:
+        """Engine blocks into staging slots (``inward``), or staging slots into blocks."""
+        device = self.layers[0].device
+        blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        staged = torch.tensor(list(slots), dtype=torch.long, device=device)
         for layer, stage in self._wide_pairs:
-            stage.index_copy_(0, dst, layer.index_select(0, src))
-
-    def _stage_out(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        src = torch.tensor(list(slots), dtype=torch.long, device=self.layers[0].device)
-        dst = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
-        for layer, stage in self._wide_pairs:
-            layer.index_copy_(0, dst, stage.index_select(0, src))
+            if inward:
+                stage.index_copy_(0, staged, layer.index_select(0, blocks))
+            else:
+                layer.index_copy_(0, blocks, stage.index_select(0, staged))
 
     # ------------------------------------------------------------ orders
 
@@ -368,9 +366,6 @@ class KvMover:
             return
         self._loads[order.key] = load
         self._advance_load(load)
-
-    def pending(self) -> int:
-        return len(self._sends) + len(self._loads)
 
     def poll(self) -> Polled:
         if not self.connected:
@@ -416,7 +411,7 @@ class KvMover:
             if slots is None:
                 return  # staging is full: try again at the next poll
             send.slots = slots
-            self._stage_in(order.block_ids, slots)
+            self._stage(order.block_ids, slots, inward=True)
             self._release(send)  # the bytes are in staging: the engine's blocks are free
             region, blocks = self._staging_region, slots
         if order.push_to is None:
@@ -427,13 +422,10 @@ class KvMover:
 
     def _release(self, send: _Send) -> None:
         """This part no longer needs the engine's blocks; the request is released when
-        its final part has come and no part needs them."""
-        if send.released:
-            return
-        send.released = True
+        its final part has come and no part needs them (again: nothing)."""
         req = send.order.req_id
         group = self._send_groups.get(req)
-        if group is None:
+        if group is None or send.order.key not in group.open:
             return
         group.open.discard(send.order.key)
         if group.final and not group.open:
@@ -457,11 +449,8 @@ class KvMover:
             if load.transfer is None:
                 if group is not None and group.failed:
                     raise KvdError("another part of this request failed")
-                if now >= load.retry_at:
+                if now >= load.retry_at:  # a retry is always due before the deadline
                     self._start_load(load, now)
-                elif now >= load.deadline:
-                    raise KvdError(f"key {order.key!r} did not come within "
-                                   f"{order.timeout_s:g}s")
                 return
             if not load.transfer.done():
                 return
@@ -475,7 +464,7 @@ class KvMover:
                 load.transfer, load.retry_at = None, time.monotonic() + PULL_RETRY_S
                 return
             if load.slots is not None:
-                self._stage_out(load.slots[order.first:], order.block_ids)
+                self._stage(order.block_ids, load.slots[order.first:], inward=False)
             self.stats.bytes_received += nbytes
             self._end_load(load)
             self._load_ended(load, ok=True)

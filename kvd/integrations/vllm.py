@@ -42,6 +42,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import (
     KvMover,
@@ -185,9 +186,7 @@ class _Pushing:
     sent: int = 0  # parts sent so far
 
 
-def _client(settings: Settings, name: str) -> Any:
-    from kvd.client.sync import KvdClient
-
+def _client(settings: Settings, name: str) -> KvdClient:
     client = KvdClient(settings.kvd_socket, name=name)
     client.connect()
     return client
@@ -377,11 +376,13 @@ if _VLLM_ERROR is None:
                 written = req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0)
                 n = blocks_for(len(req.prompt_token_ids), self.block_size)
                 ranges = part_ranges(n, self.settings.push_part_blocks)
+                ids: list[int] | None = None
                 while entry.sent < len(ranges) - 1:
                     lo, hi = ranges[entry.sent]
                     if written < hi * self.block_size:
                         break
-                    ids = self._kv_cache_manager.get_block_ids(req.request_id)[0]
+                    if ids is None:
+                        ids = self._kv_cache_manager.get_block_ids(req.request_id)[0]
                     self._sends.append(SendOrder(
                         req_id=req.request_id, key=part_key(entry.key, entry.sent, len(ranges)),
                         block_ids=list(ids[lo:hi]), lease_s=self.settings.lease_s,
