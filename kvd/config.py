@@ -353,7 +353,7 @@ class Config:
     peer_connect_timeout_s: float = _opt(5.0, _SECONDS, _positive)
     tcp_chunk_bytes: int = _opt(4 * MiB, _SIZE, _at_least(64 * KiB))
     nccl: bool = _opt(True, _BOOL)  # use NCCL between daemons when both have GPUs
-    nccl_chunk_bytes: int = _opt(64 * MiB, _SIZE, _at_least(1 * MiB))
+    nccl_chunk_bytes: int = _opt(128 * MiB, _SIZE, _at_least(1 * MiB))
     nccl_max_channels: int = _opt(8, _INT, _at_least(1))  # communicators per GPU (LRU)
     nccl_init_timeout_s: float = _opt(30.0, _SECONDS, _positive)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet

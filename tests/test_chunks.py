@@ -80,28 +80,35 @@ def test_packed_buffers_and_direct_chunks() -> None:
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_piece_table_lists_every_block_piece_in_wire_order(mixed: bool) -> None:
-    # The table the one-launch GPU copy reads, built here from CPU tensors: addresses of
-    # each block piece in the source, and where it goes in the packed chunk bytes.
-    from kvd.transport.gpu_copy import PIECE_BYTES, PieceTable
+def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> None:
+    # The rows the one-launch GPU copy reads, built here from CPU tensors. The kernel finds
+    # piece i of the wire order (tensor t, block position p, piece j) at
+    #   address[t] + ids[p] * stride[t] + j * piece[t]   in the blocks, and
+    #   wire_start[t] + (p * k + j) * piece[t]            in the packed bytes;
+    # this is that arithmetic in Python, against every piece's true place.
+    from kvd.transport.gpu_copy import PIECE_BYTES, BlockMap
 
     tensors = [torch.empty(8, 2 * PIECE_BYTES, dtype=torch.uint8),  # two pieces per block
                torch.empty(8, 3, 1000, dtype=torch.int16)]  # 6000 bytes, one piece
     if not mixed:
-        tensors = [tensors[0], torch.empty(8, 2 * PIECE_BYTES, dtype=torch.uint8)]
+        tensors = [tensors[0], torch.empty(16, 2 * PIECE_BYTES, dtype=torch.uint8)[::2]]
     ids = [5, 0, 7]
-    table = PieceTable(tensors, ids, torch.device("cpu"))
-    expected = []
+    found = BlockMap(tensors, ids, torch.device("cpu"))
+    k = 1 if mixed else 2  # blocks that do not split alike are not split at all
+    assert found.k == k and found.pieces() == len(tensors) * len(ids) * k
+    rows = found.rows.tolist()
+    count = len(tensors)
+    address, stride, wire_start, piece = (rows[r * count : (r + 1) * count] for r in range(4))
+    assert rows[4 * count :] == ids
+    expected, got = [], []
     wire = 0
-    for t in tensors:
-        block = t[0].numel() * t.element_size()
-        k = block // PIECE_BYTES if block % PIECE_BYTES == 0 else 1
-        for i in ids:
+    for t, tensor in enumerate(tensors):
+        block = tensor[0].numel() * tensor.element_size()
+        for p, i in enumerate(ids):
             for j in range(k):
-                expected.append((t[i].data_ptr() + j * block // k, wire, block // k // 8))
+                expected.append((tensor[i].data_ptr() + j * block // k, wire, block // k))
                 wire += block // k
-    got = list(zip(table.addr.tolist(), table.offset.tolist(), table.nwords.tolist(),
-                   strict=True))
+                got.append((address[t] + ids[p] * stride[t] + j * piece[t],
+                            wire_start[t] + (p * k + j) * piece[t], piece[t]))
     assert got == expected
-    assert table.piece_range(1, 1, 3) == (len(ids) * 2 + (1 if mixed else 2),
-                                          len(ids) * 2 + (3 if mixed else 6))
+    assert found.piece_range(1, 1, 3) == ((len(ids) + 1) * k, (len(ids) + 3) * k)

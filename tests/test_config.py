@@ -89,7 +89,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "peer_connect_timeout_s": 5.0,
         "tcp_chunk_bytes": 4 * 2**20,
         "nccl": True,
-        "nccl_chunk_bytes": 64 * 2**20,
+        "nccl_chunk_bytes": 128 * 2**20,
         "nccl_max_channels": 8,
         "nccl_init_timeout_s": 30.0,
         "gpu_staging_bytes": 2**30,

@@ -227,7 +227,7 @@ def test_same_gpu_local_copy() -> None:
 
 
 def test_one_launch_gather_and_scatter_on_gpu() -> None:
-    """The piece-table kernel (transport.gpu_copy) against the per-tensor copies: blocks
+    """The one-launch kernel (transport.gpu_copy) against the per-tensor copies: blocks
     large enough to be split into pieces, small ones, two dtypes, many chunks."""
     from kvd.protocol import LayoutEntry
     from kvd.transport import gpu_copy
@@ -250,10 +250,45 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
     for chunk in chunks:
         writer.store(chunk, reader.load(chunk, staging))
     torch.cuda.synchronize()
-    assert reader._tables[torch.device("cuda:1")] is not None  # the kernel was used
+    assert reader._maps[torch.device("cuda:1")] is not None  # the kernel was used
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[ids_out], s[ids_in])
         others = [i for i in range(96) if i not in ids_out]
+        assert torch.count_nonzero(d[others]) == 0
+
+
+@pytest.mark.parametrize("pair", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"),
+                                  ("cuda:1", "cuda:1")])
+def test_local_copies_between_regions_of_one_node(pair: tuple[str, str]) -> None:
+    """The local transport's block copies (transport.local.copy_blocks): across two GPUs
+    pipelined over many small chunks (two staging buffers a side, some chunks straight
+    from or into a run of blocks), and within one GPU in one launch."""
+    from kvd.transport import local
+
+    src_dev, dst_dev = pair
+    gen = torch.Generator(device=src_dev).manual_seed(5)
+    src = [torch.randint(-(2**15), 2**15 - 1, (64, 16, 8, 64), generator=gen, device=src_dev,
+                         dtype=torch.int16),  # 16 KiB blocks
+           torch.randint(0, 255, (64, 24 * 1024), generator=gen, device=src_dev,
+                         dtype=torch.uint8)]  # 24 KiB blocks
+    dst = [torch.zeros_like(t, device=dst_dev) for t in src]
+    src_ids = list(range(8, 20)) + torch.randperm(64, generator=torch.Generator().manual_seed(
+        3))[:30].tolist()
+    src_ids = list(dict.fromkeys(src_ids))[:36]
+    dst_ids = list(range(40, 52)) + torch.randperm(40, generator=torch.Generator().manual_seed(
+        4))[: len(src_ids) - 12].tolist()
+    torch.cuda.synchronize()
+    old = local.CROSS_GPU_CHUNK_BYTES
+    try:
+        local.CROSS_GPU_CHUNK_BYTES = 64 * 1024  # many chunks; the first ones are one run
+        nbytes = local.copy_blocks(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
+    finally:
+        local.CROSS_GPU_CHUNK_BYTES = old
+    torch.cuda.synchronize()
+    assert nbytes == len(src_ids) * (16 + 24) * 1024
+    others = [i for i in range(64) if i not in dst_ids]
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[dst_ids].cpu(), s[src_ids].cpu())
         assert torch.count_nonzero(d[others]) == 0
 
 

@@ -25,7 +25,7 @@ import torch
 from kvd.errors import TransferFailed
 from kvd.memory.regions import Layout, packed_offsets
 from kvd.transport import gpu_copy
-from kvd.transport.gpu_copy import PieceTable
+from kvd.transport.gpu_copy import BlockMap
 from kvd.transport.views import block_views, packed_views
 
 
@@ -87,7 +87,7 @@ class BlockSet:
     tensors: Sequence[torch.Tensor]
     ids: list[int]
     _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
-    _tables: dict[torch.device, PieceTable | None] = field(default_factory=dict, repr=False)
+    _maps: dict[torch.device, BlockMap | None] = field(default_factory=dict, repr=False)
     _packed: tuple[torch.Tensor, Layout] | None = field(default=None, repr=False)
 
     @classmethod
@@ -149,26 +149,29 @@ class BlockSet:
             return None
         return piece.reshape(-1).view(torch.uint8)
 
-    def _table(self, staging: torch.Tensor) -> PieceTable | None:
-        """The piece table for one-launch copies to or from ``staging``'s GPU, if the
-        memory allows it (see ``transport.gpu_copy``)."""
-        if not staging.is_cuda:
+    def block_map(self, device: torch.device) -> BlockMap | None:
+        """The map for one-launch copies on ``device``, if the memory allows it (see
+        ``transport.gpu_copy``); made on first need. Call it before queueing waits on the
+        stream that will copy: making it uploads a few KiB."""
+        if device.type != "cuda":
             return None
-        device = staging.device
-        if device not in self._tables:
+        if device not in self._maps:
             usable = gpu_copy.available() and gpu_copy.describable(self.tensors, device)
-            self._tables[device] = (gpu_copy.PieceTable(self.tensors, self.ids, device)
-                                    if usable else None)
-        return self._tables[device]
+            self._maps[device] = BlockMap(self.tensors, self.ids, device) if usable else None
+        return self._maps[device]
 
     def _one_launch(self, chunk: Chunk, staging: torch.Tensor, gather: bool) -> bool:
-        table = self._table(staging)
-        if table is None:
+        found = self.block_map(staging.device)
+        if found is None:
             return False
         head, tail = chunk.segments[0], chunk.segments[-1]
-        first = table.piece_range(head.tensor, head.start, head.stop)[0]
-        last = table.piece_range(tail.tensor, tail.start, tail.stop)[1]
-        table.copy(first, last, staging.data_ptr() - chunk.wire_offset, gather)
+        first = found.piece_range(head.tensor, head.start, head.stop)[0]
+        last = found.piece_range(tail.tensor, tail.start, tail.stop)[1]
+        packed = staging.data_ptr() - chunk.wire_offset  # where wire byte 0 would be
+        if gather:
+            gpu_copy.copy(first, last, src=found, dst=packed)
+        else:
+            gpu_copy.copy(first, last, src=packed, dst=found)
         return True
 
     def _section(self, staging: torch.Tensor, seg: Segment) -> torch.Tensor:

@@ -1,13 +1,19 @@
-"""One kernel launch to gather (or scatter) any number of GPU blocks.
+"""One kernel launch to gather, scatter or copy any number of GPU blocks.
 
 Copying a chunk of KV blocks with one ``index_select`` per tensor costs a kernel launch per
 tensor, and a launch costs 10-30 us of CPU on the H200 host we measure on: 64 tensors took
-1.7 ms to gather 512 MiB, where the GPU needs 0.3 ms. This kernel takes a table of block
-addresses instead, one program per block piece, and copies 8-byte words: 512 MiB of
-32 KiB blocks in 0.29 ms (1.8 TB/s), launched in ~25 us.
+1.7 ms to gather 512 MiB, where the GPU needs 0.3 ms. This kernel runs one program per block
+piece and copies 8-byte words: 512 MiB of 32 KiB blocks in 0.29 ms (1.8 TB/s), launched in
+~25 us.
 
-Written in Triton, which ships with CUDA builds of torch. Without Triton (or for memory the
-table cannot describe: host memory, mixed devices, blocks that are not contiguous or not
+Each program computes its piece's address itself from a ``BlockMap``: per tensor its
+address, bytes between blocks and bytes per piece, and the block ids — one small upload per
+transfer. (A first version uploaded a table of every piece's address, built with numpy:
+0.2-0.3 ms of CPU and a blocking copy per transfer, 0.7-1.4 ms on the critical path when
+measured on the H200 host, because a pageable upload waits for the stream it is queued on.)
+
+Written in Triton, which ships with CUDA builds of torch. Without Triton (or for memory a
+map cannot describe: host memory, mixed devices, blocks that are not contiguous or not
 8-byte aligned) the callers keep the per-tensor copies; ``available()`` says which.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -47,84 +54,99 @@ def _build() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def copy_pieces(addr, offset, nwords, base, GATHER: tl.constexpr, BLOCK: tl.constexpr):
-        # Program i copies piece i: between the address addr[i] and base + offset[i].
-        i = tl.program_id(0)
-        far = tl.load(addr + i)
-        near = base + tl.load(offset + i)
-        n = tl.load(nwords + i)
-        if GATHER:
-            src = far.to(tl.pointer_type(tl.int64))
-            dst = near.to(tl.pointer_type(tl.int64))
+    # Integers that change from call to call are not specialised on: a new specialisation
+    # would compile (about a second) in the middle of a transfer.
+    @triton.jit(do_not_specialize=["src_base", "dst_base", "first", "T", "n", "k"])
+    def copy_pieces(src_map, dst_map, src_base, dst_base, first, T, n, k,
+                    SRC_MAPPED: tl.constexpr, DST_MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+        # Program i copies piece first + i: tensor t, block position p, piece j. A mapped
+        # side finds the piece through its BlockMap, the other is a packed buffer at
+        # base + the piece's wire offset. Map rows: address, stride, wire start, piece
+        # bytes (T each), then the n block ids.
+        i = tl.program_id(0).to(tl.int64) + first
+        per_tensor = n * k
+        t = i // per_tensor
+        r = i - t * per_tensor
+        p = r // k
+        j = r - p * k
+        if SRC_MAPPED:
+            piece = tl.load(src_map + 3 * T + t)
+            wire = tl.load(src_map + 2 * T + t) + (p * k + j) * piece
+            src = (tl.load(src_map + t) + tl.load(src_map + 4 * T + p) * tl.load(src_map + T + t)
+                   + j * piece)
         else:
-            src = near.to(tl.pointer_type(tl.int64))
-            dst = far.to(tl.pointer_type(tl.int64))
-        for start in range(0, n, BLOCK):
+            piece = tl.load(dst_map + 3 * T + t)
+            wire = tl.load(dst_map + 2 * T + t) + (p * k + j) * piece
+            src = src_base + wire
+        if DST_MAPPED:
+            dst = (tl.load(dst_map + t) + tl.load(dst_map + 4 * T + p) * tl.load(dst_map + T + t)
+                   + j * piece)
+        else:
+            dst = dst_base + wire
+        words = piece // 8
+        src_ptr = src.to(tl.pointer_type(tl.int64))
+        dst_ptr = dst.to(tl.pointer_type(tl.int64))
+        for start in range(0, words, BLOCK):
             w = start + tl.arange(0, BLOCK)
-            mask = w < n
-            tl.store(dst + w, tl.load(src + w, mask=mask), mask=mask)
+            mask = w < words
+            tl.store(dst_ptr + w, tl.load(src_ptr + w, mask=mask), mask=mask)
 
     return copy_pieces
 
 
-class PieceTable:
-    """Addresses, packed offsets and sizes of every piece of ``tensors``' blocks ``ids``, in
-    wire order (tensor-major), on ``device``; built once per transfer."""
+class BlockMap:
+    """Blocks ``ids`` of ``tensors`` as the kernel reads them, on ``device``: the pieces in
+    wire order (tensor-major, then block, then piece), each tensor's blocks cut into the same
+    number ``k`` of pieces (1 when the tensors' block sizes do not split alike)."""
 
     def __init__(self, tensors: Any, ids: list[int], device: torch.device) -> None:
-        # numpy, not torch, for these small host-side tables: a torch op costs ~5 us of
-        # CPU, and a 64-tensor table built with a few ops per tensor took milliseconds.
-        n = len(ids)
-        geo = [_geometry(t) for t in tensors]  # (address, block bytes, stride bytes)
+        # numpy, not torch, for these small host-side rows: a torch op costs ~5 us of CPU.
+        geo = _facts_of(tensors).geometry  # (address, block bytes, stride bytes)
+        n, count = len(ids), len(geo)
         per_block = np.array([g[1] for g in geo], dtype=np.int64)
         splits = np.where(per_block % PIECE_BYTES == 0,
                           np.maximum(per_block // PIECE_BYTES, 1), 1)
-        piece = per_block // splits
-        base = np.array([g[0] for g in geo], dtype=np.int64)
-        stride = np.array([g[2] for g in geo], dtype=np.int64)
-        id_arr = np.asarray(ids, dtype=np.int64)
-        wire_start = np.concatenate([[0], np.cumsum(per_block * n)[:-1]])
-        if (splits == splits[0]).all():  # the usual case: one shape of block, one go
-            k = int(splits[0])
-            j = np.arange(k, dtype=np.int64)
-            addr = (base[:, None, None] + id_arr[None, :, None] * stride[:, None, None]
-                    + j[None, None, :] * piece[:, None, None])
-            offset = (wire_start[:, None, None] + np.arange(n)[None, :, None]
-                      * per_block[:, None, None] + j[None, None, :] * piece[:, None, None])
-            words = np.broadcast_to((piece // WORD)[:, None, None], addr.shape)
-            table = np.stack([addr.reshape(-1), offset.reshape(-1), words.reshape(-1)])
-        else:
-            parts = []
-            for t in range(len(geo)):
-                j = np.arange(int(splits[t]), dtype=np.int64)
-                a = (base[t] + id_arr[:, None] * stride[t] + j[None, :] * piece[t]).reshape(-1)
-                o = (wire_start[t] + np.arange(n)[:, None] * per_block[t]
-                     + j[None, :] * piece[t]).reshape(-1)
-                parts.append(np.stack([a, o, np.full(a.shape, piece[t] // WORD)]))
-            table = np.concatenate(parts, axis=1)
-        on_device = torch.from_numpy(np.ascontiguousarray(table)).to(device)
-        self.addr, self.offset, self.nwords = on_device[0], on_device[1], on_device[2]
-        self.pieces_per_block = splits.tolist()
-        # first piece of each tensor's section, to find a chunk's pieces
-        self._first = np.concatenate([[0], np.cumsum(splits * n)]).tolist()
-        self.num_blocks = n
+        k = int(splits[0]) if count and (splits == splits[0]).all() else 1
+        rows = np.empty(4 * count + n, dtype=np.int64)
+        rows[:count] = [g[0] for g in geo]
+        rows[count : 2 * count] = [g[2] for g in geo]
+        rows[2 * count : 3 * count] = np.concatenate([[0], np.cumsum(per_block * n)[:-1]])
+        rows[3 * count : 4 * count] = per_block // k
+        rows[4 * count :] = ids
+        self._host = rows  # kept alive while a copy from it may still be queued
+        self.rows = torch.from_numpy(rows).to(device, non_blocking=True)
+        self.k, self.num_tensors, self.num_blocks = k, count, n
+        self.piece_bytes = (per_block // k).tolist()
         self.device = device
 
     def piece_range(self, tensor: int, start: int, stop: int) -> tuple[int, int]:
-        k = self.pieces_per_block[tensor]
-        first = self._first[tensor]
-        return first + start * k, first + stop * k
+        """The pieces of blocks at positions [start, stop) of ``tensor``."""
+        first = tensor * self.num_blocks
+        return (first + start) * self.k, (first + stop) * self.k
 
-    def copy(self, first: int, last: int, staging_base: int, gather: bool) -> None:
-        """Pieces [first, last) between their addresses and ``staging_base`` + their
-        packed offset, on the current stream."""
-        count = last - first
-        if count <= 0:
-            return
-        with _launch_lock, torch.cuda.device(self.device):  # Triton launches on the current one
-            _kernel[(count,)](self.addr[first:], self.offset[first:], self.nwords[first:],
-                              staging_base, GATHER=gather, BLOCK=2048)
+    def pieces(self) -> int:
+        return self.num_tensors * self.num_blocks * self.k
+
+
+def copy(first: int, last: int, *, src: BlockMap | int, dst: BlockMap | int) -> None:
+    """Pieces [first, last) from ``src`` to ``dst``, on the current stream of the mapped
+    side's device: each side is a BlockMap, or the address of a packed buffer where the
+    transfer's wire byte 0 would be. Maps of both sides must describe the same layout."""
+    count = last - first
+    if count <= 0:
+        return
+    maps = [m for m in (src, dst) if isinstance(m, BlockMap)]
+    if not maps:
+        raise ValueError("a copy needs a block map on at least one side")
+    any_map = maps[0]
+    with _launch_lock, torch.cuda.device(any_map.device):  # Triton launches on the current one
+        _kernel[(count,)](
+            src.rows if isinstance(src, BlockMap) else any_map.rows,
+            dst.rows if isinstance(dst, BlockMap) else any_map.rows,
+            src if isinstance(src, int) else 0, dst if isinstance(dst, int) else 0,
+            first, any_map.num_tensors, any_map.num_blocks, any_map.k,
+            SRC_MAPPED=isinstance(src, BlockMap), DST_MAPPED=isinstance(dst, BlockMap),
+            BLOCK=2048)
 
 
 def _geometry(t: torch.Tensor) -> tuple[int, int, int]:
@@ -144,12 +166,45 @@ def block_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
+class _Facts:
+    """What the maps need of a list of tensors, found once: the same region's tensors
+    come back with every transfer, and reading 64 tensors' geometry costs ~60 us and
+    checking them ~250 us of CPU on the H200 host, per transfer."""
+
+    def __init__(self, tensors: Any) -> None:
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.geometry = [_geometry(t) for t in tensors]  # (address, block, stride) bytes
+        self.device = tensors[0].device if len(tensors) else None
+        self.describable = bool(len(tensors)) and all(
+            t.is_cuda and t.device == self.device and len(t) > 0 and block_contiguous(t)
+            and not (block % WORD or address % WORD or stride % WORD)
+            for t, (address, block, stride) in zip(tensors, self.geometry, strict=True))
+
+    def of(self, tensors: Any) -> bool:
+        return len(self.refs) == len(tensors) and all(
+            r() is t for r, t in zip(self.refs, tensors, strict=True))
+
+
+# Keyed by each list's first tensor, weakly: an entry goes when its region's tensors go.
+_facts: weakref.WeakKeyDictionary[torch.Tensor, _Facts] = weakref.WeakKeyDictionary()
+_facts_lock = threading.Lock()
+
+
+def _facts_of(tensors: Any) -> _Facts:
+    if not len(tensors):
+        return _Facts(tensors)
+    with _facts_lock:
+        found = _facts.get(tensors[0])
+    if found is not None and found.of(tensors):
+        return found
+    found = _Facts(tensors)
+    with _facts_lock:
+        _facts[tensors[0]] = found
+    return found
+
+
 def describable(tensors: Any, device: torch.device) -> bool:
-    """Whether a piece table can describe these tensors' blocks on ``device``."""
-    for t in tensors:
-        if not t.is_cuda or t.device != device or len(t) == 0 or not block_contiguous(t):
-            return False
-        address, block, stride = _geometry(t)
-        if block % WORD or address % WORD or stride % WORD:
-            return False
-    return True
+    """Whether a block map can describe these tensors' blocks on ``device``: all of them
+    on that GPU, each block one contiguous, 8-byte aligned range."""
+    facts = _facts_of(tensors)
+    return facts.describable and facts.device == device

@@ -22,6 +22,7 @@ import torch
 
 from kvd.memory.regions import Layout, packed_offsets
 from kvd.protocol import LayoutEntry
+from kvd.transport import gpu_copy
 from kvd.transport.chunks import BlockSet, plan_chunks
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,13 @@ def copy_blocks(
     dst_idx: torch.Tensor,
 ) -> int:
     """Blocks of one region into blocks of another with the same layout."""
-    if src and src[0].is_cuda and dst[0].is_cuda and src[0].device != dst[0].device:
-        return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist())
+    if src and src[0].is_cuda and dst[0].is_cuda:
+        if src[0].device != dst[0].device:
+            return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist())
+        done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist())
+        if done is not None:
+            _finish_writes(*dst)
+            return done
     nbytes = 0
     found = runs(src_idx.tolist(), dst_idx.tolist())
     for s, d in zip(src, dst, strict=True):
@@ -117,38 +123,117 @@ def copy_blocks(
     return nbytes
 
 
-CROSS_GPU_CHUNK_BYTES = 64 * 2**20
+CROSS_GPU_CHUNK_BYTES = 128 * 2**20  # 4 chunks for 512 MiB: the launches keep up with the GPU
+CROSS_GPU_BUFFERS = 2  # gather chunk k+1 and scatter chunk k-1 while chunk k crosses
+
+
+def _same_gpu_one_launch(src: Sequence[torch.Tensor], src_ids: list[int],
+                         dst: Sequence[torch.Tensor], dst_ids: list[int]) -> int | None:
+    """Blocks between two regions of one GPU in one kernel launch (``transport.gpu_copy``),
+    or None when the kernel cannot describe this memory."""
+    device = dst[0].device
+    if not (gpu_copy.available() and gpu_copy.describable(src, device)
+            and gpu_copy.describable(dst, device)):
+        return None
+    reader, writer = BlockSet(src, src_ids).block_map(device), BlockSet(dst, dst_ids).block_map(
+        device)
+    if reader is None or writer is None or reader.k != writer.k:
+        return None
+    gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
+    return sum(len(src_ids) * t[0].numel() * t.element_size() for t in src if len(t))
+
+
+class _CrossStreams:
+    """Streams for copies between two GPUs, made once per device pair: a gather and a
+    copy stream on the source, a landing and a scatter stream on the destination."""
+
+    _made: dict[tuple[torch.device, torch.device], _CrossStreams] = {}
+
+    def __init__(self, src: torch.device, dst: torch.device) -> None:
+        self.gather, self.copy = torch.cuda.Stream(src), torch.cuda.Stream(src)
+        self.land, self.scatter = torch.cuda.Stream(dst), torch.cuda.Stream(dst)
+
+    @classmethod
+    def get(cls, src: torch.device, dst: torch.device) -> _CrossStreams:
+        found = cls._made.get((src, dst))
+        if found is None:
+            found = cls._made[(src, dst)] = cls(src, dst)
+        return found
 
 
 def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
                      dst: Sequence[torch.Tensor], dst_ids: list[int],
-                     chunk_bytes: int = CROSS_GPU_CHUNK_BYTES) -> int:
-    """Blocks between two GPUs of this node: per chunk, gather on the source GPU, one peer
-    copy (NVLink), scatter on the destination GPU — a few large copies instead of one
-    small one per block (or a temporary per tensor). Contiguous runs skip the staging."""
+                     chunk_bytes: int | None = None) -> int:
+    """Blocks between two GPUs of this node, chunk by chunk, pipelined: gather on the
+    source GPU, one peer copy (NVLink), scatter on the destination GPU, each on its own
+    stream, so chunk k crosses while k+1 is gathered and k-1 scattered. Contiguous runs
+    skip the staging. The work starts after what the devices' current streams hold (the
+    clients' ready events) and the current streams wait for it at the end."""
     # The plan needs bytes per block only; the copies keep each tensor's own dtype.
     layout = tuple(LayoutEntry(math.prod(t.shape[1:]) * t.element_size(), "uint8")
                    for t in src)
-    chunks = plan_chunks(layout, len(src_ids), chunk_bytes)
+    chunks = plan_chunks(layout, len(src_ids), chunk_bytes or CROSS_GPU_CHUNK_BYTES)
     if not chunks:
         return 0
     src_dev, dst_dev = src[0].device, dst[0].device
-    size = max(c.nbytes for c in chunks)
-    src_stage = torch.empty(size, dtype=torch.uint8, device=src_dev)
-    dst_stage = torch.empty(size, dtype=torch.uint8, device=dst_dev)
+    streams = _CrossStreams.get(src_dev, dst_dev)
     reader, writer = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
-    for chunk in chunks:
-        into = writer.direct(chunk, dst_dev)
+    # Maps first, on the work streams while they are idle (see NcclChannel._prepare).
+    with torch.cuda.stream(streams.gather):
+        reader.block_map(src_dev)
+    with torch.cuda.stream(streams.scatter):
+        writer.block_map(dst_dev)
+    size = max(c.nbytes for c in chunks)
+    src_stage = [torch.empty(size, dtype=torch.uint8, device=src_dev)
+                 for _ in range(CROSS_GPU_BUFFERS)]
+    dst_stage = [torch.empty(size, dtype=torch.uint8, device=dst_dev)
+                 for _ in range(CROSS_GPU_BUFFERS)]
+    src_now, dst_now = torch.cuda.current_stream(src_dev), torch.cuda.current_stream(dst_dev)
+    for s in (streams.gather, streams.copy):
+        s.wait_stream(src_now)
+    for s in (streams.land, streams.scatter):
+        s.wait_stream(dst_now)
+    copied: list[torch.cuda.Event | None] = [None] * CROSS_GPU_BUFFERS  # stage free again
+    scattered: list[torch.cuda.Event | None] = [None] * CROSS_GPU_BUFFERS
+    for k, chunk in enumerate(chunks):
+        b = k % CROSS_GPU_BUFFERS
         buf = reader.direct(chunk, src_dev)
         if buf is None:
-            buf = reader.load(chunk, src_stage)
-        if into is not None:
-            into.copy_(buf)
-        else:
-            dst_stage[: chunk.nbytes].copy_(buf)
-            writer.store(chunk, dst_stage)
+            with torch.cuda.stream(streams.gather):
+                free_at = copied[b]
+                if free_at is not None:
+                    streams.gather.wait_event(free_at)
+                buf = reader.load(chunk, src_stage[b])
+            streams.copy.wait_event(_recorded(streams.gather))
+        into = writer.direct(chunk, dst_dev)
+        landed = into is None  # into staging, to be scattered
+        if into is None:
+            free_at = scattered[b]
+            if free_at is not None:
+                streams.copy.wait_event(free_at)
+            into = dst_stage[b][: chunk.nbytes]
+        # A copy between devices runs on the source's current stream, fenced with the
+        # destination's current one: the landing stream, which nothing else uses.
+        with torch.cuda.stream(streams.copy), torch.cuda.stream(streams.land):
+            into.copy_(buf, non_blocking=True)
+        crossed = copied[b] = _recorded(streams.copy)
+        if landed:
+            streams.scatter.wait_event(crossed)
+            with torch.cuda.stream(streams.scatter):
+                writer.store(chunk, into)
+            scattered[b] = _recorded(streams.scatter)
+    for s in (streams.gather, streams.copy):
+        src_now.wait_stream(s)
+    for s in (streams.land, streams.scatter):
+        dst_now.wait_stream(s)
     _finish_writes(*dst)
     return sum(c.nbytes for c in chunks)
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _finish_writes(*written: torch.Tensor) -> None:

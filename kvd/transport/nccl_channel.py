@@ -198,8 +198,16 @@ class NcclChannel:
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
         return self._comm, chunks, max((c.nbytes for c in chunks), default=0)
 
+    def _prepare(self, blocks: BlockSet | None, chunks: list[Chunk]) -> None:
+        """Make the blocks' map for the staging copies now, while the copy stream is idle:
+        its small upload, made later, would wait for the chunk queued ahead of it."""
+        if blocks is not None and any(blocks.direct(c, self.device) is None for c in chunks):
+            with torch.cuda.stream(self._copy_stream):
+                blocks.block_map(self.device)
+
     def _send(self, job: NcclJob) -> int:
         comm, chunks, size = self._plan(job)
+        self._prepare(job.blocks, chunks)
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
         for k, chunk in enumerate(chunks):
@@ -224,6 +232,7 @@ class NcclChannel:
 
     def _recv(self, job: NcclJob) -> int:
         comm, chunks, size = self._plan(job)
+        self._prepare(None if job.abandoned else job.blocks, chunks)
         stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         for k, chunk in enumerate(chunks):
             b = k % STAGING_BUFFERS
