@@ -112,3 +112,23 @@ def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> Non
                             wire_start[t] + (p * k + j) * piece[t], piece[t]))
     assert got == expected
     assert found.piece_range(1, 1, 3) == ((len(ids) + 1) * k, (len(ids) + 3) * k)
+
+
+def test_tensor_facts_are_cached_per_list_and_dropped_with_its_tensors() -> None:
+    # What the maps read of a region's tensors is found once per region, not per transfer.
+    import gc
+
+    from kvd.transport import gpu_copy
+
+    tensors = [torch.empty(4, 64, dtype=torch.uint8), torch.empty(4, 8, dtype=torch.int64)]
+    first = gpu_copy._facts_of(tensors)
+    assert gpu_copy._facts_of(tensors) is first  # a hit compares by identity, not by value
+    assert gpu_copy._facts_of(list(tensors)) is first  # same tensors, another list
+    assert not gpu_copy.describable(tensors, torch.device("cpu"))  # host memory
+    other = gpu_copy._facts_of([tensors[0], torch.empty(4, 8, dtype=torch.int64)])
+    assert other is not first and other.geometry[1] != first.geometry[1]
+    key = id(tensors[0])
+    assert gpu_copy._facts[key] is other
+    del tensors, first, other
+    gc.collect()
+    assert key not in gpu_copy._facts

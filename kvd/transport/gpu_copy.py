@@ -173,6 +173,7 @@ class _Facts:
 
     def __init__(self, tensors: Any) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.watch: Any = None  # the first tensor's weakref that drops this entry
         self.geometry = [_geometry(t) for t in tensors]  # (address, block, stride) bytes
         self.device = tensors[0].device if len(tensors) else None
         self.describable = bool(len(tensors)) and all(
@@ -185,21 +186,27 @@ class _Facts:
             r() is t for r, t in zip(self.refs, tensors, strict=True))
 
 
-# Keyed by each list's first tensor, weakly: an entry goes when its region's tensors go.
-_facts: weakref.WeakKeyDictionary[torch.Tensor, _Facts] = weakref.WeakKeyDictionary()
-_facts_lock = threading.Lock()
+# Keyed by id() of each list's first tensor (a WeakKeyDictionary would compare tensors
+# with ==, elementwise); an entry goes when that tensor goes. Plain dict operations are
+# atomic under the GIL, and the weakref callback may run in any thread, so no lock.
+_facts: dict[int, _Facts] = {}
 
 
 def _facts_of(tensors: Any) -> _Facts:
     if not len(tensors):
         return _Facts(tensors)
-    with _facts_lock:
-        found = _facts.get(tensors[0])
+    key = id(tensors[0])
+    found = _facts.get(key)
     if found is not None and found.of(tensors):
         return found
     found = _Facts(tensors)
-    with _facts_lock:
-        _facts[tensors[0]] = found
+
+    def forget(_ref: Any, key: int = key, entry: _Facts = found) -> None:
+        if _facts.get(key) is entry:
+            _facts.pop(key, None)
+
+    found.watch = weakref.ref(tensors[0], forget)
+    _facts[key] = found
     return found
 
 
