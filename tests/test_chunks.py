@@ -132,3 +132,22 @@ def test_tensor_facts_are_cached_per_list_and_dropped_with_its_tensors() -> None
     del tensors, first, other
     gc.collect()
     assert key not in gpu_copy._facts
+
+
+def test_block_views_are_the_blocks_bytes_in_wire_order() -> None:
+    # What a socket sends from (or receives into): every requested block of tensor 0, then
+    # of tensor 1, ...; adjacent blocks in one view; strided and non-contiguous blocks too.
+    from kvd.transport.views import block_views
+
+    tensors = [(torch.arange(64 * 256, dtype=torch.int32) + i).view(64, 256) for i in range(3)]
+    tensors.append(torch.arange(64 * 8 * 2, dtype=torch.int16).view(64, 8, 2)[:, :, 0])
+    tensors.append(torch.arange(128 * 4, dtype=torch.int64).view(128, 4)[::2])
+    ids = [3, 4, 5, 9, 0, 1, 63]
+    views = block_views(tensors, ids)
+    expected = b"".join(t[i].contiguous().numpy().tobytes() for t in tensors for i in ids)
+    assert b"".join(bytes(v) for v in views) == expected
+    # runs 3-5, 9, 0-1, 63 of each contiguous tensor; 8 two-byte pieces per block of the
+    # non-contiguous one; one view per block of the strided one (its blocks are not adjacent)
+    assert len(views) == 3 * 4 + 7 * 8 + 7
+    views[0][:4] = b"\x01\x02\x03\x04"  # the views are the tensor's memory
+    assert tensors[0][3, 0].item() == int.from_bytes(b"\x01\x02\x03\x04", "little")
