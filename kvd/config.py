@@ -273,6 +273,16 @@ def _log_level(value: str) -> str:
     return level
 
 
+NCCL_WARM_UP = ("off", "matching", "all")
+
+
+def _nccl_warm_up(value: str) -> str:
+    choice = value.strip().lower()
+    if choice not in NCCL_WARM_UP:
+        raise _Invalid(f"must be one of {', '.join(NCCL_WARM_UP)}, got {value!r}")
+    return choice
+
+
 def _socket_path(value: str) -> str:
     """Make the path absolute (daemon and clients may run in different directories) and
     check that it fits in a Unix socket address."""
@@ -356,6 +366,10 @@ class Config:
     nccl_chunk_bytes: int = _opt(128 * MiB, _SIZE, _at_least(1 * MiB))
     nccl_max_channels: int = _opt(8, _INT, _at_least(1))  # communicators per GPU (LRU)
     nccl_init_timeout_s: float = _opt(30.0, _SECONDS, _positive)
+    # When a peer link comes up, make the channels from its GPUs to ours now (NCCL init and
+    # connection setup, ~0.5-0.7 s) instead of in its first transfer: "matching" pairs our
+    # cuda:N with its cuda:N, "all" every pair (within nccl_max_channels), "off" none.
+    nccl_warm_up: str = _opt("matching", _STR, _nccl_warm_up)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet
     curve_secret_key_file: str = _opt("", _STR)
     curve_allowed_keys_file: str = _opt("", _STR)

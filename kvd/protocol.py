@@ -28,7 +28,8 @@ from kvd.errors import ProtocolError
 #   2 — 2026-11: peer plane (PeerHello .. PullRequest), Pull, Put to another daemon.
 #   3 — 2026-11: NCCL fields in Offer/Accept, ChannelDown.
 #   4 — 2026-11: Lend (publish for one reader, replied when the blocks are free again).
-PROTOCOL_VERSION = 4
+#   5 — 2026-11: ChannelWarm (NCCL channels made when a peer link comes up).
+PROTOCOL_VERSION = 5
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -411,6 +412,17 @@ class ChannelDown(_PeerMsg, tag="channel_down", frozen=True):
     reason: Annotated[str, Meta(max_length=4096)]
 
 
+class ChannelWarm(_PeerMsg, tag="channel_warm", frozen=True):
+    """The receiver made the NCCL channel ``channel`` from the sender's ``src_dev`` to its
+    ``dst_dev`` ahead of any transfer: the sender joins it as rank 0, and both ends move
+    one small message on it first, which sets up NCCL's connections."""
+
+    channel: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+    nccl_uid: Annotated[bytes, Meta(min_length=128, max_length=128)]
+    src_dev: Device
+    dst_dev: Device
+
+
 class PeerError(_PeerMsg, tag="peer_error", frozen=True):
     """Reply to a message the daemon could not take (not tied to a transfer)."""
 
@@ -420,7 +432,7 @@ class PeerError(_PeerMsg, tag="peer_error", frozen=True):
 
 PeerMessage = (
     PeerHello | PeerWelcome | Heartbeat | Offer | Accept | Busy | Refuse | XferDone
-    | XferFailed | XferCancel | PullRequest | ChannelDown | PeerError
+    | XferFailed | XferCancel | PullRequest | ChannelDown | ChannelWarm | PeerError
 )
 
 # ---------------------------------------------------------------- codec

@@ -92,6 +92,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_chunk_bytes": 128 * 2**20,
         "nccl_max_channels": 8,
         "nccl_init_timeout_s": 30.0,
+        "nccl_warm_up": "matching",
         "gpu_staging_bytes": 2**30,
         "curve_secret_key_file": "",
         "curve_allowed_keys_file": "",
@@ -393,6 +394,8 @@ def test_wrong_type_in_file(tmp_path: Path, sock: str, line: str, key: str, reas
     ("var", "value", "expected"),
     [
         ("KVD_POOL_SIZE_BYTES", "-5", "pool_size_bytes: must be >= 0, got -5"),
+        ("KVD_NCCL_WARM_UP", "sometimes",
+         "nccl_warm_up: must be one of off, matching, all, got 'sometimes'"),
         ("KVD_POOL_SIZE_BYTES", "lots", "pool_size_bytes: expected a size"),
         ("KVD_POOL_MIN_BLOCK_BYTES", "32", "pool_min_block_bytes: must be >= 64, got 32"),
         ("KVD_POOL_MIN_BLOCK_BYTES", "96", "pool_min_block_bytes: must be a power of two"),

@@ -63,8 +63,10 @@ def nccl_stats(c: kvd.KvdClient) -> dict:
 
 
 def test_put_get_pull_between_gpu_regions_over_nccl() -> None:
+    """Channels made on demand (no warm-up): by the first transfer that needs each."""
     rng = torch.Generator().manual_seed(3)
-    with two_nodes() as (a, b), kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+    with two_nodes("--nccl-warm-up", "off") as (a, b), \
+            kvd.KvdClient(a.sock, timeout_s=60) as ca, \
             kvd.KvdClient(b.sock, timeout_s=60) as cb:
         src, dst = kv_layers("cuda:0", 1), zeros("cuda:1")
         torch.cuda.synchronize()
@@ -122,6 +124,48 @@ def test_put_get_pull_between_gpu_regions_over_nccl() -> None:
         ca.get("k4", r_back, [0, 1, 2], timeout_s=60)
         assert_moved(src, [7, 3, 5], back, [0, 1, 2])
         assert nccl_stats(ca)["created"] == 2  # one send channel, one receive channel
+
+
+def test_channels_are_warmed_up_when_a_peer_links() -> None:
+    """nccl_warm_up = matching (the default): when a link comes up (here at start, from
+    ``peers``) each side makes its receive channel from the other's cuda:0 and both move
+    one small message on it; the first transfers each way then use those channels."""
+    b = start_node(1)
+    try:
+        a = start_node(0, "--peers", b.address)
+        try:
+            with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                    kvd.KvdClient(b.sock, timeout_s=60) as cb:
+                def warm(c: kvd.KvdClient) -> bool:
+                    s = nccl_stats(c)
+                    return (s["warmed"] == 2 and len(s["channels"]) == 2
+                            and all(ch["idle"] for ch in s["channels"]))
+
+                deadline = time.monotonic() + 90
+                while not (warm(ca) and warm(cb)):
+                    assert time.monotonic() < deadline, (nccl_stats(ca), nccl_stats(cb))
+                    time.sleep(0.2)
+                for c in (ca, cb):
+                    s = nccl_stats(c)
+                    assert s["created"] == 2 and s["failed"] == 0
+                    assert sorted(ch["direction"] for ch in s["channels"]) == ["recv", "send"]
+                src, dst = kv_layers("cuda:0", 4), zeros("cuda:1")
+                back = zeros("cuda:0")
+                torch.cuda.synchronize()
+                r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+                r_back = ca.register("back", back)
+                ca.put("k", r_src, [5, 1, 9], to=b.address).wait(60)
+                cb.get("k", r_dst, [0, 2, 4], timeout_s=60)
+                assert_moved(src, [5, 1, 9], dst, [0, 2, 4])
+                cb.put("k-back", r_dst, [0, 2, 4], to=a.address).wait(60)
+                ca.get("k-back", r_back, [7, 8, 9], timeout_s=60)
+                assert_moved(src, [5, 1, 9], back, [7, 8, 9])
+                for c in (ca, cb):  # no channel was made for these transfers
+                    assert nccl_stats(c)["created"] == 2
+        finally:
+            stop_node(a)
+    finally:
+        stop_node(b)
 
 
 def peer_devices(c: kvd.KvdClient, address: str) -> list[str]:

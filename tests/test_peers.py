@@ -304,6 +304,12 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
         assert reply.__struct_config__.tag == "refuse" and "pool" in reply.message
         reply = send({**absurd, "nbytes": 7})
         assert reply.__struct_config__.tag == "refuse" and "does not match" in reply.message
+        warm = {"op": "channel_warm", "channel": 7, "nccl_uid": b"u" * 128,
+                "src_dev": "cuda:0", "dst_dev": "cuda:0"}
+        reply = send(warm)  # this daemon has no GPU: it declines the channel
+        assert reply.__struct_config__.tag == "channel_down" and "no NCCL" in reply.reason
+        reply = send({**warm, "nccl_uid": b"short"})
+        assert isinstance(reply, PeerError) and reply.code == "protocol"
         sock.send(pack({"op": "xfer_done", "transfer_id": 42, "nbytes": 1}))
         sock.send(pack({"op": "accept", "transfer_id": 43}))
         with socket.create_connection(("127.0.0.1", a.client.stats()["peer"]["data_port"])) as d:
@@ -313,7 +319,7 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
         stats = wait_until(lambda: (s := a.client.stats())["peer"]["bad_messages"].get(
             "data_token") and s)
         bad = stats["peer"]["bad_messages"]
-        assert bad["malformed"] == 1 and bad["no_link"] == 1 and bad["version"] == 1
+        assert bad["malformed"] == 2 and bad["no_link"] == 1 and bad["version"] == 1
         assert bad["bad_offer"] == 2 and bad["unknown_transfer"] == 2
         assert a.client.ping() > 0
     finally:

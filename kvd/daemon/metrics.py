@@ -161,7 +161,8 @@ def _gpu_families(engine: Any, nccl: dict[str, Any] | None) -> Iterator[Any]:
     spills.add_metric([], engine.counters.gpu_spills)
     yield spills
     events = CounterMetricFamily("kvd_nccl_channel_events", "NCCL channels created, failed "
-                                 "(aborted) and evicted (LRU cap).", labels=["event"])
-    for event in ("created", "failed", "evicted"):
+                                 "(aborted), evicted (LRU cap) and warmed (made when a peer "
+                                 "linked, before any transfer).", labels=["event"])
+    for event in ("created", "failed", "evicted", "warmed"):
         events.add_metric([event], (nccl or {}).get(event, 0))
     yield events

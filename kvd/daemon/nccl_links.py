@@ -9,6 +9,17 @@ channel). A channel that fails on either side is aborted there and announced wit
 CHANNEL_DOWN, so the other side aborts its end and the next transfer makes a new one. Each
 GPU holds at most ``nccl_max_channels`` communicators (each costs GPU memory); past that the
 least recently used idle one is evicted the same way.
+
+Warm-up (``nccl_warm_up``): when a peer link comes up, the receiver makes its channels from
+the peer's GPUs ahead of any transfer (init and NCCL's connection setup take 0.5-0.7 s) and
+sends CHANNEL_WARM with each one's id; the sender joins it. Both ends queue one small
+message on the channel right after the init, the receiver when it makes the channel and the
+sender when CHANNEL_WARM arrives — before any ACCEPT that names the channel, which the link
+delivers later — so the two threads still run matching jobs in the same order. The receiver
+never evicts to warm up (a GPU already at ``nccl_max_channels`` is skipped); the sender
+joins as it would for an ACCEPT. An incoming link is warmed when its first message after
+the handshake arrives: the dialer may drop a message that reaches it before its loop has
+made the link.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import torch
 from kvd.config import Config
 from kvd.daemon.peers import PeerLink, PeerPlane
 from kvd.errors import KvdError, PeerUnreachable, TransferFailed
-from kvd.protocol import ChannelDown
+from kvd.protocol import ChannelDown, ChannelWarm
 from kvd.transport.nccl import new_unique_id
 from kvd.transport.nccl_channel import NcclChannel
 
@@ -54,6 +65,7 @@ class NcclLinks:
         self.created = 0
         self.failed = 0
         self.evicted = 0
+        self.warmed = 0
 
     # ------------------------------------------------------------ finding or making
 
@@ -81,6 +93,53 @@ class NcclLinks:
         if old is not None:
             self._drop(old, PeerUnreachable("replaced by a new channel"), tell_peer=False)
         return self._make(link, ("send", local_dev, remote_dev), channel_id, unique_id, rank=0)
+
+    def warm_up(self, link: PeerLink) -> None:
+        """Make our receive channels from a peer that just linked, now (``nccl_warm_up``)."""
+        mode = self.config.nccl_warm_up
+        theirs = [d for d in link.devices if d.startswith("cuda:")]
+        if mode == "off" or not theirs:
+            return
+        for local_dev in self.plane.gpus:
+            for remote_dev in theirs:
+                if mode == "matching" and remote_dev != local_dev:
+                    continue
+                if self._live(link, ("recv", local_dev, remote_dev)) is not None or (
+                        self._count_on(local_dev) >= self.config.nccl_max_channels):
+                    continue
+                entry = self._make(link, ("recv", local_dev, remote_dev), _new_channel_id(),
+                                   new_unique_id(), rank=1)
+                entry.channel.warm(self.config.nccl_init_timeout_s)
+                self.warmed += 1
+                self.plane.send(link, ChannelWarm(channel=entry.channel_id,
+                                                  nccl_uid=entry.unique_id,
+                                                  src_dev=remote_dev, dst_dev=local_dev))
+
+    def on_channel_warm(self, link: PeerLink, msg: ChannelWarm) -> None:
+        """The peer made a channel from our ``src_dev`` ahead of any transfer: join it and
+        queue the matching small message; or decline (CHANNEL_DOWN), and it drops its end."""
+        reason = ""
+        if msg.src_dev not in self.plane.gpus:
+            reason = f"{msg.src_dev} is not a GPU of this daemon with NCCL"
+        elif msg.dst_dev not in link.devices:
+            reason = f"{msg.dst_dev} is not among the devices {link.address} announced"
+        elif msg.channel in self._by_id:
+            reason = f"channel {msg.channel} already exists"
+        if not reason:  # like an ACCEPT naming a new channel: may evict an idle one here
+            try:
+                entry = self.for_send(link, msg.src_dev, msg.dst_dev, msg.channel,
+                                      msg.nccl_uid)
+            except KvdError as err:
+                reason = err.message
+            else:
+                entry.channel.warm(self.config.nccl_init_timeout_s)
+                self.warmed += 1
+                return
+        log.info("nccl channel %d from %s not warmed: %s", msg.channel, link.address, reason)
+        self.plane.send(link, ChannelDown(channel=msg.channel, reason=reason[:4000]))
+
+    def _count_on(self, local_dev: str) -> int:
+        return sum(1 for e in self._by_id.values() if e.key[1] == local_dev)
 
     def _live(self, link: PeerLink, key: tuple[str, str, str]) -> _Entry | None:
         entry = self._by_key.get((id(link), *key))
@@ -175,7 +234,8 @@ class NcclLinks:
                               "direction": e.key[0], "device": e.key[1],
                               "peer_device": e.key[2], "idle": e.channel.idle}
                              for e in self._by_id.values()],
-                "created": self.created, "failed": self.failed, "evicted": self.evicted}
+                "created": self.created, "failed": self.failed, "evicted": self.evicted,
+                "warmed": self.warmed}
 
 
 def _new_channel_id() -> int:

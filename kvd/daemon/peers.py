@@ -67,6 +67,7 @@ class PeerLink:
     recv_channel: RecvChannel | None = None
     connecting: asyncio.Future[SendChannel] | None = None
     on_lost: list[Callable[[PeerLink, KvdError], None]] = field(default_factory=list)
+    reported_up: bool = False  # on_link_up was called (see PeerPlane._link_up)
 
     @property
     def host(self) -> str:
@@ -85,13 +86,15 @@ class PeerPlane:
     def __init__(self, config: Config, ctx: zmq.Context[Any], epoch: int,
                  on_message: Callable[[PeerLink, PeerMessage], None],
                  on_link_lost: Callable[[PeerLink, KvdError], None],
-                 gpus: Sequence[str] = ()) -> None:
+                 gpus: Sequence[str] = (),
+                 on_link_up: Callable[[PeerLink], None] | None = None) -> None:
         self.config = config
         self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
         self.ctx = ctx
         self.epoch = epoch
         self.on_message = on_message
         self.on_link_lost = on_link_lost
+        self.on_link_up = on_link_up
         self.bad_messages: dict[str, int] = {}
         self.links: dict[str, PeerLink] = {}  # by address
         self._by_identity: dict[bytes, PeerLink] = {}
@@ -285,6 +288,7 @@ class PeerPlane:
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
                  link.epoch)
         self._warm_up(link)
+        self._link_up(link)
         return link
 
     def _add_link(self, link: PeerLink) -> None:
@@ -310,6 +314,17 @@ class PeerPlane:
 
     def _io_timeout(self) -> float:
         return max(self.config.peer_grace_s * 2, 10.0)
+
+    def _link_up(self, link: PeerLink) -> None:
+        """Tell the daemon a link is up, once: an outgoing one as soon as it is made; an
+        incoming one when the first message after the handshake arrives — the dialer may
+        drop (or refuse) a message that reaches it before its loop has made the link."""
+        link.reported_up = True
+        if self.on_link_up is not None:
+            try:
+                self.on_link_up(link)
+            except Exception:
+                log.exception("unhandled error in the link-up handler")
 
     def _warm_up(self, link: PeerLink) -> None:
         """Open our data connection right after the handshake, so the first transfer does
@@ -474,6 +489,8 @@ class PeerPlane:
                 "unknown peer: send peer_hello first (this daemon may have restarted)"))
             return
         link.last_seen = self._loop.time()
+        if not link.reported_up:
+            self._link_up(link)
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, PeerError):

@@ -146,7 +146,7 @@ class Daemon:
             self.config, ctx, self.epoch,
             on_message=lambda link, msg: transfers[0].on_message(link, msg),
             on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err),
-            gpus=gpus)
+            gpus=gpus, on_link_up=lambda link: transfers[0].on_link_up(link))
         nccl = NcclLinks(self.config, self.peers) if gpus else None
         self.transfers = PeerTransfers(self.engine, self.peers, nccl)
         transfers.append(self.transfers)

@@ -49,6 +49,7 @@ from kvd.protocol import (
     Accept,
     Busy,
     ChannelDown,
+    ChannelWarm,
     Offer,
     PeerMessage,
     PullRequest,
@@ -451,6 +452,12 @@ class PeerTransfers:
         elif isinstance(msg, ChannelDown):
             if self.nccl is not None:
                 self.nccl.on_channel_down(link, msg)
+        elif isinstance(msg, ChannelWarm):
+            if self.nccl is not None:
+                self.nccl.on_channel_warm(link, msg)
+            else:
+                self.plane.send(link, ChannelDown(channel=msg.channel, reason=(
+                    f"{self.engine.config.node_id} has no NCCL")))
         elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
             pull = self._pulls.get(msg.transfer_id)
             if pull is not None and isinstance(msg, Refuse):
@@ -483,6 +490,10 @@ class PeerTransfers:
                          msg.transfer_id, link.address)
                 return
             out.replies.put_nowait(msg)
+
+    def on_link_up(self, link: PeerLink) -> None:
+        if self.nccl is not None:
+            self.nccl.warm_up(link)
 
     def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
         for out in list(self._outgoing.values()):

@@ -92,6 +92,14 @@ class NcclChannel:
         """Join the communicator (in the thread: init is polled against ``timeout_s``)."""
         self._jobs.put(("init", unique_id, rank, timeout_s))
 
+    def warm(self, timeout_s: float) -> None:
+        """Queue one small message (sent or received) right after the init: NCCL sets up a
+        pair's connections on its first transfer. The peer's end queues the matching one
+        in the same place (``NcclLinks.warm_up``)."""
+        with self._lock:
+            self._busy += 1
+        self._jobs.put(("warm", timeout_s))
+
     def submit(self, job: NcclJob) -> concurrent.futures.Future[int]:
         with self._lock:
             self._busy += 1
@@ -128,8 +136,15 @@ class NcclChannel:
             if item is _STOP:
                 self._release()
                 return
-            if isinstance(item, tuple):
+            if isinstance(item, tuple) and item[0] == "init":
                 self._init(*item[1:])
+                continue
+            if isinstance(item, tuple):
+                try:
+                    self._warm(item[1])
+                finally:
+                    with self._lock:
+                        self._busy -= 1
                 continue
             job: NcclJob = item
             try:
@@ -166,6 +181,23 @@ class NcclChannel:
             self._fail(err)
         except Exception as exc:  # nccl4py raises its own types
             self._fail(TransferFailed(f"nccl init of {self.name} failed: {exc!r}"))
+
+    def _warm(self, timeout_s: float) -> None:
+        if self.failed is not None or self._comm is None:
+            return
+        started = time.monotonic()
+        try:
+            buf = torch.zeros(8, dtype=torch.uint8, device=self.device)
+            if self.direction == "send":
+                self._comm.send(buf, 1, self._comm_stream, timeout_s)
+            else:
+                self._comm.recv(buf, 0, self._comm_stream, timeout_s)
+            self._comm.wait(_recorded(self._comm_stream), timeout_s, "warm-up message")
+            log.info("nccl channel %s warm in %.3fs", self.name, time.monotonic() - started)
+        except KvdError as err:
+            self._fail(err)
+        except Exception as exc:
+            self._fail(TransferFailed(f"nccl warm-up of {self.name} failed: {exc!r}"))
 
     def _fail(self, err: KvdError) -> None:
         first = self.failed is None
