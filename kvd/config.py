@@ -386,6 +386,8 @@ class Config:
     max_message_bytes: int = _opt(1 * MiB, _SIZE, _at_least(4096))
     max_wait_s: float = _opt(3600.0, _SECONDS, _positive)
     log_level: str = _opt("info", _STR, _log_level)
+    # A development aid: record timeline marks (kvd/timeline.py) and write them here on exit.
+    timeline_dir: str = _opt("", _STR)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

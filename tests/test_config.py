@@ -101,6 +101,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "max_message_bytes": MiB,
         "max_wait_s": 3600.0,
         "log_level": "info",
+        "timeline_dir": "",
     }
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -17,7 +19,7 @@ import zmq
 import kvd
 from kvd import KvdClient, shared_empty, shared_zeros
 from kvd.protocol import PROTOCOL_VERSION, PeerError, PeerWelcome, decode_peer
-from tests.conftest import ProcessDaemon, wait_until
+from tests.conftest import ProcessDaemon, start_daemons, wait_until
 
 pack = msgspec.msgpack.encode
 BLOCK = 64 * 1024  # bytes per block in these tests (one uint8 tensor per region)
@@ -521,3 +523,42 @@ def test_receiver_frees_memory_when_sender_dies(nodes: object) -> None:
     assert stats["pool"]["free_bytes"] == free0 and stats["keys"] == 0
     assert stats["transfers"]["received"].get("failed") == 1
     assert stats["peer"]["links"] == []
+
+
+def test_timeline_marks_follow_a_transfer_through_both_daemons(tmp_path: Path) -> None:
+    """timeline_dir (kvd/timeline.py, tools/timeline.py): each daemon writes its marks when
+    it stops; a put into a get waiting on another daemon shows its steps in causal order
+    across the two processes (the clock is shared by processes of one host)."""
+    marks_dir = tmp_path / "marks"
+    a, b = start_daemons(str(tmp_path / "daemons"), "a", "b",
+                         extra=["--timeline-dir", str(marks_dir)])
+    try:
+        with KvdClient(a.socket_path) as ca, KvdClient(b.socket_path) as cb:
+            src = random_region(4, 21)
+            dst = shared_zeros((4, BLOCK), torch.uint8)
+            r_src, r_dst = ca.register("s", [src]), cb.register("d", [dst])
+            got = cb.start_get("k", r_dst, [1, 2], timeout_s=10)
+            wait_until(lambda: cb.stats()["waiting_gets"] == 1)
+            ca.put("k", r_src, [0, 3], to=b.peer_address(), timeout_s=10).wait(10)
+            assert got.wait(10) == 2 * BLOCK
+            assert torch.equal(dst[1:3], src[[0, 3]])
+        assert not marks_dir.exists() or not list(marks_dir.iterdir())  # written at exit
+    finally:
+        codes = [d.stop() for d in (a, b)]
+    assert codes == [0, 0]
+    marks = []  # (time, daemon, mark), both daemons, in time order
+    for path in marks_dir.glob("*.json"):
+        data = json.loads(path.read_text())
+        who = {a.proc.pid: "a", b.proc.pid: "b"}[data["pid"]]
+        marks += [(t, who, name) for t, name, _thread in data["marks"]]
+    marks.sort()
+    steps = [("a", "local.request.put"), ("a", "peer.send.offer"), ("b", "peer.recv.offer"),
+             ("b", "peer.send.accept"), ("b", "tcp.recv.end"), ("b", "transfer.received"),
+             ("b", "peer.send.xfer_done"), ("a", "peer.recv.xfer_done"),
+             ("a", "local.reply.done")]
+    found = iter(marks)  # each step must come after the one before it
+    for step in steps:
+        assert any((who, name) == step for _t, who, name in found), (step, marks)
+    received = next(t for t, w, n in marks if (w, n) == ("b", "transfer.received"))
+    assert any(t > received for t, w, n in marks if (w, n) == ("b", "local.reply.done"))
+    assert [n for _t, w, n in marks if w == "a"].count("local.request.put") == 1

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
@@ -73,7 +74,9 @@ class Counters:
 def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float]:
     """Run ``fn`` in the worker, with when it started and ended (for the metrics)."""
     started = time.monotonic()
+    timeline.mark("copy.start")
     result = fn(*args)
+    timeline.mark("copy.end")
     return started, result, time.monotonic()
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvd import __version__
+from kvd import __version__, timeline
 from kvd.config import Config
 from kvd.daemon.engine import Engine
 from kvd.errors import (
@@ -258,6 +258,7 @@ class LocalServer:
     def _dispatch(self, s: Session, msg: Any) -> None:
         e = self.engine
         op = msg.__struct_config__.tag
+        timeline.mark(f"local.request.{op}")
         if msg.req_id in s.tasks:
             self._bad(s.identity, "duplicate_req_id", msg.req_id, ProtocolError(
                 f"request {msg.req_id} is still pending; req_ids must be unique"))
@@ -364,6 +365,7 @@ class LocalServer:
     # ------------------------------------------------------------ replies
 
     def _send(self, identity: bytes, msg: Any) -> None:
+        timeline.mark(f"local.reply.{msg.__struct_config__.tag}")
         try:
             self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # client gone or its queue full: its loss, not ours

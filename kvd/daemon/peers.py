@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.auth import ZapHandler, load_keys
 from kvd.errors import KvdError, PeerUnreachable, ProtocolError
@@ -379,6 +380,7 @@ class PeerPlane:
         """Send a message on the link (dropped silently if the link is gone)."""
         if not link.alive:
             return
+        timeline.mark(f"peer.send.{msg.__struct_config__.tag}")
         data = encode(msg)
         try:
             if link.dealer is not None:
@@ -493,6 +495,7 @@ class PeerPlane:
             self._link_up(link)
         if isinstance(msg, Heartbeat):
             return
+        timeline.mark(f"peer.recv.{msg.__struct_config__.tag}")
         if isinstance(msg, PeerError):
             log.warning("peer %s reported: [%s] %s", link.address, msg.code, msg.message)
             if "peer_hello" in msg.message:  # it restarted and forgot us

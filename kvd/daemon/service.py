@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from kvd import timeline
 from kvd.config import Config, check_socket_path
 from kvd.daemon.engine import Engine
 from kvd.daemon.http import HttpServer
@@ -116,6 +117,9 @@ class Daemon:
         self._force = asyncio.Event()
         check_socket_path(self.config)
         prepare_socket_dir(self.config.socket_path)
+        if self.config.timeline_dir:
+            timeline.start(self.config.timeline_dir)
+            stack.callback(timeline.stop)
         # HTTP first: /healthz answers and /readyz says why not while the pool is taken.
         self.http = HttpServer(self.config, self)
         await self.http.start()

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kvd import timeline
 from kvd.daemon.engine import Arrival, Engine
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
@@ -219,6 +220,7 @@ class PeerTransfers:
             # the regions are held since the job was queued (_send_started)
             try:
                 await asyncio.shield(afut)
+                timeline.mark("transfer.sent")
             except asyncio.CancelledError:
                 if isinstance(job, SendJob) and job.future.cancel():
                     raise  # not started: nothing was sent
@@ -633,6 +635,7 @@ class PeerTransfers:
         outcome = "failed"
         try:
             nbytes = await asyncio.shield(afut)  # regions held since the job was queued
+            timeline.mark("transfer.received")
         except (asyncio.CancelledError, Exception) as exc:
             err = _as_kvd_error(exc, f"transfer {tid}")
             outcome = "cancelled" if isinstance(err, Cancelled) else "failed"

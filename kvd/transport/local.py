@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvd import timeline
 from kvd.memory.regions import Layout, packed_offsets
 from kvd.protocol import LayoutEntry
 from kvd.transport import gpu_copy
@@ -176,6 +177,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     if not chunks:
         return 0
     src_dev, dst_dev = src[0].device, dst[0].device
+    timeline.mark("local.cross.start")
     streams = _CrossStreams.get(src_dev, dst_dev)
     reader, writer = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
     # Maps first, on the work streams while they are idle (see NcclChannel._prepare).
@@ -222,6 +224,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
             with torch.cuda.stream(streams.scatter):
                 writer.store(chunk, into)
             scattered[b] = _recorded(streams.scatter)
+    timeline.mark("local.cross.queued")
     for s in (streams.gather, streams.copy):
         src_now.wait_stream(s)
     for s in (streams.land, streams.scatter):

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvd import timeline
 from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
 from kvd.memory.cuda_ipc import wait_ready
 from kvd.memory.regions import Layout
@@ -158,6 +159,7 @@ class NcclChannel:
                     if self.failed is not None:
                         raise self.failed
                     job.started_at = time.monotonic()
+                    timeline.mark(f"nccl.{self.direction}.start")
                     if self.direction == "send":
                         job.future.set_result(self._send(job))
                     else:
@@ -168,6 +170,7 @@ class NcclChannel:
                     self._fail(err)
                     job.future.set_exception(self.failed or err)
             finally:
+                timeline.mark(f"nccl.{self.direction}.end")
                 with self._lock:
                     self._busy -= 1
                 self.last_used = time.monotonic()
@@ -240,6 +243,7 @@ class NcclChannel:
     def _send(self, job: NcclJob) -> int:
         comm, chunks, size = self._plan(job)
         self._prepare(job.blocks, chunks)
+        timeline.mark("nccl.send.prepared")
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
         for k, chunk in enumerate(chunks):
@@ -256,7 +260,9 @@ class NcclChannel:
                     buf = (blocks.load(chunk, stage) if blocks is not None
                            else stage[: chunk.nbytes].zero_())
             self._comm_stream.wait_event(_recorded(self._copy_stream))
+            timeline.mark("nccl.call")
             comm.send(buf, 1, self._comm_stream, self._remaining(job))
+            timeline.mark("nccl.settled")
             freed[b] = _recorded(self._comm_stream)
         comm.wait(_recorded(self._comm_stream), self._remaining(job),
                   f"send of transfer {job.transfer_id}")
@@ -265,6 +271,7 @@ class NcclChannel:
     def _recv(self, job: NcclJob) -> int:
         comm, chunks, size = self._plan(job)
         self._prepare(None if job.abandoned else job.blocks, chunks)
+        timeline.mark("nccl.recv.prepared")
         stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         for k, chunk in enumerate(chunks):
             b = k % STAGING_BUFFERS
@@ -277,7 +284,9 @@ class NcclChannel:
                     self._comm_stream.wait_event(free_at)
                 buf = self._buffer(b, size)[: chunk.nbytes]
             assert buf is not None
+            timeline.mark("nccl.call")
             comm.recv(buf, 0, self._comm_stream, self._remaining(job))
+            timeline.mark("nccl.settled")
             if staged and blocks is not None:
                 self._copy_stream.wait_event(_recorded(self._comm_stream))
                 with torch.cuda.stream(self._copy_stream):

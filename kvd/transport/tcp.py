@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd import timeline
 from kvd.errors import Cancelled, KvdError, PeerUnreachable, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -213,9 +214,11 @@ class SendChannel(Channel):
                 self._send(self._wait_socket(), job)
             except BaseException as exc:
                 _settle(job.future, error=self._broken(exc))
+            timeline.mark("tcp.send.end")
 
     def _send(self, sock: socket.socket, job: SendJob) -> None:
         job.started_at = time.monotonic()
+        timeline.mark("tcp.send.start")
         total = sum(len(v) for v in job.views)
         cursor, left = _Cursor(job.views), total
         while True:
@@ -399,9 +402,11 @@ class RecvChannel(Channel):
             self._current = self._expected.pop(tid, None)
             if self._current is not None:
                 self._current.started_at = time.monotonic()
+                timeline.mark("tcp.recv.start")
             return self._current
 
     def _finish(self) -> None:
+        timeline.mark("tcp.recv.end")
         with self._lock:
             self._current = None
 

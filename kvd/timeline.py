@@ -1,0 +1,49 @@
+"""Timeline marks: where one transfer's time goes, across processes and threads.
+
+A development aid for latency work. While a process records (a daemon started with
+``timeline_dir``, or ``start()`` called in a client), ``mark(name)`` appends the time
+(``time.perf_counter``: CLOCK_MONOTONIC, comparable between processes of one host), the
+name and the thread to a list, written as JSON to ``<dir>/<pid>.json`` when recording stops
+(``stop()``, at a clean daemon exit, or at interpreter exit). While not recording, a mark
+costs a function call. ``benchmarks/timeline.py`` runs transfers with it on and prints, per
+mark, its median offset from the start of each transfer: that is how the per-hop costs in
+docs/architecture.md ("The GPU data plane", *Measured*) were found.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+
+_marks: list[tuple[float, str, str]] | None = None
+_dir = ""
+
+
+def start(directory: str) -> None:
+    """Record marks from now on; they go to ``directory`` when recording stops."""
+    global _marks, _dir
+    os.makedirs(directory, exist_ok=True)
+    if _marks is None:
+        atexit.register(stop)
+    _dir, _marks = directory, []
+
+
+def mark(name: str) -> None:
+    marks = _marks
+    if marks is not None:  # list.append is atomic: any thread may mark
+        marks.append((time.perf_counter(), name, threading.current_thread().name))
+
+
+def stop() -> None:
+    """Stop recording and write what was recorded (idempotent)."""
+    global _marks
+    marks, _marks = _marks, None
+    if marks is None:
+        return
+    path = os.path.join(_dir, f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "marks": marks}, f)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,158 @@
+"""Where a transfer's time goes: timeline marks from two daemons and this client.
+
+Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
+[--block-bytes N] [--repeat N] [--json]``
+
+Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
+``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
+registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
+and times ``--repeat`` puts from A into a get already waiting on B. Then it prints, for
+every mark seen in most transfers, its median offset from the put's start: ``A:`` and
+``B:`` are the daemons, ``X:`` this client (``put.start``, ``get.returned``,
+``put.returned``). A diagnostic, not a benchmark: it prints no ratio, and recording
+marks costs a little time itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+from daemons import stop_daemon
+from gpu_transfer import EXTRA_FLAGS, Flow, start_daemon
+
+from kvd import timeline
+from kvd.client.shm import shared_zeros
+
+
+def run(flow: Flow, r_src: Any, r_dst: Any, ids: list[int], key: str) -> float:
+    got: dict[str, Any] = {}
+
+    def get() -> None:
+        try:
+            got["n"] = flow.rx.get(key, r_dst, ids, timeout_s=60)
+        except BaseException as exc:  # reported below
+            got["err"] = exc
+        timeline.mark("get.returned")
+        got["t"] = time.perf_counter()
+
+    thread = threading.Thread(target=get)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while flow.watch.stats()["waiting_gets"] < 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the get never started waiting")
+    t0 = time.perf_counter()
+    timeline.mark(f"put.start {key}")
+    flow.tx.put(key, r_src, ids, to=flow.to, timeout_s=60).wait(60)
+    timeline.mark("put.returned")
+    t1 = time.perf_counter()
+    thread.join(70)
+    if "err" in got:
+        raise RuntimeError(f"get failed: {got['err']!r}")
+    return max(t1, got["t"]) - t0
+
+
+def offsets(tdir: str, roles: dict[int, str], keys: list[str]) -> dict[str, list[float]]:
+    """Per mark (role:name, numbered when it recurs within a transfer): its offsets in
+    microseconds from the start of each timed transfer."""
+    marks = []
+    for path in glob.glob(os.path.join(tdir, "*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        role = roles.get(data["pid"], str(data["pid"]))
+        marks += [(t, f"{role}:{name}") for t, name, _thread in data["marks"]]
+    marks.sort()
+    timed = {f"X:put.start {k}" for k in keys}
+    per: dict[str, list[float]] = collections.defaultdict(list)
+    start: float | None = None
+    seen: collections.Counter[str] = collections.Counter()
+    for t, name in marks:
+        if name.startswith("X:put.start"):
+            start = t if name in timed else None
+            seen.clear()
+            continue
+        if start is None or ".stats" in name or "stats_reply" in name:
+            continue
+        seen[name] += 1
+        label = name if seen[name] == 1 else f"{name} #{seen[name]}"
+        per[label].append((t - start) * 1e6)
+    return per
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--tensors", type=int, default=1)
+    ap.add_argument("--blocks", type=int, default=16, help="blocks moved per transfer")
+    ap.add_argument("--block-bytes", type=int, default=64 * 1024)
+    ap.add_argument("--repeat", type=int, default=40)
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = ap.parse_args()
+    tdir = tempfile.mkdtemp(prefix="kvd-timeline-")
+    root = tempfile.mkdtemp(prefix="kvd-timeline-daemons-", dir="/tmp")
+    EXTRA_FLAGS.extend(["--timeline-dir", tdir])
+    cuda = args.device == "cuda"
+    if not cuda:
+        EXTRA_FLAGS.extend(["--gpu-staging-bytes", "0"])
+    timeline.start(tdir)
+    procs = []
+    try:
+        a, a_sock, _ = start_daemon(root, "a", "0" if cuda else "")
+        procs.append(a)
+        b, b_sock, b_addr = start_daemon(root, "b", "1" if cuda else "")
+        procs.append(b)
+        flow = Flow(a_sock, b_sock, b_addr)
+        shape = (2 * args.blocks, args.block_bytes)
+
+        def region(dev: str) -> list[torch.Tensor]:
+            if cuda:
+                return [torch.full(shape, i + 1, dtype=torch.uint8, device=dev)
+                        for i in range(args.tensors)]
+            return [shared_zeros(shape, torch.uint8).fill_(i + 1) for i in range(args.tensors)]
+
+        src, dst = region("cuda:0"), region("cuda:1")
+        if cuda:
+            torch.cuda.synchronize()
+        r_src, r_dst = flow.tx.register("src", src), flow.rx.register("dst", dst)
+        ids = list(range(0, 2 * args.blocks, 2))
+        run(flow, r_src, r_dst, ids, "warm-up")  # links, channels
+        keys = [f"t{i}" for i in range(args.repeat)]
+        totals = [run(flow, r_src, r_dst, ids, k) * 1e6 for k in keys]
+        flow.close()
+    finally:
+        for proc in procs:
+            stop_daemon(proc)
+    timeline.stop()
+    per = offsets(tdir, {procs[0].pid: "A", procs[1].pid: "B", os.getpid(): "X"}, keys)
+    rows = sorted(((statistics.median(v), name, len(v)) for name, v in per.items()
+                   if len(v) > args.repeat // 2))
+    print(f"put -> waiting get, {args.device}, {args.tensors} tensor(s) x {args.blocks} "
+          f"blocks of {args.block_bytes} B: median {statistics.median(totals):.0f} us over "
+          f"{args.repeat}; mark offsets from the put's start (median us):")
+    for med, name, n in rows:
+        print(f"  {med:9.0f}  {name}" + ("" if n == args.repeat else f"  (in {n})"))
+    if args.json:
+        print(json.dumps({"device": args.device, "tensors": args.tensors,
+                          "blocks": args.blocks, "block_bytes": args.block_bytes,
+                          "repeat": args.repeat,
+                          "total_median_us": round(statistics.median(totals), 1),
+                          "marks_median_us": {name: round(med, 1) for med, name, _ in rows}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
