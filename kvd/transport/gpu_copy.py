@@ -116,7 +116,6 @@ class BlockMap:
         self._host = rows  # kept alive while a copy from it may still be queued
         self.rows = torch.from_numpy(rows).to(device, non_blocking=True)
         self.k, self.num_tensors, self.num_blocks = k, count, n
-        self.piece_bytes = (per_block // k).tolist()
         self.device = device
 
     def piece_range(self, tensor: int, start: int, stop: int) -> tuple[int, int]:
@@ -147,6 +146,13 @@ def copy(first: int, last: int, *, src: BlockMap | int, dst: BlockMap | int) -> 
             first, any_map.num_tensors, any_map.num_blocks, any_map.k,
             SRC_MAPPED=isinstance(src, BlockMap), DST_MAPPED=isinstance(dst, BlockMap),
             BLOCK=2048)
+
+
+def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded now on ``stream``: later work (or a poll) can wait for it."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _geometry(t: torch.Tensor) -> tuple[int, int, int]:

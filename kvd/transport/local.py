@@ -133,11 +133,8 @@ def _same_gpu_one_launch(src: Sequence[torch.Tensor], src_ids: list[int],
     """Blocks between two regions of one GPU in one kernel launch (``transport.gpu_copy``),
     or None when the kernel cannot describe this memory."""
     device = dst[0].device
-    if not (gpu_copy.available() and gpu_copy.describable(src, device)
-            and gpu_copy.describable(dst, device)):
-        return None
-    reader, writer = BlockSet(src, src_ids).block_map(device), BlockSet(dst, dst_ids).block_map(
-        device)
+    reader = BlockSet(src, src_ids).block_map(device)
+    writer = BlockSet(dst, dst_ids).block_map(device) if reader is not None else None
     if reader is None or writer is None or reader.k != writer.k:
         return None
     gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
@@ -206,7 +203,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
                 if free_at is not None:
                     streams.gather.wait_event(free_at)
                 buf = reader.load(chunk, src_stage[b])
-            streams.copy.wait_event(_recorded(streams.gather))
+            streams.copy.wait_event(gpu_copy.recorded(streams.gather))
         into = writer.direct(chunk, dst_dev)
         landed = into is None  # into staging, to be scattered
         if into is None:
@@ -218,12 +215,12 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
         # destination's current one: the landing stream, which nothing else uses.
         with torch.cuda.stream(streams.copy), torch.cuda.stream(streams.land):
             into.copy_(buf, non_blocking=True)
-        crossed = copied[b] = _recorded(streams.copy)
+        crossed = copied[b] = gpu_copy.recorded(streams.copy)
         if landed:
             streams.scatter.wait_event(crossed)
             with torch.cuda.stream(streams.scatter):
                 writer.store(chunk, into)
-            scattered[b] = _recorded(streams.scatter)
+            scattered[b] = gpu_copy.recorded(streams.scatter)
     timeline.mark("local.cross.queued")
     for s in (streams.gather, streams.copy):
         src_now.wait_stream(s)
@@ -232,11 +229,6 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     _finish_writes(*dst)
     return sum(c.nbytes for c in chunks)
 
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
 
 def _finish_writes(*written: torch.Tensor) -> None:

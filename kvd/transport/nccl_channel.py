@@ -39,6 +39,7 @@ from kvd import timeline
 from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
 from kvd.memory.cuda_ipc import wait_ready
 from kvd.memory.regions import Layout
+from kvd.transport import gpu_copy
 from kvd.transport.chunks import BlockSet, Chunk, plan_chunks
 from kvd.transport.nccl import Communicator
 
@@ -97,16 +98,18 @@ class NcclChannel:
         """Queue one small message (sent or received) right after the init: NCCL sets up a
         pair's connections on its first transfer. The peer's end queues the matching one
         in the same place (``NcclLinks.warm_up``)."""
-        with self._lock:
-            self._busy += 1
-        self._jobs.put(("warm", timeout_s))
+        self._queue(("warm", timeout_s))
 
     def submit(self, job: NcclJob) -> concurrent.futures.Future[int]:
+        self.last_used = time.monotonic()
+        self._queue(job)
+        return job.future
+
+    def _queue(self, item: Any) -> None:
+        """Work for the thread; the channel is busy (not evictable) until it is done."""
         with self._lock:
             self._busy += 1
-        self.last_used = time.monotonic()
-        self._jobs.put(job)
-        return job.future
+        self._jobs.put(item)
 
     @property
     def idle(self) -> bool:
@@ -195,7 +198,7 @@ class NcclChannel:
                 self._comm.send(buf, 1, self._comm_stream, timeout_s)
             else:
                 self._comm.recv(buf, 0, self._comm_stream, timeout_s)
-            self._comm.wait(_recorded(self._comm_stream), timeout_s, "warm-up message")
+            self._comm.wait(gpu_copy.recorded(self._comm_stream), timeout_s, "warm-up message")
             log.info("nccl channel %s warm in %.3fs", self.name, time.monotonic() - started)
         except KvdError as err:
             self._fail(err)
@@ -259,12 +262,12 @@ class NcclChannel:
                     stage = self._buffer(b, size)
                     buf = (blocks.load(chunk, stage) if blocks is not None
                            else stage[: chunk.nbytes].zero_())
-            self._comm_stream.wait_event(_recorded(self._copy_stream))
+            self._comm_stream.wait_event(gpu_copy.recorded(self._copy_stream))
             timeline.mark("nccl.call")
             comm.send(buf, 1, self._comm_stream, self._remaining(job))
             timeline.mark("nccl.settled")
-            freed[b] = _recorded(self._comm_stream)
-        comm.wait(_recorded(self._comm_stream), self._remaining(job),
+            freed[b] = gpu_copy.recorded(self._comm_stream)
+        comm.wait(gpu_copy.recorded(self._comm_stream), self._remaining(job),
                   f"send of transfer {job.transfer_id}")
         return sum(c.nbytes for c in chunks)
 
@@ -288,14 +291,14 @@ class NcclChannel:
             comm.recv(buf, 0, self._comm_stream, self._remaining(job))
             timeline.mark("nccl.settled")
             if staged and blocks is not None:
-                self._copy_stream.wait_event(_recorded(self._comm_stream))
+                self._copy_stream.wait_event(gpu_copy.recorded(self._comm_stream))
                 with torch.cuda.stream(self._copy_stream):
                     blocks.store(chunk, buf)
-                stored[b] = _recorded(self._copy_stream)
+                stored[b] = gpu_copy.recorded(self._copy_stream)
             elif staged:
-                stored[b] = _recorded(self._comm_stream)
+                stored[b] = gpu_copy.recorded(self._comm_stream)
         self._copy_stream.wait_stream(self._comm_stream)
-        comm.wait(_recorded(self._copy_stream), self._remaining(job),
+        comm.wait(gpu_copy.recorded(self._copy_stream), self._remaining(job),
                   f"receive of transfer {job.transfer_id}")
         if job.abandoned or job.blocks is None:
             raise Cancelled(f"transfer {job.transfer_id} was given up; its bytes were dropped")
@@ -307,10 +310,3 @@ class NcclChannel:
             # A clean stop still aborts: destroy would wait for the peer, abort does not.
             comm.abort()
         self._staging = []
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """An event recorded now on ``stream``: later work (or a poll) can wait for it."""
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
