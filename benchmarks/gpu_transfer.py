@@ -46,6 +46,7 @@ from daemons import stop_daemon
 from gpu_raw import measure_raw_nccl, measure_raw_peer_copy
 
 import kvd
+from kvd import timeline
 
 MiB, GiB = 2**20, 2**30
 LLAMA_SHAPE = (1024, 16, 8, 128)  # blocks, tokens, kv heads, head dim
@@ -102,6 +103,9 @@ class Flow:
         return self.tx.register(f"src{self.n}", src), self.rx.register(f"dst{self.n}", dst)
 
     def once(self, r_src: Any, src_ids: list[int], r_dst: Any, dst_ids: list[int]) -> float:
+        """One timed transfer under a fresh key ``k<n>``. It leaves timeline marks
+        (``put.start k<n>``, ``put.returned``, ``get.returned``) that tools/timeline.py
+        reads when this process records (kvd/timeline.py); otherwise they cost nothing."""
         self.n += 1
         key = f"k{self.n}"
         got: dict[str, Any] = {}
@@ -111,6 +115,7 @@ class Flow:
                 got["n"] = self.rx.get(key, r_dst, dst_ids, timeout_s=60)
             except BaseException as exc:  # reported below
                 got["err"] = exc
+            timeline.mark("get.returned")
             got["t"] = time.perf_counter()
 
         thread = threading.Thread(target=get)
@@ -120,7 +125,9 @@ class Flow:
             if time.monotonic() > deadline:
                 raise RuntimeError("the get never started waiting")
         t0 = time.perf_counter()
+        timeline.mark(f"put.start {key}")
         sent = self.tx.put(key, r_src, src_ids, to=self.to, timeout_s=60).wait(60)
+        timeline.mark("put.returned")
         t_put = time.perf_counter()
         thread.join(70)
         if "err" in got:

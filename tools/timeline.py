@@ -6,11 +6,12 @@ Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
 Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
 ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
-and times ``--repeat`` puts from A into a get already waiting on B. Then it prints, for
-every mark seen in most transfers, its median offset from the put's start: ``A:`` and
-``B:`` are the daemons, ``X:`` this client (``put.start``, ``get.returned``,
-``put.returned``). A diagnostic, not a benchmark: it prints no ratio, and recording
-marks costs a little time itself.
+and times ``--repeat`` puts from A into a get already waiting on B (``Flow.once`` of
+benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned`` and
+``put.returned`` in this client). Then it prints, for every mark seen in most transfers,
+its median offset from the put's start: ``A:`` and ``B:`` are the daemons, ``X:`` this
+client. A diagnostic, not a benchmark: it prints no ratio, and recording marks costs a
+little time itself.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
-import time
-from typing import Any
 
 import torch
 
@@ -36,34 +34,6 @@ from gpu_transfer import EXTRA_FLAGS, Flow, start_daemon
 
 from kvd import timeline
 from kvd.client.shm import shared_zeros
-
-
-def run(flow: Flow, r_src: Any, r_dst: Any, ids: list[int], key: str) -> float:
-    got: dict[str, Any] = {}
-
-    def get() -> None:
-        try:
-            got["n"] = flow.rx.get(key, r_dst, ids, timeout_s=60)
-        except BaseException as exc:  # reported below
-            got["err"] = exc
-        timeline.mark("get.returned")
-        got["t"] = time.perf_counter()
-
-    thread = threading.Thread(target=get)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while flow.watch.stats()["waiting_gets"] < 1:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the get never started waiting")
-    t0 = time.perf_counter()
-    timeline.mark(f"put.start {key}")
-    flow.tx.put(key, r_src, ids, to=flow.to, timeout_s=60).wait(60)
-    timeline.mark("put.returned")
-    t1 = time.perf_counter()
-    thread.join(70)
-    if "err" in got:
-        raise RuntimeError(f"get failed: {got['err']!r}")
-    return max(t1, got["t"]) - t0
 
 
 def offsets(tdir: str, roles: dict[int, str], keys: list[str]) -> dict[str, list[float]]:
@@ -129,9 +99,9 @@ def main() -> int:
             torch.cuda.synchronize()
         r_src, r_dst = flow.tx.register("src", src), flow.rx.register("dst", dst)
         ids = list(range(0, 2 * args.blocks, 2))
-        run(flow, r_src, r_dst, ids, "warm-up")  # links, channels
-        keys = [f"t{i}" for i in range(args.repeat)]
-        totals = [run(flow, r_src, r_dst, ids, k) * 1e6 for k in keys]
+        flow.once(r_src, ids, r_dst, ids)  # warm-up: links, channels
+        keys = [f"k{flow.n + 1 + i}" for i in range(args.repeat)]  # the keys once() uses
+        totals = [flow.once(r_src, ids, r_dst, ids) * 1e6 for _ in keys]
         flow.close()
     finally:
         for proc in procs:
