@@ -1,7 +1,7 @@
 """Where a transfer's time goes: timeline marks from two daemons and this client.
 
 Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
-[--block-bytes N] [--repeat N] [--json]``
+[--block-bytes N] [--repeat N] [--contiguous] [--json]``
 
 Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
 ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=16, help="blocks moved per transfer")
     ap.add_argument("--block-bytes", type=int, default=64 * 1024)
     ap.add_argument("--repeat", type=int, default=40)
+    ap.add_argument("--contiguous", action="store_true",
+                    help="move blocks 0..N-1 (one run: no staging) instead of every other")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args()
     tdir = tempfile.mkdtemp(prefix="kvd-timeline-")
@@ -86,7 +88,7 @@ def main() -> int:
         b, b_sock, b_addr = start_daemon(root, "b", "1" if cuda else "")
         procs.append(b)
         flow = Flow(a_sock, b_sock, b_addr)
-        shape = (2 * args.blocks, args.block_bytes)
+        shape = ((1 if args.contiguous else 2) * args.blocks, args.block_bytes)
 
         def region(dev: str) -> list[torch.Tensor]:
             if cuda:
@@ -98,7 +100,7 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
         r_src, r_dst = flow.tx.register("src", src), flow.rx.register("dst", dst)
-        ids = list(range(0, 2 * args.blocks, 2))
+        ids = list(range(args.blocks)) if args.contiguous else list(range(0, 2 * args.blocks, 2))
         flow.once(r_src, ids, r_dst, ids)  # warm-up: links, channels
         keys = [f"k{flow.n + 1 + i}" for i in range(args.repeat)]  # the keys once() uses
         totals = [flow.once(r_src, ids, r_dst, ids) * 1e6 for _ in keys]

@@ -23,6 +23,7 @@ import torch
 from kvd.errors import BadRequest
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region
+from kvd.transport.chunks import BlockSet
 
 
 @dataclass(eq=False)
@@ -74,6 +75,7 @@ class Waiter:
     idx: torch.Tensor
     future: asyncio.Future[Any]
     delivering: bool = False  # a put is copying straight into our blocks
+    blocks: BlockSet | None = None  # our blocks in wire order, made (and mapped) ahead
 
 
 class KeyStore:

@@ -294,6 +294,10 @@ class PeerTransfers:
                 eager = False  # a retry after BUSY waits for its ACCEPT
             else:
                 self.plane.send(out.link, offer)
+                if out.source.gpu is not None and not out.one_run:
+                    # The copy kernel's map of the blocks to gather, made while the offer
+                    # is out instead of after the ACCEPT (see Engine.get for the receiver).
+                    out.source.blocks.block_map(out.source.blocks.tensors[0].device)
             reply = await self._reply(out, deadline, "an answer to the offer")
             if isinstance(reply, Accept):
                 return

@@ -114,7 +114,12 @@ class BlockMap:
         rows[3 * count : 4 * count] = per_block // k
         rows[4 * count :] = ids
         self._host = rows  # kept alive while a copy from it may still be queued
+        # Uploaded on whatever stream is current (a map may be made ahead, on the loop's
+        # thread, while the transfer's offer is out); a copy on another stream waits for it.
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if cuda else None
         self.rows = torch.from_numpy(rows).to(device, non_blocking=True)
+        self.ready = recorded(self.stream) if self.stream is not None else None
         self.k, self.num_tensors, self.num_blocks = k, count, n
         self.device = device
 
@@ -138,6 +143,10 @@ def copy(first: int, last: int, *, src: BlockMap | int, dst: BlockMap | int) -> 
     if not maps:
         raise ValueError("a copy needs a block map on at least one side")
     any_map = maps[0]
+    stream = torch.cuda.current_stream(any_map.device)
+    for m in maps:
+        if m.ready is not None and m.stream != stream:
+            stream.wait_event(m.ready)
     with _launch_lock, torch.cuda.device(any_map.device):  # Triton launches on the current one
         _kernel[(count,)](
             src.rows if isinstance(src, BlockMap) else any_map.rows,

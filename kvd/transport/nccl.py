@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from kvd import timeline
 from kvd.errors import KvdTimeout, PeerUnreachable, TransferFailed
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Communicator:
 
         u8 = buf.view(-1).view(dtype=torch.uint8)
         getattr(self._comm, op)(u8, peer, stream=int(stream.cuda_stream))
+        timeline.mark("nccl.returned")
         self._settle(timeout_s, op)
 
     def send(self, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
