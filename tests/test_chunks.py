@@ -77,6 +77,13 @@ def test_packed_buffers_and_direct_chunks() -> None:
     assert torch.equal(buf[: 16 * 1024].view(torch.int32).view(16, 256), src[0])
     assert BlockSet(src, [0, 2]).direct(plan_chunks(layout, 2, 8 * KIB)[0],
                                         torch.device("cpu")) is None
+    # Ends one run apart, a break inside: not a run. Then each half of [4..7, 0..3] is.
+    whole = plan_chunks(layout, 4, 16 * KIB)[0]
+    assert BlockSet(src, [0, 2, 1, 3]).direct(whole, torch.device("cpu")) is None
+    halves = BlockSet(src, [4, 5, 6, 7, 0, 1, 2, 3])
+    for chunk, first in zip(plan_chunks(layout, 8, 4 * KIB), (4, 0), strict=True):
+        direct = halves.direct(chunk, torch.device("cpu"))
+        assert direct is not None and direct.data_ptr() == src[0][first].data_ptr()
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -302,16 +301,12 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
         assert torch.count_nonzero(d[others]) == 0
 
 
-@pytest.mark.parametrize(("pair", "path"), [
-    (("cuda:0", "cuda:1"), "peer"), (("cuda:1", "cuda:0"), "peer"),
-    (("cuda:0", "cuda:1"), "pipelined"), (("cuda:1", "cuda:0"), "pipelined"),
-    (("cuda:1", "cuda:1"), "same")])
-def test_local_copies_between_regions_of_one_node(pair: tuple[str, str], path: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local transport's block copies: across two GPUs in one kernel storing over the
-    peer link (transport.local.copy_blocks), or pipelined over many small chunks (its
-    fallback: two staging buffers a side, some chunks straight from or into a run of
-    blocks), and within one GPU in one launch."""
+@pytest.mark.parametrize("pair", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"),
+                                  ("cuda:1", "cuda:1")])
+def test_local_copies_between_regions_of_one_node(pair: tuple[str, str]) -> None:
+    """The local transport's block copies (transport.local.copy_blocks): across two GPUs
+    pipelined over many small chunks (two staging buffers a side, some chunks straight
+    from or into a run of blocks), and within one GPU in one launch."""
     from kvd.transport import local
 
     src_dev, dst_dev = pair
@@ -327,14 +322,12 @@ def test_local_copies_between_regions_of_one_node(pair: tuple[str, str], path: s
     dst_ids = list(range(40, 52)) + torch.randperm(40, generator=torch.Generator().manual_seed(
         4))[: len(src_ids) - 12].tolist()
     torch.cuda.synchronize()
-    if path == "peer":  # the one-kernel path must serve it, not its fallback
-        def no_fallback(*_args: Any, **_kw: Any) -> int:
-            raise AssertionError("copy_across_gpus was used")
-        monkeypatch.setattr(local, "copy_across_gpus", no_fallback)
-    if path == "pipelined":  # many chunks; the first ones are one run
-        nbytes = local.copy_across_gpus(src, src_ids, dst, dst_ids, chunk_bytes=64 * 1024)
-    else:
+    old = local.CROSS_GPU_CHUNK_BYTES
+    try:
+        local.CROSS_GPU_CHUNK_BYTES = 64 * 1024  # many chunks; the first ones are one run
         nbytes = local.copy_blocks(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
+    finally:
+        local.CROSS_GPU_CHUNK_BYTES = old
     torch.cuda.synchronize()
     assert nbytes == len(src_ids) * (16 + 24) * 1024
     others = [i for i in range(64) if i not in dst_ids]

@@ -6,9 +6,9 @@ Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
 Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
 ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
-and times ``--repeat`` puts from A into a get already waiting on B (``Flow.once`` of
-benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned`` and
-``put.returned`` in this client). Then it prints, for every mark seen in most transfers,
+and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
+(``Flow.once`` of benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned``
+and ``put.returned`` in this client). Then it prints, for every mark seen in most transfers,
 its median offset from the put's start: ``A:`` and ``B:`` are the daemons, ``X:`` this
 client. A diagnostic, not a benchmark: it prints no ratio, and recording marks costs a
 little time itself.

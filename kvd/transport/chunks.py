@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvd.errors import TransferFailed
@@ -89,6 +91,7 @@ class BlockSet:
     _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     _maps: dict[torch.device, BlockMap | None] = field(default_factory=dict, repr=False)
     _packed: tuple[torch.Tensor, Layout] | None = field(default=None, repr=False)
+    _breaks: np.ndarray[Any, Any] | None = field(default=None, repr=False)
 
     @classmethod
     def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
@@ -128,9 +131,12 @@ class BlockSet:
         first = self.ids[seg.start]
         if self.ids[seg.stop - 1] - first != seg.stop - 1 - seg.start:
             return None
-        if all(self.ids[p + 1] == self.ids[p] + 1 for p in range(seg.start, seg.stop - 1)):
-            return first
-        return None
+        if self._breaks is None:
+            # breaks[p]: how many positions before p do not continue a run. Found once per
+            # transfer with numpy: a Python loop over 1024 ids cost ~0.1 ms per chunk.
+            steps = np.diff(np.asarray(self.ids, dtype=np.int64)) != 1
+            self._breaks = np.concatenate(([0], np.cumsum(steps)))
+        return first if self._breaks[seg.stop - 1] == self._breaks[seg.start] else None
 
     def direct(self, chunk: Chunk, device: torch.device) -> torch.Tensor | None:
         """The chunk's bytes as one contiguous uint8 tensor of this memory on ``device``,

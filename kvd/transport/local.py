@@ -104,12 +104,7 @@ def copy_blocks(
     """Blocks of one region into blocks of another with the same layout."""
     if src and src[0].is_cuda and dst[0].is_cuda:
         if src[0].device != dst[0].device:
-            src_ids, dst_ids = src_idx.tolist(), dst_idx.tolist()
-            done = _across_one_launch(src, src_ids, dst, dst_ids)
-            if done is not None:
-                _finish_writes(*dst)
-                return done
-            return copy_across_gpus(src, src_ids, dst, dst_ids)
+            return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist())
         done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist())
         if done is not None:
             _finish_writes(*dst)
@@ -143,56 +138,6 @@ def _same_gpu_one_launch(src: Sequence[torch.Tensor], src_ids: list[int],
     if reader is None or writer is None or reader.k != writer.k:
         return None
     gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
-    return sum(len(src_ids) * t[0].numel() * t.element_size() for t in src if len(t))
-
-
-_peer_writes: dict[tuple[torch.device, torch.device], bool] = {}
-
-
-def _can_write_peer(src: torch.device, dst: torch.device) -> bool:
-    """Whether kernels on ``src`` may store to ``dst``'s memory (NVLink / PCIe peer
-    access), enabled on first ask. torch enables a pair's access on its first copy between
-    them (the source's context to the destination's memory); a copy of one byte each way
-    asks for it in both directions."""
-    found = _peer_writes.get((src, dst))
-    if found is None:
-        found = bool(torch.cuda.can_device_access_peer(src, dst))
-        if found:
-            a = torch.zeros(1, dtype=torch.uint8, device=src)
-            b = torch.zeros(1, dtype=torch.uint8, device=dst)
-            b.copy_(a)
-            a.copy_(b)
-            torch.cuda.synchronize(src)
-            torch.cuda.synchronize(dst)
-        _peer_writes[(src, dst)] = found
-    return found
-
-
-def _across_one_launch(src: Sequence[torch.Tensor], src_ids: list[int],
-                       dst: Sequence[torch.Tensor], dst_ids: list[int]) -> int | None:
-    """Blocks from one GPU to another in one kernel on the source GPU: it reads the blocks
-    where they are and stores them straight into the destination's blocks over the peer
-    link — no staging and no second pass (the pipelined gather / peer copy / scatter of
-    ``copy_across_gpus`` touches each byte three times). None when the kernel cannot
-    describe this memory or the devices have no peer access. The kernel starts after what
-    both devices' current streams hold (the clients' ready events); the destination's
-    current stream waits for it."""
-    src_dev, dst_dev = src[0].device, dst[0].device
-    if not (gpu_copy.available() and _can_write_peer(src_dev, dst_dev)):
-        return None
-    reader = BlockSet(src, src_ids).block_map(src_dev)
-    if reader is None or not gpu_copy.describable(dst, dst_dev):
-        return None
-    # The destination's addresses, in a map the source GPU reads.
-    writer = gpu_copy.BlockMap(dst, dst_ids, src_dev)
-    if reader.k != writer.k:
-        return None
-    timeline.mark("local.peer.start")
-    src_now, dst_now = torch.cuda.current_stream(src_dev), torch.cuda.current_stream(dst_dev)
-    src_now.wait_stream(dst_now)
-    with torch.cuda.stream(src_now):
-        gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
-    dst_now.wait_stream(src_now)
     return sum(len(src_ids) * t[0].numel() * t.element_size() for t in src if len(t))
 
 
