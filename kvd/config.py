@@ -370,6 +370,9 @@ class Config:
     # connection setup, ~0.5-0.7 s) instead of in its first transfer: "matching" pairs our
     # cuda:N with its cuda:N, "all" every pair (within nccl_max_channels), "off" none.
     nccl_warm_up: str = _opt("matching", _STR, _nccl_warm_up)
+    # Send GPU blocks over NCCL together with their OFFER when a channel to the peer exists
+    # (the receiver always posts the matching receive): no ACCEPT round trip before the bytes.
+    nccl_eager: bool = _opt(True, _BOOL)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet
     curve_secret_key_file: str = _opt("", _STR)
     curve_allowed_keys_file: str = _opt("", _STR)

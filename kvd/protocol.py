@@ -29,7 +29,7 @@ from kvd.errors import ProtocolError
 #   3 — 2026-11: NCCL fields in Offer/Accept, ChannelDown.
 #   4 — 2026-11: Lend (publish for one reader, replied when the blocks are free again).
 #   5 — 2026-11: ChannelWarm (NCCL channels made when a peer link comes up).
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -331,12 +331,19 @@ class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
     epoch: NonNeg
 
 
+ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+
+
 class Offer(_PeerMsg, tag="offer", frozen=True):
     """``src_dev``: the sender's device for an NCCL channel ("cuda:N"), or "cpu" when it
     has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP);
     ``one_run``: each tensor's blocks are one contiguous run (NCCL can send them as is);
     ``eager``: the bytes follow on the TCP data connection without waiting for an ACCEPT
-    (the receiver discards them if it answers BUSY or REFUSE)."""
+    (the receiver discards them if it answers BUSY or REFUSE). ``channel`` (not 0): the
+    sender has already queued the bytes on that NCCL channel, cut at ``chunk_bytes``; the
+    receiver must queue the matching receive on it whatever it answers (into staging and
+    dropped unless it ACCEPTs), or, if it has no such channel, answer CHANNEL_DOWN and BUSY
+    (the sender then offers again without a channel)."""
 
     transfer_id: TransferId
     key: Key
@@ -349,9 +356,8 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     src_gpu: bool = False
     one_run: bool = False
     eager: bool = False
-
-
-ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+    channel: ChannelId = 0
+    chunk_bytes: Annotated[int, Meta(ge=0, le=2**40)] = 0
 
 
 class Accept(_PeerMsg, tag="accept", frozen=True):

@@ -93,6 +93,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_max_channels": 8,
         "nccl_init_timeout_s": 30.0,
         "nccl_warm_up": "matching",
+        "nccl_eager": True,
         "gpu_staging_bytes": 2**30,
         "curve_secret_key_file": "",
         "curve_allowed_keys_file": "",

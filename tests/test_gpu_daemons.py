@@ -168,6 +168,57 @@ def test_channels_are_warmed_up_when_a_peer_links() -> None:
         stop_node(b)
 
 
+def test_eager_sends_and_dropped_offers_keep_channels_in_step() -> None:
+    """nccl_eager (the default): once a channel to the peer exists, a GPU put queues its
+    bytes with the OFFER. An offer the receiver cannot take (no room: BUSY) is still
+    received, into staging, and dropped; the sender offers again without sending first
+    (BUSY again until its deadline here). The channels stay in step and in use: the next
+    transfers are byte-exact and no channel was made again or failed."""
+    flags = ("--gpu-staging-bytes", "2MiB", "--pool-size-bytes", "4MiB")
+    b = start_node(1, *flags)
+    a: Node | None = None
+    try:
+        a = start_node(0, *flags, "--peers", b.address)  # linked, channels warmed, at start
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb:
+            _eager_and_dropped(b, ca, cb)
+    finally:
+        if a is not None:
+            stop_node(a)
+        stop_node(b)
+
+
+def _eager_and_dropped(b: Node, ca: kvd.KvdClient, cb: kvd.KvdClient) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        channels = nccl_stats(ca)["channels"] + nccl_stats(cb)["channels"]
+        if len(channels) == 4 and all(ch["idle"] for ch in channels):
+            break
+        assert time.monotonic() < deadline, (nccl_stats(ca), nccl_stats(cb))
+        time.sleep(0.2)
+    src, dst = kv_layers("cuda:0", 5), zeros("cuda:1")
+    torch.cuda.synchronize()
+    r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+    ca.put("k1", r_src, [3, 8, 1], to=b.address).wait(60)  # 768 KiB: GPU staging
+    cb.get("k1", r_dst, [0, 1, 2], timeout_s=60)
+    assert_moved(src, [3, 8, 1], dst, [0, 1, 2])
+    assert ca.stats()["transfers"]["eager_nccl_sent"] == 1
+    with pytest.raises(kvd.PoolExhausted):  # 16 MiB: no room on B at all
+        ca.put("huge", r_src, list(range(64, 128)), to=b.address, timeout_s=2).wait(60)
+    stats = cb.stats()["transfers"]
+    assert stats["eager_nccl_dropped"] == 1 and stats["busy_replies"] >= 2
+    for d in dst:
+        d.zero_()
+    torch.cuda.synchronize()
+    ca.put("k2", r_src, [9, 4], to=b.address).wait(60)
+    cb.get("k2", r_dst, [5, 6], timeout_s=60)
+    assert_moved(src, [9, 4], dst, [5, 6])
+    assert ca.stats()["transfers"]["eager_nccl_sent"] == 3
+    for c in (ca, cb):
+        s = nccl_stats(c)
+        assert s["created"] == 2 and s["failed"] == 0, s
+
+
 def peer_devices(c: kvd.KvdClient, address: str) -> list[str]:
     """The devices a linked peer told us (empty until linked)."""
     for link in c.stats()["peer"]["links"]:

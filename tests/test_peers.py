@@ -312,6 +312,14 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
         assert reply.__struct_config__.tag == "channel_down" and "no NCCL" in reply.reason
         reply = send({**warm, "nccl_uid": b"short"})
         assert isinstance(reply, PeerError) and reply.code == "protocol"
+        eager = {"op": "offer", "transfer_id": 6, "key": "k", "src_dev": "cuda:0",
+                 "dst_dev": "cuda:0", "nbytes": 4096, "num_blocks": 1,
+                 "layout": [[4096, "uint8"]], "src_gpu": True, "channel": 9,
+                 "chunk_bytes": 2**27}
+        reply = send(eager)  # bytes said to be queued on an NCCL channel we cannot have
+        assert reply.__struct_config__.tag == "channel_down" and reply.channel == 9
+        reply = decode_peer(sock.recv())
+        assert reply.__struct_config__.tag == "refuse" and "no NCCL" in reply.message
         sock.send(pack({"op": "xfer_done", "transfer_id": 42, "nbytes": 1}))
         sock.send(pack({"op": "accept", "transfer_id": 43}))
         with socket.create_connection(("127.0.0.1", a.client.stats()["peer"]["data_port"])) as d:
@@ -322,7 +330,7 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
             "data_token") and s)
         bad = stats["peer"]["bad_messages"]
         assert bad["malformed"] == 2 and bad["no_link"] == 1 and bad["version"] == 1
-        assert bad["bad_offer"] == 2 and bad["unknown_transfer"] == 2
+        assert bad["bad_offer"] == 3 and bad["unknown_transfer"] == 2
         assert a.client.ping() > 0
     finally:
         sock.close(0)

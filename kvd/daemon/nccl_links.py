@@ -94,6 +94,28 @@ class NcclLinks:
             self._drop(old, PeerUnreachable("replaced by a new channel"), tell_peer=False)
         return self._make(link, ("send", local_dev, remote_dev), channel_id, unique_id, rank=0)
 
+    def for_eager_send(self, link: PeerLink, local_dev: str) -> _Entry | None:
+        """A live send channel to the peer from ``local_dev`` to queue bytes on before the
+        receiver answers (``nccl_eager``): the one used last, whichever GPU of the peer it
+        reaches (the receiver copies on if its blocks are on another). None if there is
+        none yet: the first transfer makes one through its ACCEPT."""
+        if not self.config.nccl_eager:
+            return None
+        live = [e for e in self._by_id.values()
+                if e.link is link and e.key[:2] == ("send", local_dev)
+                and e.channel.failed is None]
+        return max(live, key=lambda e: e.channel.last_used, default=None)
+
+    def for_eager_receive(self, link: PeerLink, channel_id: int, remote_dev: str
+                          ) -> _Entry | None:
+        """Our live receive channel ``channel_id`` from the peer's ``remote_dev``, which an
+        eager OFFER says the bytes are already queued on; None if we have no such channel."""
+        entry = self._by_id.get(channel_id)
+        if (entry is None or entry.link is not link or entry.key[0] != "recv"
+                or entry.key[2] != remote_dev or entry.channel.failed is not None):
+            return None
+        return entry
+
     def warm_up(self, link: PeerLink) -> None:
         """Make our receive channels from a peer that just linked, now (``nccl_warm_up``)."""
         mode = self.config.nccl_warm_up

@@ -7,6 +7,13 @@ queues the bytes on its send channel; the receiver answers XFER_DONE once they a
 (or XFER_FAILED). BUSY makes the sender retry with backoff until its deadline, then fail
 with ``PoolExhausted``.
 
+Eager sends skip the wait for the ACCEPT: host memory goes right behind its first offer on
+the TCP data connection; GPU memory, when an NCCL channel to the peer already exists
+(``nccl_eager``), is queued on it as the OFFER (naming the channel) goes out, and the
+receiver queues the matching receive when the OFFER arrives whatever it answers — into the
+destination if it ACCEPTs, into staging and dropped if not. ``_eager_nccl_entry`` says when
+that keeps both ends of a channel in step.
+
 Pull: the puller sends PULL_REQUEST with a transfer id; the owner claims a read of the key
 and pushes it with that id; the puller recognises its id and takes the bytes into the
 blocks it asked for.
@@ -60,7 +67,7 @@ from kvd.protocol import (
     XferFailed,
 )
 from kvd.transport.chunks import BlockSet
-from kvd.transport.nccl_channel import NcclJob
+from kvd.transport.nccl_channel import NcclChannel, NcclJob
 from kvd.transport.tcp import RecvJob, SendChannel, SendJob
 from kvd.transport.views import wire_bytes
 
@@ -68,6 +75,7 @@ log = logging.getLogger(__name__)
 
 BUSY_RETRY_S = 0.05
 MAX_BACKOFF_S = 1.0
+MIN_NCCL_CHUNK_BYTES, MAX_NCCL_CHUNK_BYTES = 2**20, 2**31  # an eager offer's, checked
 
 
 @dataclass(eq=False)
@@ -103,6 +111,8 @@ class _Outgoing:
     tcp_job: SendJob | None = None  # or TCP
     eager_job: SendJob | None = None  # bytes sent with the first offer (TCP only)
     eager_answered: bool = False
+    eager_channel: int = 0  # the NCCL channel nccl_job was queued on with the offer
+    no_eager: bool = False  # after a BUSY: offer again without sending first
     offer_pending: bool = False  # an offer is out and not answered yet
     replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
@@ -142,6 +152,8 @@ class TransferCounters:
     bytes_sent: int = 0
     bytes_received: int = 0
     busy_replies: int = 0
+    eager_nccl_sent: int = 0  # sends queued on an NCCL channel with their offer
+    eager_nccl_dropped: int = 0  # such offers we did not accept: received, dropped
 
     def count(self, table: dict[str, int], outcome: str) -> None:
         table[outcome] = table.get(outcome, 0) + 1
@@ -265,7 +277,7 @@ class PeerTransfers:
         finally:
             self.counters.count(self.counters.sent, outcome)
             self._outgoing.pop(tid, None)
-            if out.offer_pending and out.src_dev != CPU_DEVICE:
+            if out.offer_pending and out.src_dev != CPU_DEVICE and not out.eager_channel:
                 self._remember_abandoned(out)
             started = job.started_at if job is not None and job.started_at else None
             self.engine.metrics.transfer(
@@ -286,7 +298,20 @@ class PeerTransfers:
         eager = out.tcp_channel is not None and out.src_dev == CPU_DEVICE
         while True:
             out.offer_pending = True
-            if eager:
+            entry = None if eager else self._eager_nccl_entry(out)
+            if entry is not None:
+                # Queued now, in OFFER order: the receiver queues its side when the OFFER
+                # arrives, whatever it answers (see _eager_nccl_entry for why the orders match).
+                chunk = self.engine.config.nccl_chunk_bytes
+                self.plane.send(out.link, msgspec.structs.replace(
+                    offer, dst_dev=entry.key[2], channel=entry.channel_id, chunk_bytes=chunk))
+                out.eager_channel = entry.channel_id
+                self.counters.eager_nccl_sent += 1
+                out.nccl_job = self._queue_nccl_send(
+                    entry.channel, out.transfer_id, out.source.blocks, layout, num_blocks,
+                    out.deadline, chunk, [e for r in out.regions for e in r.ready_events])
+                self._send_started(out, out.nccl_job.future)
+            elif eager:
                 self.plane.send(out.link, msgspec.structs.replace(offer, eager=True))
                 assert out.tcp_channel is not None
                 out.eager_job = SendJob(out.transfer_id, out.source.views(), eager=True)
@@ -305,6 +330,12 @@ class PeerTransfers:
                 raise error_from_code(reply.code, f"{out.link.address} refused: {reply.message}")
             if isinstance(reply, Busy):
                 self.counters.busy_replies += 1
+                if out.eager_channel:
+                    # The receiver drops the bytes already queued; offer again, without
+                    # sending first, once they are out (at once if it lacked the channel).
+                    await self._eager_send_ended(out)
+                    if reply.retry_after_s == 0:
+                        continue
                 wait = min(max(backoff, reply.retry_after_s), MAX_BACKOFF_S)
                 if self._loop.time() + wait >= deadline:
                     raise PoolExhausted(
@@ -316,6 +347,36 @@ class PeerTransfers:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             raise ProtocolError(f"unexpected {type(reply).__name__} in answer to an offer")
+
+    def _eager_nccl_entry(self, out: _Outgoing) -> Any:
+        """The NCCL channel to queue this GPU send on together with its OFFER, or None.
+
+        Both ends must run a channel's jobs in the same order. Plain offers queue at the
+        ACCEPT (the receiver when it sends it, we when it arrives), eager ones at the OFFER
+        (we when we send it, the receiver when it arrives). Mixed freely the orders can
+        differ: an eager offer sent after ACCEPT 0 arrived, while the receiver had already
+        accepted a plain offer 2 on the same channel, queues 0, 1, 2 here and 0, 2, 1 there.
+        So: eager only when no plain NCCL offer to this peer is unanswered (nor one given
+        up whose answer may still come). Then every plain job answered earlier is queued
+        before ours on both ends, and every later one after it."""
+        if self.nccl is None or out.source.gpu is None or out.no_eager:
+            return None
+        link = out.link
+        if any(o is not out and o.link is link and o.offer_pending and not o.eager_channel
+               and o.src_dev != CPU_DEVICE for o in self._outgoing.values()):
+            return None
+        if any(gone[0] is link for gone in self._abandoned.values()):
+            return None
+        return self.nccl.for_eager_send(link, out.src_dev)
+
+    async def _eager_send_ended(self, out: _Outgoing) -> None:
+        """Wait for a send the receiver will drop (it answered BUSY), then forget it."""
+        job = out.nccl_job
+        if job is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)),
+                                       max(1.0, out.deadline - self._loop.time()) + 1.0)
+        out.nccl_job, out.eager_channel, out.no_eager = None, 0, True
 
     def _send_started(self, out: _Outgoing, fut: concurrent.futures.Future[int]) -> None:
         """A send job now reads the client's regions: they stay mapped until it ends."""
@@ -354,11 +415,17 @@ class PeerTransfers:
                                    accept.nccl_uid)
         if accept.chunk_bytes <= 0:
             raise ProtocolError("an NCCL accept must say its chunk size")
-        job = NcclJob(accept.transfer_id, blocks, layout, num_blocks,
+        return self._queue_nccl_send(entry.channel, accept.transfer_id, blocks, layout,
+                                     num_blocks, deadline, accept.chunk_bytes, ready_events)
+
+    def _queue_nccl_send(self, channel: Any, tid: int, blocks: BlockSet | None,
+                         layout: Layout, num_blocks: int, deadline: float, chunk_bytes: int,
+                         ready_events: list[Any] | None) -> NcclJob:
+        job = NcclJob(tid, blocks, layout, num_blocks,
                       time.monotonic() + max(0.0, deadline - self._loop.time()),
-                      wire_bytes(layout, num_blocks), accept.chunk_bytes,
+                      wire_bytes(layout, num_blocks), chunk_bytes,
                       ready_events=ready_events or [])
-        entry.channel.submit(job)
+        channel.submit(job)
         return job
 
     def _on_accept(self, link: PeerLink, msg: Accept, out: _Outgoing | None) -> Any:
@@ -375,6 +442,11 @@ class PeerTransfers:
                 return msg
             out.tcp_job = SendJob(msg.transfer_id, out.source.views())
             self._send_started(out, out.tcp_channel.submit(out.tcp_job))
+            return msg
+        if out is not None and out.eager_channel:  # the bytes were queued with the offer
+            if msg.channel != out.eager_channel:
+                return ProtocolError(f"{link.address} accepted on channel {msg.channel}, "
+                                     f"the bytes are on {out.eager_channel}")
             return msg
         try:
             if self.nccl is None or (out is not None and out.src_dev == CPU_DEVICE):
@@ -517,13 +589,53 @@ class PeerTransfers:
 
     def _on_offer(self, link: PeerLink, offer: Offer) -> None:
         duplicate = (id(link), offer.transfer_id) in self._incoming
-        accepted = self._answer_offer(link, offer)
+        eager_nccl = None
+        if offer.channel:
+            eager_nccl = self._eager_channel(link, offer)
+            if eager_nccl is None:
+                return  # answered: CHANNEL_DOWN and BUSY / REFUSE
+        accepted = self._answer_offer(link, offer, eager_nccl)
+        if not accepted and eager_nccl is not None:
+            self.counters.eager_nccl_dropped += 1
+            # The sender queued the bytes with its offer (even under a duplicate id): take
+            # them into staging and drop them, so the channel's two ends stay in step.
+            eager_nccl.submit(NcclJob(
+                offer.transfer_id, None, tuple(offer.layout), offer.num_blocks,
+                time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
+                offer.chunk_bytes, abandoned=True))
         if not accepted and offer.eager and not duplicate and link.recv_channel is not None:
             # Its bytes are on their way without waiting for our answer: drop them.
             link.recv_channel.drop(offer.transfer_id, offer.nbytes)
 
-    def _answer_offer(self, link: PeerLink, offer: Offer) -> bool:
-        """ACCEPT (True), or BUSY / REFUSE (False)."""
+    def _eager_channel(self, link: PeerLink, offer: Offer) -> NcclChannel | None:
+        """The receive channel an eager OFFER's bytes are queued on. If we cannot take
+        them there, say so — CHANNEL_DOWN, so the sender aborts its end (and the send
+        waiting on it), then BUSY to offer again without a channel, or REFUSE — and
+        return None."""
+        tid, channel = offer.transfer_id, offer.channel
+        problem: KvdError | None = None
+        if self.nccl is None:
+            problem = BadRequest(f"{self.engine.config.node_id} has no NCCL")
+        elif not (offer.src_gpu and offer.src_dev.startswith("cuda:")):
+            problem = ProtocolError("an offer with an NCCL channel must be of GPU blocks")
+        elif not MIN_NCCL_CHUNK_BYTES <= offer.chunk_bytes <= MAX_NCCL_CHUNK_BYTES:
+            problem = ProtocolError(f"NCCL chunk size {offer.chunk_bytes} out of range")
+        else:
+            entry = self.nccl.for_eager_receive(link, channel, offer.src_dev)
+            if entry is not None:
+                return entry.channel
+        reason = problem.message if problem else f"no live receive channel {channel}"
+        self.plane.send(link, ChannelDown(channel=channel, reason=reason[:4000]))
+        if problem is None:
+            self.plane.send(link, Busy(transfer_id=tid, retry_after_s=0.0))
+        else:
+            self._refuse(link, tid, problem, "bad_offer")
+        return None
+
+    def _answer_offer(self, link: PeerLink, offer: Offer,
+                      eager_nccl: NcclChannel | None = None) -> bool:
+        """ACCEPT (True), or BUSY / REFUSE (False). ``eager_nccl``: the channel the bytes
+        are already queued on (the receive goes there)."""
         tid = offer.transfer_id
         layout = tuple(offer.layout)
         if (id(link), tid) in self._incoming:
@@ -558,7 +670,9 @@ class PeerTransfers:
                     raise ProtocolError("offer does not match the pull it answers")
                 arrival = self.engine.arrival_into(pull.key, pull.region, pull.idx)
             else:
-                staging = self._staging_gpu() if offer.src_gpu else None
+                # Bytes already queued on a channel land next to it, if anywhere on a GPU.
+                staging = (str(eager_nccl.device) if eager_nccl is not None
+                           else self._staging_gpu() if offer.src_gpu else None)
                 arrival = self.engine.arrival(offer.key, layout, offer.num_blocks,
                                               offer.ttl_s, gpu=staging)
         except PoolExhausted:
@@ -571,7 +685,7 @@ class PeerTransfers:
                 pull.future.set_exception(err)
             return False
         try:
-            job, accept = self._receive_job(link, offer, arrival)
+            job, accept = self._receive_job(link, offer, arrival, eager_nccl)
         except KvdError as err:
             self.engine.arrival_failed(arrival, err)
             self._refuse(link, tid, err)
@@ -592,12 +706,20 @@ class PeerTransfers:
         return max(pools, key=lambda d: pools[d].largest_free_bytes) if pools else None
 
     def _receive_job(self, link: PeerLink, offer: Offer, arrival: Arrival,
+                     eager_nccl: NcclChannel | None = None,
                      ) -> tuple[RecvJob | NcclJob, Accept]:
         """Queue the receive on the right channel: NCCL when GPU memory is on either end
-        (and both have it), TCP otherwise."""
+        (and both have it), TCP otherwise; the eager offer's channel if it named one."""
         tid = offer.transfer_id
         dest = arrival.device
         sender_nccl = offer.src_dev != CPU_DEVICE
+        if eager_nccl is not None:
+            job = NcclJob(tid, arrival.blocks, tuple(offer.layout), offer.num_blocks,
+                          time.monotonic() + self._receive_timeout(offer.nbytes),
+                          offer.nbytes, offer.chunk_bytes)
+            eager_nccl.submit(job)
+            return job, Accept(transfer_id=tid, dst_dev=str(eager_nccl.device),
+                               channel=offer.channel, chunk_bytes=offer.chunk_bytes)
         if not (offer.src_gpu or dest.type == "cuda"):
             assert link.recv_channel is not None
             tcp_job = RecvJob(tid, arrival.wire_views(), offer.nbytes, eager=offer.eager)
@@ -730,6 +852,8 @@ class PeerTransfers:
         return {"sent": dict(c.sent), "received": dict(c.received),
                 "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
                 "busy_replies": c.busy_replies, "in_flight_out": len(self._outgoing),
+                "eager_nccl_sent": c.eager_nccl_sent,
+                "eager_nccl_dropped": c.eager_nccl_dropped,
                 "in_flight_in": len(self._incoming),
                 "nccl": self.nccl.stats() if self.nccl is not None else None}
 

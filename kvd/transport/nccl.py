@@ -31,11 +31,11 @@ _YIELD_S = 0.02  # then yield the GIL between polls (sleep(0)) this long, then s
 
 
 def _pause(started: float) -> None:
-    """Between two polls. Measured on the 2x H200 host (a Firecracker microVM): a call settles 40-80 us
-    after it returns when polled without pause, 80-120 us when each poll yields, because a
-    ``sleep(0)`` costs ~56 us there; a 1 MiB send took 33 us end to end. So: spin briefly
-    (holding the GIL for at most ``_SPIN_S``), then yield, and only sleep once a wait has
-    lasted long enough that a sleep's granularity no longer matters."""
+    """Between two polls. Measured on the 2x H200 host (a Firecracker microVM): a call
+    settles 40-80 us after it returns when polled without pause, 80-120 us when each poll
+    yields, because a ``sleep(0)`` costs ~56 us there; a 1 MiB send took 33 us end to end.
+    So: spin briefly (holding the GIL for at most ``_SPIN_S``), then yield, and only sleep
+    once a wait has lasted long enough that a sleep's granularity no longer matters."""
     waited = time.monotonic() - started
     if waited >= _SPIN_S:
         time.sleep(0 if waited < _YIELD_S else _POLL_S)

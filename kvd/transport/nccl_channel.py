@@ -4,8 +4,9 @@ Each channel owns a 2-rank communicator (``transport.nccl``), a worker thread, t
 streams on its device — one for NCCL, one for the staging copies — and a few staging
 buffers of ``chunk_bytes``. The loop submits jobs and awaits their futures; the thread
 runs them in order, which is also the order the peer runs the matching jobs (both sides
-queue a transfer's job when the receiver's ACCEPT is sent / arrives, and the peer link
-delivers those in order), so every NCCL send meets its recv.
+queue a transfer's job when the receiver's ACCEPT is sent / arrives, or, for an eager
+offer, when the OFFER is sent / arrives, and the peer link delivers those in order; see
+``daemon.transfers``), so every NCCL send meets its recv.
 
 A transfer is cut into chunks (``transport.chunks.plan_chunks``). The sender gathers chunk
 k+1 into a free staging buffer on the copy stream while chunk k is on the wire on the NCCL
@@ -166,7 +167,14 @@ class NcclChannel:
                     if self.direction == "send":
                         job.future.set_result(self._send(job))
                     else:
-                        job.future.set_result(self._recv(job))
+                        nbytes = self._recv(job)
+                        if job.abandoned or job.blocks is None:
+                            # Received and dropped as asked: the channel stays usable.
+                            job.future.set_exception(Cancelled(
+                                f"transfer {job.transfer_id} was given up; its bytes were "
+                                "dropped"))
+                        else:
+                            job.future.set_result(nbytes)
                 except BaseException as exc:
                     err = exc if isinstance(exc, KvdError) else TransferFailed(
                         f"nccl {self.direction} on {self.name}: {exc!r}")
@@ -300,8 +308,6 @@ class NcclChannel:
         self._copy_stream.wait_stream(self._comm_stream)
         comm.wait(gpu_copy.recorded(self._copy_stream), self._remaining(job),
                   f"receive of transfer {job.transfer_id}")
-        if job.abandoned or job.blocks is None:
-            raise Cancelled(f"transfer {job.transfer_id} was given up; its bytes were dropped")
         return sum(c.nbytes for c in chunks)
 
     def _release(self) -> None:
