@@ -1,7 +1,7 @@
 """Where a transfer's time goes: timeline marks from two daemons and this client.
 
 Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
-[--block-bytes N] [--repeat N] [--contiguous] [--json]``
+[--block-bytes N] [--repeat N] [--contiguous] [--daemon-flag F] [--json]``
 
 Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
 ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
@@ -73,7 +73,10 @@ def main() -> int:
     ap.add_argument("--contiguous", action="store_true",
                     help="move blocks 0..N-1 (one run: no staging) instead of every other")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--daemon-flag", action="append", default=[],
+                    help="an extra flag for both daemons, e.g. --daemon-flag=--nccl-eager=false")
     args = ap.parse_args()
+    EXTRA_FLAGS.extend(args.daemon_flag)
     tdir = tempfile.mkdtemp(prefix="kvd-timeline-")
     root = tempfile.mkdtemp(prefix="kvd-timeline-daemons-", dir="/tmp")
     EXTRA_FLAGS.extend(["--timeline-dir", tdir])
