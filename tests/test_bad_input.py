@@ -16,7 +16,14 @@ import zmq.asyncio
 
 import kvd
 from kvd import AsyncKvdClient, shared_zeros
-from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, StatsReply, decode_reply
+from kvd.protocol import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Pong,
+    ShmTensor,
+    StatsReply,
+    decode_reply,
+)
 from tests.conftest import RunningDaemon
 
 pack = msgspec.msgpack.encode
@@ -153,7 +160,9 @@ async def test_register_bad_paths(daemon: RunningDaemon, raw: RawClient, tmp_pat
     real = shared_zeros((4, 256), torch.float32)
     from kvd.client.shm import tensor_spec
 
-    path = tensor_spec(real).path
+    spec = tensor_spec(real)
+    assert isinstance(spec, ShmTensor)
+    path = spec.path
     cases.append((reg(24, path, shape=[4, 512]), "extends to byte"))
     cases.append((reg(25, path, offset_bytes=2), "not aligned"))
     cases.append((reg(26, path, shape=[4, 256], stride=[256]), "different lengths"))

@@ -4,25 +4,28 @@ arrive where they belong."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
 from kvd.memory.regions import LayoutEntry
+from kvd.protocol import DType
 from kvd.transport.chunks import BlockSet, plan_chunks
 
 KIB = 1024
 
 
 def layout_of(tensors: list[torch.Tensor]) -> tuple[LayoutEntry, ...]:
-    return tuple(LayoutEntry(t[0].numel() * t.element_size(), str(t.dtype).removeprefix(
-        "torch.")) for t in tensors)
+    return tuple(LayoutEntry(t[0].numel() * t.element_size(), cast(DType, str(
+        t.dtype).removeprefix("torch."))) for t in tensors)
 
 
 def test_plan_covers_every_byte_once_and_never_splits_a_block() -> None:
     layout = (LayoutEntry(32 * KIB, "bfloat16"), LayoutEntry(48 * KIB, "uint8"))
     chunks = plan_chunks(layout, 10, 100 * KIB)
     assert sum(c.nbytes for c in chunks) == 10 * 80 * KIB
-    seen = {0: [], 1: []}
+    seen: dict[int, list[int]] = {0: [], 1: []}
     for c in chunks:
         assert c.nbytes <= 100 * KIB
         offset = 0
