@@ -359,7 +359,9 @@ class PeerTransfers:
         So: eager only when no plain NCCL offer to this peer is unanswered (nor one given
         up whose answer may still come). Then every plain job answered earlier is queued
         before ours on both ends, and every later one after it."""
-        if self.nccl is None or out.source.gpu is None or out.no_eager:
+        chunk = self.engine.config.nccl_chunk_bytes
+        if (self.nccl is None or out.source.gpu is None or out.no_eager
+                or not MIN_NCCL_CHUNK_BYTES <= chunk <= MAX_NCCL_CHUNK_BYTES):
             return None
         link = out.link
         if any(o is not out and o.link is link and o.offer_pending and not o.eager_channel
