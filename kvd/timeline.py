@@ -5,7 +5,7 @@ A development aid for latency work. While a process records (a daemon started wi
 (``time.perf_counter``: CLOCK_MONOTONIC, comparable between processes of one host), the
 name and the thread to a list, written as JSON to ``<dir>/<pid>.json`` when recording stops
 (``stop()``, at a clean daemon exit, or at interpreter exit). While not recording, a mark
-costs a function call. ``benchmarks/timeline.py`` runs transfers with it on and prints, per
+costs a function call. ``tools/timeline.py`` runs transfers with it on and prints, per
 mark, its median offset from the start of each transfer: that is how the per-hop costs in
 docs/architecture.md ("The GPU data plane", *Measured*) were found.
 """

@@ -427,7 +427,7 @@ class Engine:
         if timeout_s == 0:
             raise UnknownKey(f"no key {key!r}")
         ours = BlockSet(region.tensors, idx.tolist())
-        waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), blocks=ours)
+        waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours)
         self.store.add_waiter(key, waiter)
         device = region.tensors[0].device if region.tensors else None
         if device is not None and device.type == "cuda":
@@ -614,8 +614,8 @@ class Engine:
             problem = _unfit(key, layout, num_blocks, waiter.region, waiter.idx)
             if problem is None:
                 waiter.delivering = True
-                blocks = waiter.blocks or BlockSet(waiter.region.tensors, waiter.idx.tolist())
-                return Arrival(key, layout, num_blocks, expires_at, blocks, waiter=waiter)
+                return Arrival(key, layout, num_blocks, expires_at, waiter.blocks,
+                               waiter=waiter)
             waiter.future.set_exception(problem)
         _, packed = packed_offsets(layout, num_blocks)
         pool, block = self._staging_for(max(packed, 1), gpu)

@@ -74,8 +74,8 @@ class Waiter:
     region: Region
     idx: torch.Tensor
     future: asyncio.Future[Any]
+    blocks: BlockSet  # region's blocks idx in wire order, made (and mapped) ahead
     delivering: bool = False  # a put is copying straight into our blocks
-    blocks: BlockSet | None = None  # our blocks in wire order, made (and mapped) ahead
 
 
 class KeyStore:

@@ -420,7 +420,7 @@ class PeerTransfers:
         return self._queue_nccl_send(entry.channel, accept.transfer_id, blocks, layout,
                                      num_blocks, deadline, accept.chunk_bytes, ready_events)
 
-    def _queue_nccl_send(self, channel: Any, tid: int, blocks: BlockSet | None,
+    def _queue_nccl_send(self, channel: NcclChannel, tid: int, blocks: BlockSet | None,
                          layout: Layout, num_blocks: int, deadline: float, chunk_bytes: int,
                          ready_events: list[Any] | None) -> NcclJob:
         job = NcclJob(tid, blocks, layout, num_blocks,
@@ -601,10 +601,7 @@ class PeerTransfers:
             self.counters.eager_nccl_dropped += 1
             # The sender queued the bytes with its offer (even under a duplicate id): take
             # them into staging and drop them, so the channel's two ends stay in step.
-            eager_nccl.submit(NcclJob(
-                offer.transfer_id, None, tuple(offer.layout), offer.num_blocks,
-                time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
-                offer.chunk_bytes, abandoned=True))
+            self._eager_receive(eager_nccl, offer, None)
         if not accepted and offer.eager and not duplicate and link.recv_channel is not None:
             # Its bytes are on their way without waiting for our answer: drop them.
             link.recv_channel.drop(offer.transfer_id, offer.nbytes)
@@ -633,6 +630,16 @@ class PeerTransfers:
         else:
             self._refuse(link, tid, problem, "bad_offer")
         return None
+
+    def _eager_receive(self, channel: NcclChannel, offer: Offer, blocks: BlockSet | None
+                       ) -> NcclJob:
+        """Queue the receive matching an eager offer's send: into ``blocks``, or, with
+        None, into staging and dropped."""
+        job = NcclJob(offer.transfer_id, blocks, tuple(offer.layout), offer.num_blocks,
+                      time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
+                      offer.chunk_bytes, abandoned=blocks is None)
+        channel.submit(job)
+        return job
 
     def _answer_offer(self, link: PeerLink, offer: Offer,
                       eager_nccl: NcclChannel | None = None) -> bool:
@@ -716,10 +723,7 @@ class PeerTransfers:
         dest = arrival.device
         sender_nccl = offer.src_dev != CPU_DEVICE
         if eager_nccl is not None:
-            job = NcclJob(tid, arrival.blocks, tuple(offer.layout), offer.num_blocks,
-                          time.monotonic() + self._receive_timeout(offer.nbytes),
-                          offer.nbytes, offer.chunk_bytes)
-            eager_nccl.submit(job)
+            job = self._eager_receive(eager_nccl, offer, arrival.blocks)
             return job, Accept(transfer_id=tid, dst_dev=str(eager_nccl.device),
                                channel=offer.channel, chunk_bytes=offer.chunk_bytes)
         if not (offer.src_gpu or dest.type == "cuda"):
