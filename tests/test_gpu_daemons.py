@@ -352,15 +352,21 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
         assert torch.count_nonzero(d[others]) == 0
 
 
-@pytest.mark.parametrize("pair", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"),
-                                  ("cuda:1", "cuda:1")])
-def test_local_copies_between_regions_of_one_node(pair: tuple[str, str]) -> None:
+@pytest.mark.parametrize("pair", [("cuda:0", "cuda:1", True), ("cuda:1", "cuda:0", True),
+                                  ("cuda:0", "cuda:1", False), ("cuda:1", "cuda:1", True)])
+def test_local_copies_between_regions_of_one_node(pair: tuple[str, str, bool]) -> None:
     """The local transport's block copies (transport.local.copy_blocks): across two GPUs
     pipelined over many small chunks (two staging buffers a side, some chunks straight
-    from or into a run of blocks), and within one GPU in one launch."""
+    from or into a run of blocks) — gathered by the source GPU into the destination's
+    staging (NVLink stores), or (False) gathered, copied and scattered — and within one
+    GPU in one launch."""
     from kvd.transport import local
 
-    src_dev, dst_dev = pair
+    src_dev, dst_dev, peer = pair
+    if src_dev != dst_dev and peer:
+        from kvd.transport import gpu_copy
+
+        assert gpu_copy.peer_stores(torch.device(src_dev), torch.device(dst_dev))
     gen = torch.Generator(device=src_dev).manual_seed(5)
     src = [torch.randint(-(2**15), 2**15 - 1, (64, 16, 8, 64), generator=gen, device=src_dev,
                          dtype=torch.int16),  # 16 KiB blocks
@@ -376,7 +382,10 @@ def test_local_copies_between_regions_of_one_node(pair: tuple[str, str]) -> None
     old = local.CROSS_GPU_CHUNK_BYTES
     try:
         local.CROSS_GPU_CHUNK_BYTES = 64 * 1024  # many chunks; the first ones are one run
-        nbytes = local.copy_blocks(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
+        if peer:
+            nbytes = local.copy_blocks(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
+        else:
+            nbytes = local.copy_across_gpus(src, src_ids, dst, dst_ids, peer_stores=False)
     finally:
         local.CROSS_GPU_CHUNK_BYTES = old
     torch.cuda.synchronize()

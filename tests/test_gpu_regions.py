@@ -53,6 +53,13 @@ def test_gpu_blocks_to_host_pool_and_back(daemon: str) -> None:
         c.get("direct", r_dst, list(range(0, 16)), timeout_s=10)
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(d[0:16].cpu(), s[16:32].cpu())
+        # scattered blocks: gathered by the source GPU (into staging on the other GPU when
+        # there are two), then scattered into the client's blocks
+        picked, into = [33, 7, 50, 12, 61, 5], [20, 31, 22, 60, 24, 25]
+        c.put("scattered", r_src, picked).wait(10)
+        c.get("scattered", r_dst, into, timeout_s=10)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[into].cpu(), s[picked].cpu())
         c.delete("k")
         assert c.stats()["pool"]["used_bytes"] == 0
 

@@ -16,6 +16,7 @@ run of consecutive blocks, ``index_select`` / ``index_copy_`` otherwise).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,16 +48,21 @@ class Chunk:
     wire_offset: int = 0  # where the chunk starts in the transfer's bytes
 
 
-def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk]:
+def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> tuple[Chunk, ...]:
     """Cut the wire bytes of ``num_blocks`` blocks of ``layout`` into chunks; both ends of
-    a transfer compute the same plan."""
+    a transfer compute the same plan. Remembered: the same layouts and block counts come
+    back with every transfer, and a plan of 64 tensors takes ~70 us of Python to make."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
+    return _plan(tuple(e.bytes_per_block for e in layout), num_blocks, chunk_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(per_block: tuple[int, ...], num_blocks: int, chunk_bytes: int) -> tuple[Chunk, ...]:
     chunks: list[Chunk] = []
     segments: list[Segment] = []
     used = done = 0
-    for t, entry in enumerate(layout):
-        bpb = entry.bytes_per_block
+    for t, bpb in enumerate(per_block):
         if bpb == 0:
             continue
         pos = 0
@@ -74,7 +80,7 @@ def plan_chunks(layout: Layout, num_blocks: int, chunk_bytes: int) -> list[Chunk
             pos += take
     if segments:
         chunks.append(Chunk(tuple(segments), used, done))
-    return chunks
+    return tuple(chunks)
 
 
 def largest_chunk(chunks: Sequence[Chunk]) -> int:
@@ -166,8 +172,9 @@ class BlockSet:
             self._maps[device] = BlockMap(self.tensors, self.ids, device) if usable else None
         return self._maps[device]
 
-    def _one_launch(self, chunk: Chunk, staging: torch.Tensor, gather: bool) -> bool:
-        found = self.block_map(staging.device)
+    def _one_launch(self, chunk: Chunk, staging: torch.Tensor, gather: bool,
+                    on: torch.device | None = None) -> bool:
+        found = self.block_map(on or staging.device)
         if found is None:
             return False
         head, tail = chunk.segments[0], chunk.segments[-1]
@@ -185,10 +192,15 @@ class BlockSet:
         raw = staging[seg.offset : seg.offset + seg.nbytes]
         return raw.view(t.dtype).view(seg.stop - seg.start, *t.shape[1:])
 
-    def load(self, chunk: Chunk, staging: torch.Tensor) -> torch.Tensor:
-        """Gather the chunk's blocks into ``staging`` (uint8, at least chunk.nbytes)."""
-        if self._one_launch(chunk, staging, gather=True):
+    def load(self, chunk: Chunk, staging: torch.Tensor, on: torch.device | None = None
+             ) -> torch.Tensor:
+        """Gather the chunk's blocks into ``staging`` (uint8, at least chunk.nbytes).
+        ``on``: the GPU whose kernel gathers, when ``staging`` is on another GPU that it
+        may store into (``gpu_copy.peer_stores``); the blocks must be on ``on``."""
+        if self._one_launch(chunk, staging, gather=True, on=on):
             return staging[: chunk.nbytes]
+        if on is not None and on != staging.device:
+            raise TransferFailed(f"no gather kernel on {on} for these blocks")
         for seg in chunk.segments:
             t = self.tensors[seg.tensor]
             out = self._section(staging, seg)

@@ -157,6 +157,58 @@ def copy(first: int, last: int, *, src: BlockMap | int, dst: BlockMap | int) -> 
             BLOCK=2048)
 
 
+_peer_stores: dict[tuple[int, int], bool] = {}
+_peer_lock = threading.Lock()
+
+
+def peer_stores(src: torch.device, dst: torch.device) -> bool:
+    """Whether a kernel on GPU ``src`` may store into memory this process allocated on GPU
+    ``dst`` (NVLink stores): enables peer access once, through the driver API, and
+    remembers the answer. Memory another process shares by legacy CUDA IPC stays out of
+    reach (it faults: see docs/architecture.md), so callers store only into their own
+    buffers. False without cuda-bindings, or where the pair cannot reach each other."""
+    key = (src.index or 0, dst.index or 0)
+    with _peer_lock:
+        found = _peer_stores.get(key)
+        if found is None:
+            found = _peer_stores[key] = _enable_peer_access(*key)
+        return found
+
+
+def _enable_peer_access(src: int, dst: int) -> bool:
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return False
+    ok = cu.CUresult.CUDA_SUCCESS
+    torch.cuda.init()  # the primary contexts exist (torch made them)
+    err, src_dev = cu.cuDeviceGet(src)
+    err2, dst_dev = cu.cuDeviceGet(dst)
+    if err != ok or err2 != ok:
+        return False
+    err, can = cu.cuDeviceCanAccessPeer(src_dev, dst_dev)
+    if err != ok or not can:
+        return False
+    # Peer access is a property of the source's (primary) context: make it current for
+    # the call, then put back whatever this thread had.
+    _, before = cu.cuCtxGetCurrent()
+    err, src_ctx = cu.cuDevicePrimaryCtxRetain(src_dev)
+    err2, dst_ctx = cu.cuDevicePrimaryCtxRetain(dst_dev)
+    try:
+        if err != ok or err2 != ok:
+            return False
+        cu.cuCtxSetCurrent(src_ctx)
+        (err,) = cu.cuCtxEnablePeerAccess(dst_ctx, 0)
+    finally:
+        cu.cuCtxSetCurrent(before)
+        cu.cuDevicePrimaryCtxRelease(src_dev)
+        cu.cuDevicePrimaryCtxRelease(dst_dev)
+    enabled = err in (ok, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+    if not enabled:
+        log.info("peer access cuda:%d -> cuda:%d not enabled: %s", src, dst, err)
+    return enabled
+
+
 def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """An event recorded now on ``stream``: later work (or a poll) can wait for it."""
     event = torch.cuda.Event()

@@ -161,12 +161,19 @@ class _CrossStreams:
 
 def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
                      dst: Sequence[torch.Tensor], dst_ids: list[int],
-                     chunk_bytes: int | None = None) -> int:
-    """Blocks between two GPUs of this node, chunk by chunk, pipelined: gather on the
-    source GPU, one peer copy (NVLink), scatter on the destination GPU, each on its own
-    stream, so chunk k crosses while k+1 is gathered and k-1 scattered. Contiguous runs
-    skip the staging. The work starts after what the devices' current streams hold (the
-    clients' ready events) and the current streams wait for it at the end."""
+                     chunk_bytes: int | None = None, peer_stores: bool | None = None) -> int:
+    """Blocks between two GPUs of this node, chunk by chunk, pipelined so that chunk k
+    crosses NVLink while k+1 is gathered and k-1 scattered.
+
+    Where the source GPU may store into the destination's memory (``peer_stores``, the
+    default when ``gpu_copy.peer_stores`` says so), the gather kernel runs on the source
+    and stores straight into a staging buffer of ours on the destination: one pass over
+    NVLink, no copy engine step, and the destination scatters from there. Otherwise:
+    gather on the source, one peer copy, scatter on the destination. Runs of blocks skip
+    the staging on either side. (The client's own memory on the destination is mapped by
+    legacy CUDA IPC, which the source GPU cannot store into: hence the staging.) The work
+    starts after what the devices' current streams hold (the clients' ready events) and
+    the current streams wait for it at the end."""
     # The plan needs bytes per block only; the copies keep each tensor's own dtype.
     layout = tuple(LayoutEntry(math.prod(t.shape[1:]) * t.element_size(), "uint8")
                    for t in src)
@@ -177,50 +184,76 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     timeline.mark("local.cross.start")
     streams = _CrossStreams.get(src_dev, dst_dev)
     reader, writer = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
-    # Maps first, on the work streams while they are idle (see NcclChannel._prepare).
+    # Maps are made on a stream while it is idle (their small upload would wait for the
+    # work queued on it, see NcclChannel._prepare): the reader's now, the writer's once
+    # the first chunk is on its way, on the landing stream before it waits for anything.
     with torch.cuda.stream(streams.gather):
-        reader.block_map(src_dev)
-    with torch.cuda.stream(streams.scatter):
-        writer.block_map(dst_dev)
+        reader_map = reader.block_map(src_dev)
+    if peer_stores is None:
+        peer_stores = gpu_copy.peer_stores(src_dev, dst_dev)
+    peer_stores = peer_stores and reader_map is not None
     size = max(c.nbytes for c in chunks)
-    src_stage = [torch.empty(size, dtype=torch.uint8, device=src_dev)
-                 for _ in range(CROSS_GPU_BUFFERS)]
+    src_stage = [] if peer_stores else [torch.empty(size, dtype=torch.uint8, device=src_dev)
+                                        for _ in range(CROSS_GPU_BUFFERS)]
     dst_stage = [torch.empty(size, dtype=torch.uint8, device=dst_dev)
                  for _ in range(CROSS_GPU_BUFFERS)]
     src_now, dst_now = torch.cuda.current_stream(src_dev), torch.cuda.current_stream(dst_dev)
     for s in (streams.gather, streams.copy):
         s.wait_stream(src_now)
-    for s in (streams.land, streams.scatter):
-        s.wait_stream(dst_now)
-    copied: list[torch.cuda.Event | None] = [None] * CROSS_GPU_BUFFERS  # stage free again
-    scattered: list[torch.cuda.Event | None] = [None] * CROSS_GPU_BUFFERS
+
+    def destination_ready() -> None:
+        with torch.cuda.stream(streams.land):
+            writer.block_map(dst_dev)
+        for s in (streams.land, streams.scatter):
+            s.wait_stream(dst_now)
+
+    copied: list[torch.cuda.Event | None] = [None] * CROSS_GPU_BUFFERS  # src stage free
+    scattered: list[torch.cuda.Event | None] = [None] * CROSS_GPU_BUFFERS  # dst stage free
     for k, chunk in enumerate(chunks):
         b = k % CROSS_GPU_BUFFERS
         buf = reader.direct(chunk, src_dev)
-        if buf is None:
+        into = writer.direct(chunk, dst_dev)
+        if k == 0 and not (buf is None and peer_stores):
+            destination_ready()  # the copy below lands on the destination's streams
+        if buf is None and peer_stores:
+            # Gathered on the source straight into our staging on the destination.
+            free_at = scattered[b]
             with torch.cuda.stream(streams.gather):
-                free_at = copied[b]
                 if free_at is not None:
                     streams.gather.wait_event(free_at)
-                buf = reader.load(chunk, src_stage[b])
-            streams.copy.wait_event(gpu_copy.recorded(streams.gather))
-        into = writer.direct(chunk, dst_dev)
-        landed = into is None  # into staging, to be scattered
-        if into is None:
-            free_at = scattered[b]
-            if free_at is not None:
-                streams.copy.wait_event(free_at)
-            into = dst_stage[b][: chunk.nbytes]
-        # A copy between devices runs on the source's current stream, fenced with the
-        # destination's current one: the landing stream, which nothing else uses.
-        with torch.cuda.stream(streams.copy), torch.cuda.stream(streams.land):
-            into.copy_(buf, non_blocking=True)
-        crossed = copied[b] = gpu_copy.recorded(streams.copy)
-        if landed:
-            streams.scatter.wait_event(crossed)
-            with torch.cuda.stream(streams.scatter):
-                writer.store(chunk, into)
-            scattered[b] = gpu_copy.recorded(streams.scatter)
+                landed = reader.load(chunk, dst_stage[b], on=src_dev)
+            crossed = gpu_copy.recorded(streams.gather)
+            if k == 0:
+                destination_ready()  # while the first chunk crosses
+        else:
+            if buf is None:
+                src_free = copied[b]
+                with torch.cuda.stream(streams.gather):
+                    if src_free is not None:
+                        streams.gather.wait_event(src_free)
+                    buf = reader.load(chunk, src_stage[b])
+                streams.copy.wait_event(gpu_copy.recorded(streams.gather))
+            if into is not None:
+                landed = into  # straight into the destination's run of blocks
+            else:
+                dst_free = scattered[b]
+                if dst_free is not None:
+                    streams.copy.wait_event(dst_free)
+                landed = dst_stage[b][: chunk.nbytes]
+            # A copy between devices runs on the source's current stream, fenced with the
+            # destination's current one: the landing stream, which nothing else uses.
+            with torch.cuda.stream(streams.copy), torch.cuda.stream(streams.land):
+                landed.copy_(buf, non_blocking=True)
+            crossed = copied[b] = gpu_copy.recorded(streams.copy)
+            if into is not None:
+                continue
+        streams.scatter.wait_event(crossed)
+        with torch.cuda.stream(streams.scatter):
+            if into is not None:
+                into.copy_(landed, non_blocking=True)
+            else:
+                writer.store(chunk, landed)
+        scattered[b] = gpu_copy.recorded(streams.scatter)
     timeline.mark("local.cross.queued")
     for s in (streams.gather, streams.copy):
         src_now.wait_stream(s)
@@ -228,7 +261,6 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
         dst_now.wait_stream(s)
     _finish_writes(*dst)
     return sum(c.nbytes for c in chunks)
-
 
 
 def _finish_writes(*written: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,13 +238,13 @@ class NcclChannel:
             raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} ran out of time")
         return left
 
-    def _plan(self, job: NcclJob) -> tuple[Communicator, list[Chunk], int]:
+    def _plan(self, job: NcclJob) -> tuple[Communicator, Sequence[Chunk], int]:
         """The communicator, the transfer's chunks, and the staging size they need."""
         assert self._comm is not None
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
         return self._comm, chunks, max((c.nbytes for c in chunks), default=0)
 
-    def _prepare(self, blocks: BlockSet | None, chunks: list[Chunk]) -> None:
+    def _prepare(self, blocks: BlockSet | None, chunks: Sequence[Chunk]) -> None:
         """Make the blocks' map for the staging copies now, while the copy stream is idle:
         its small upload, made later, would wait for the chunk queued ahead of it."""
         if blocks is not None and any(blocks.direct(c, self.device) is None for c in chunks):
