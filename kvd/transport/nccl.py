@@ -106,7 +106,8 @@ class Communicator:
                                       f"{timeout_s:g}s (peer gone?); communicator aborted")
             _pause(started)
 
-    def _call(self, op: str, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
+    def _call(self, op: str, buf: Any, peer: int, stream: Any, timeout_s: float,
+              settle: bool) -> None:
         if self.aborted:
             raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
         if not (buf.is_cuda and buf.is_contiguous()):
@@ -116,14 +117,25 @@ class Communicator:
         u8 = buf.view(-1).view(dtype=torch.uint8)
         getattr(self._comm, op)(u8, peer, stream=int(stream.cuda_stream))
         timeline.mark("nccl.returned")
-        self._settle(timeout_s, op)
+        if settle:
+            self._settle(timeout_s, op)
 
-    def send(self, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
-        """Enqueue a send on ``stream``; completion is an event on that stream."""
-        self._call("send", buf, peer, stream, timeout_s)
+    def send(self, buf: Any, peer: int, stream: Any, timeout_s: float,
+             settle: bool = True) -> None:
+        """Enqueue a send on ``stream``; completion is an event on that stream. With
+        ``settle=False`` the call may still be in progress (NCCL launches it from a thread
+        of its own): call ``settle`` before the next call, and before queueing anything
+        else on ``stream`` (it would land ahead of the send). Work on other streams may
+        be queued in between, which is what the channels do."""
+        self._call("send", buf, peer, stream, timeout_s, settle)
 
-    def recv(self, buf: Any, peer: int, stream: Any, timeout_s: float) -> None:
-        self._call("recv", buf, peer, stream, timeout_s)
+    def recv(self, buf: Any, peer: int, stream: Any, timeout_s: float,
+             settle: bool = True) -> None:
+        self._call("recv", buf, peer, stream, timeout_s, settle)
+
+    def settle(self, timeout_s: float, what: str) -> None:
+        """Wait until the last call is accepted (see ``send``)."""
+        self._settle(timeout_s, what)
 
     def wait(self, event: Any, timeout_s: float, what: str) -> None:
         """Wait for ``event`` (recorded after the op) with a deadline; abort if it passes."""
