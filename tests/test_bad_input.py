@@ -216,3 +216,23 @@ async def test_semantic_errors_keep_serving(daemon: RunningDaemon) -> None:
         stats = await c.stats()
         assert stats["op_errors"]["bad_request"] >= 8
         assert stats["keys"] == 1 and stats["regions"] == 2
+
+
+async def test_a_new_client_on_a_reused_descriptor_keeps_its_session(
+        daemon: RunningDaemon) -> None:
+    """Clients come and go: the daemon learns of a disconnect from a monitor event that
+    names the connection's file descriptor, and the next client may get the same number.
+    A late event for the old connection must not end the new client's session."""
+    for i in range(100):
+        old = RawClient(daemon.socket_path)
+        await old.hello()
+        old.close()
+        new = RawClient(daemon.socket_path)
+        try:
+            await new.hello()
+            if i % 2:
+                await asyncio.sleep(0.002)  # let the old connection's event arrive, if late
+            reply = await new.send(pack({"op": "ping", "req_id": 2}))
+            assert isinstance(reply, Pong), (i, reply)
+        finally:
+            new.close()

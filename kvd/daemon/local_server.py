@@ -104,6 +104,7 @@ class LocalServer:
         self.bad_messages: dict[str, int] = {}
         self.sessions: dict[bytes, Session] = {}
         self._by_fd: dict[int, Session] = {}
+        self._owed_disconnects: dict[int, int] = {}  # fd -> events to ignore (see _hello)
         self._next_sid = 1
         self._closers: set[asyncio.Task[None]] = set()
         self._drain_requests: set[asyncio.Task[None]] = set()
@@ -199,7 +200,13 @@ class LocalServer:
                 return
             event = parse_monitor_message(msg)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                session = self._by_fd.pop(event["value"], None)
+                fd = event["value"]
+                if self._owed_disconnects.get(fd):
+                    # The connection this event is about was already taken for gone when
+                    # a new client said hello on its descriptor (see _hello).
+                    self._owed_disconnects[fd] -= 1
+                    continue
+                session = self._by_fd.pop(fd, None)
                 if session is not None:
                     self._start_close(session, "client disconnected", unlink_files=True)
 
@@ -250,6 +257,15 @@ class LocalServer:
             self._send(identity, ErrorReply(req_id=msg.req_id, code="draining",
                                             message="daemon is draining: no new clients"))
             return
+        # A new connection may reuse the descriptor of one that just closed: the old one's
+        # DISCONNECTED event must end the old session, not this one. Take the events
+        # waiting now; if the descriptor still names another session, that connection is
+        # gone (one descriptor, one connection): end it, and ignore its event when it comes.
+        self._drain_monitor()
+        stale = self._by_fd.pop(fd, None)
+        if stale is not None:
+            self._owed_disconnects[fd] = self._owed_disconnects.get(fd, 0) + 1
+            self._start_close(stale, "client disconnected", unlink_files=True)
         session = Session(self._next_sid, identity, msg.pid, msg.name, fd)
         self._next_sid += 1
         self.sessions[identity] = session
