@@ -9,6 +9,10 @@ What it measures, all sequential (one request in flight), on this machine's ``ip
   have the encoded sizes of kvd's messages: "ping" sends the size of a ``Ping`` request
   and gets a ``Pong``-sized reply back; "op" cycles through the sizes of ``Offload``,
   ``Get`` and ``Delete`` requests and their ``Done`` replies.
+* **plain**: the same sizes over a plain Unix stream socket (a 4-byte length before each
+  message), blocking client, echo server in a separate process: what the round trip costs
+  without ZeroMQ's I/O threads (one thread wake-up per message instead of three), the
+  basis for replacing ZeroMQ on the local socket (docs/architecture.md, next steps).
 * **kvd**: a ``kvd serve`` subprocess with ``kvd.KvdClient`` and ``kvd.AsyncKvdClient``
   (uvloop): ``ping()``, and a 64 KiB ``offload`` + ``get`` + ``delete`` of one block
   between two registered shared-memory regions, with a fresh key per iteration (the
@@ -30,6 +34,8 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -117,7 +123,7 @@ def echo_server(endpoint: str, ready: Any) -> None:
     sock.setsockopt(zmq.RCVTIMEO, 1000)  # only to notice an orphaned server
     sock.bind(endpoint)
     ready.set()
-    parent, replies = os.getppid(), {}
+    parent, replies = os.getppid(), dict[int, bytes]()
     while True:
         try:
             ident, payload = sock.recv_multipart()
@@ -169,6 +175,65 @@ async def raw_async(endpoint: str, sizes: dict[str, int], what: str, n: int,
     finally:
         sock.close()
         ctx.term()
+
+
+# ---------------------------------------------------------------- plain socket baseline
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = conn.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("peer closed")
+        buf += part
+    return bytes(buf)
+
+
+def _read_frame(conn: socket.socket) -> bytes:
+    (n,) = struct.unpack("<I", _read_exactly(conn, 4))
+    return _read_exactly(conn, n)
+
+
+def plain_echo_server(path: str, ready: Any) -> None:
+    """Unix-socket echo with the same rule as ``echo_server``: one client at a time."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(1.0)  # only to notice an orphaned server
+    ready.set()
+    parent, replies = os.getppid(), dict[int, bytes]()
+    while os.getppid() == parent:
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        with conn:
+            try:
+                while True:
+                    payload = _read_frame(conn)
+                    n = int.from_bytes(payload[:4], "little")
+                    reply = replies.get(n) or replies.setdefault(
+                        n, struct.pack("<I", n) + bytes(n))
+                    conn.sendall(reply)
+            except ConnectionError:
+                pass
+    srv.close()
+
+
+def plain_sync(path: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5.0)
+    conn.connect(path)
+    msgs = [struct.pack("<I", len(m)) + m for m in payloads(sizes, what)]
+    try:
+        def rtt(i: int) -> None:
+            conn.sendall(msgs[i % len(msgs)])
+            _read_frame(conn)
+        return time_sync(rtt, n, warmup)
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------- kvd
@@ -267,6 +332,9 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
     out: dict[str, Any] = {}
     for name, st in res.items():
         out.update({f"{name}_{k}": round(v, 2) for k, v in st.items()})
+    plain_ping = res["plain_sync_ping"]["p50_us"]
+    out["ratio_raw_sync_ping_vs_plain_p50"] = round(res["raw_sync_ping"]["p50_us"] / plain_ping, 2)
+    out["ratio_sync_ping_vs_plain_p50"] = round(res["kvd_sync_ping"]["p50_us"] / plain_ping, 2)
     for mode in ("sync", "async"):
         raw_ping, raw_op = res[f"raw_{mode}_ping"]["p50_us"], res[f"raw_{mode}_op"]["p50_us"]
         out[f"ratio_{mode}_ping_p50"] = round(res[f"kvd_{mode}_ping"]["p50_us"] / raw_ping, 2)
@@ -292,6 +360,13 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
                 print(f"{mode + ' ' + label:<42}{st['p50_us']:>10.1f}{st['p99_us']:>10.1f}"
                       f"{st['ops_s']:>10.0f}  {ratio}")
         print()
+    for what in ("ping", "op"):
+        st = res[f"plain_sync_{what}"]
+        print(f"{'plain socket RTT, ' + what + ' sizes':<42}{st['p50_us']:>10.1f}"
+              f"{st['p99_us']:>10.1f}{st['ops_s']:>10.0f}")
+    print(f"raw pyzmq / plain socket (sync ping p50): "
+          f"{out['ratio_raw_sync_ping_vs_plain_p50']:.2f}x; kvd sync ping / plain socket: "
+          f"{out['ratio_sync_ping_vs_plain_p50']:.2f}x\n")
     for mode in ("sync", "async"):
         met = "MET" if out[f"target_met_{mode}"] else "NOT MET"
         print(f"target ({mode}): {TARGET}: {out[f'ratio_{mode}_ping_p50']:.2f}x -> {met}")
@@ -330,6 +405,19 @@ def main() -> int:
         for what, count in (("ping", n), ("op", n_op)):
             res[f"raw_sync_{what}"] = raw_sync(endpoint, sizes, what, count, w)
             res[f"raw_async_{what}"] = uvloop.run(raw_async(endpoint, sizes, what, count, w))
+        stop_echo(echo)
+        echo = None
+
+        ready = ctx.Event()
+        plain_path = f"{tmp}/plain.sock"
+        echo = ctx.Process(target=plain_echo_server, args=(plain_path, ready), daemon=True)
+        echo.start()
+        deadline = time.monotonic() + 30
+        while not ready.wait(0.1):
+            if not echo.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"plain echo server did not start (exit {echo.exitcode})")
+        for what, count in (("ping", n), ("op", n_op)):
+            res[f"plain_sync_{what}"] = plain_sync(plain_path, sizes, what, count, w)
         stop_echo(echo)
         echo = None
 
