@@ -315,6 +315,19 @@ async def kvd_async(path: str, n_ping: int, n_op: int, warmup: int) -> dict[str,
                 "op": await time_async(op, n_op, warmup)}
 
 
+def start_echo(server: Callable[[str, Any], None], address: str) -> Any:
+    """``server(address, ready)`` in a separate process, once it listens."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=server, args=(address, ready), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 30
+    while not ready.wait(0.1):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{server.__name__} did not start (exit code {proc.exitcode})")
+    return proc
+
+
 def stop_echo(proc: Any) -> None:
     if proc is None:
         return
@@ -393,14 +406,8 @@ def main() -> int:
         daemon, path, node_id, epoch = start_daemon(tmp)
         sizes = message_sizes(node_id, epoch)
 
-        ctx = mp.get_context("spawn")
-        ready, endpoint = ctx.Event(), f"ipc://{tmp}/echo.sock"
-        echo = ctx.Process(target=echo_server, args=(endpoint, ready), daemon=True)
-        echo.start()
-        deadline = time.monotonic() + 30
-        while not ready.wait(0.1):
-            if not echo.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"raw echo server did not start (exit code {echo.exitcode})")
+        endpoint = f"ipc://{tmp}/echo.sock"
+        echo = start_echo(echo_server, endpoint)
         res = {}
         for what, count in (("ping", n), ("op", n_op)):
             res[f"raw_sync_{what}"] = raw_sync(endpoint, sizes, what, count, w)
@@ -408,14 +415,8 @@ def main() -> int:
         stop_echo(echo)
         echo = None
 
-        ready = ctx.Event()
         plain_path = f"{tmp}/plain.sock"
-        echo = ctx.Process(target=plain_echo_server, args=(plain_path, ready), daemon=True)
-        echo.start()
-        deadline = time.monotonic() + 30
-        while not ready.wait(0.1):
-            if not echo.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"plain echo server did not start (exit {echo.exitcode})")
+        echo = start_echo(plain_echo_server, plain_path)
         for what, count in (("ping", n), ("op", n_op)):
             res[f"plain_sync_{what}"] = plain_sync(plain_path, sizes, what, count, w)
         stop_echo(echo)

@@ -601,7 +601,7 @@ class PeerTransfers:
             self.counters.eager_nccl_dropped += 1
             # The sender queued the bytes with its offer (even under a duplicate id): take
             # them into staging and drop them, so the channel's two ends stay in step.
-            self._eager_receive(eager_nccl, offer, None)
+            self._queue_nccl_receive(eager_nccl, offer, None, offer.chunk_bytes)
         if not accepted and offer.eager and not duplicate and link.recv_channel is not None:
             # Its bytes are on their way without waiting for our answer: drop them.
             link.recv_channel.drop(offer.transfer_id, offer.nbytes)
@@ -631,13 +631,13 @@ class PeerTransfers:
             self._refuse(link, tid, problem, "bad_offer")
         return None
 
-    def _eager_receive(self, channel: NcclChannel, offer: Offer, blocks: BlockSet | None
-                       ) -> NcclJob:
-        """Queue the receive matching an eager offer's send: into ``blocks``, or, with
-        None, into staging and dropped."""
+    def _queue_nccl_receive(self, channel: NcclChannel, offer: Offer,
+                            blocks: BlockSet | None, chunk_bytes: int) -> NcclJob:
+        """Queue the receive matching an offer's send: into ``blocks``, or, with None
+        (an eager offer we decline), into staging and dropped."""
         job = NcclJob(offer.transfer_id, blocks, tuple(offer.layout), offer.num_blocks,
                       time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
-                      offer.chunk_bytes, abandoned=blocks is None)
+                      chunk_bytes, abandoned=blocks is None)
         channel.submit(job)
         return job
 
@@ -723,7 +723,8 @@ class PeerTransfers:
         dest = arrival.device
         sender_nccl = offer.src_dev != CPU_DEVICE
         if eager_nccl is not None:
-            job = self._eager_receive(eager_nccl, offer, arrival.blocks)
+            job = self._queue_nccl_receive(eager_nccl, offer, arrival.blocks,
+                                           offer.chunk_bytes)
             return job, Accept(transfer_id=tid, dst_dev=str(eager_nccl.device),
                                channel=offer.channel, chunk_bytes=offer.chunk_bytes)
         if not (offer.src_gpu or dest.type == "cuda"):
@@ -737,10 +738,7 @@ class PeerTransfers:
         local_dev = str(dest) if dest.type == "cuda" else self.plane.gpus[0]
         entry = self.nccl.for_receive(link, local_dev, offer.src_dev)
         chunk = self._chunk_bytes(offer, arrival)
-        job = NcclJob(tid, arrival.blocks, tuple(offer.layout), offer.num_blocks,
-                      time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
-                      chunk)
-        entry.channel.submit(job)
+        job = self._queue_nccl_receive(entry.channel, offer, arrival.blocks, chunk)
         return job, Accept(transfer_id=tid, dst_dev=local_dev, channel=entry.channel_id,
                            nccl_uid=entry.unique_id, chunk_bytes=chunk)
 

@@ -24,7 +24,7 @@ from kvd import timeline
 from kvd.memory.regions import Layout, packed_offsets
 from kvd.protocol import LayoutEntry
 from kvd.transport import gpu_copy
-from kvd.transport.chunks import BlockSet, plan_chunks
+from kvd.transport.chunks import BlockSet, largest_chunk, plan_chunks
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     if peer_stores is None:
         peer_stores = gpu_copy.peer_stores(src_dev, dst_dev)
     peer_stores = peer_stores and reader_map is not None
-    size = max(c.nbytes for c in chunks)
+    size = largest_chunk(chunks)
     src_stage = [] if peer_stores else [torch.empty(size, dtype=torch.uint8, device=src_dev)
                                         for _ in range(CROSS_GPU_BUFFERS)]
     dst_stage = [torch.empty(size, dtype=torch.uint8, device=dst_dev)

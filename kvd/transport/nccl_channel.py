@@ -41,7 +41,7 @@ from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
 from kvd.memory.cuda_ipc import wait_ready
 from kvd.memory.regions import Layout
 from kvd.transport import gpu_copy
-from kvd.transport.chunks import BlockSet, Chunk, plan_chunks
+from kvd.transport.chunks import BlockSet, Chunk, largest_chunk, plan_chunks
 from kvd.transport.nccl import Communicator
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class NcclChannel:
         """The communicator, the transfer's chunks, and the staging size they need."""
         assert self._comm is not None
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
-        return self._comm, chunks, max((c.nbytes for c in chunks), default=0)
+        return self._comm, chunks, largest_chunk(chunks)
 
     def _prepare(self, blocks: BlockSet | None, chunks: Sequence[Chunk], size: int
                  ) -> list[torch.Tensor | None]:
