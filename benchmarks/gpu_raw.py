@@ -48,7 +48,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -288,7 +287,9 @@ def worker_main(rank: int, config_path: str) -> int:
         "backend": backend,
         "rank": rank,
         "world_size": WORLD_SIZE,
-        "init_method": f"tcp://127.0.0.1:{config['port']}",
+        # A file, not a TCP port: a port picked free in the parent can be taken (by a
+        # daemon's NCCL bootstrap, say) before rank 0 listens on it (EADDRINUSE, seen).
+        "init_method": f"file://{config['rendezvous_path']}",
         "timeout": timedelta(seconds=config["timeout_s"]),
     }
     if device.type == "cuda":
@@ -321,12 +322,6 @@ def worker_main(rank: int, config_path: str) -> int:
 
 
 # ---------------------------------------------------------------- send/recv: parent
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def log_tail(path: str) -> str:
@@ -408,7 +403,7 @@ def measure_raw_nccl(
         config = {
             "backend": backend,
             "device_type": device_type or default_device_type(backend),
-            "port": free_tcp_port(),
+            "rendezvous_path": os.path.join(tmp, "rendezvous"),
             "sizes": dict(sizes),
             "iters": iters,
             "latency_bytes": latency_bytes,
