@@ -1,18 +1,19 @@
-"""Control-plane latency of kvd against a raw pyzmq round trip of the same message sizes.
+"""Control-plane latency of kvd against a raw round trip of the same message sizes.
 
 Run: ``python benchmarks/control_plane.py [--quick] [--json] [--iterations N] [--warmup N]``
 
-What it measures, all sequential (one request in flight), on this machine's ``ipc://``:
+What it measures, all sequential (one request in flight), over Unix sockets:
 
-* **raw**: a pyzmq DEALER client against a bare ROUTER echo server in a separate process
-  (as the daemon is), once blocking and once with ``zmq.asyncio`` under uvloop. Payloads
-  have the encoded sizes of kvd's messages: "ping" sends the size of a ``Ping`` request
-  and gets a ``Pong``-sized reply back; "op" cycles through the sizes of ``Offload``,
-  ``Get`` and ``Delete`` requests and their ``Done`` replies.
-* **plain**: the same sizes over a plain Unix stream socket (a 4-byte length before each
-  message), blocking client, echo server in a separate process: what the round trip costs
-  without ZeroMQ's I/O threads (one thread wake-up per message instead of three), the
-  basis for replacing ZeroMQ on the local socket (docs/architecture.md, next steps).
+* **raw**: the transport kvd's local socket uses, bare: a Unix stream socket with a 4-byte
+  length before each message (``kvd.framing``), echo server in a separate process (as
+  the daemon is), once with a blocking client and once with asyncio streams under uvloop.
+  Payloads have the encoded sizes of kvd's messages: "ping" sends the size of a ``Ping``
+  request and gets a ``Pong``-sized reply back; "op" cycles through the sizes of
+  ``Offload``, ``Get`` and ``Delete`` requests and their ``Done`` replies.
+* **zmq**: the same sizes through pyzmq (DEALER client, ROUTER echo server, blocking and
+  ``zmq.asyncio``), the local socket's transport until 2026-11-30: for reference, no
+  ratio. ZeroMQ's I/O thread at each end makes each message three thread wake-ups instead
+  of one; that is why kvd left it (docs/architecture.md, the local socket).
 * **kvd**: a ``kvd serve`` subprocess with ``kvd.KvdClient`` and ``kvd.AsyncKvdClient``
   (uvloop): ``ping()``, and a 64 KiB ``offload`` + ``get`` + ``delete`` of one block
   between two registered shared-memory regions, with a fresh key per iteration (the
@@ -35,7 +36,6 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -48,6 +48,7 @@ import zmq
 import zmq.asyncio
 from daemons import stop_daemon  # benchmarks/daemons.py (run as a script)
 
+from kvd.framing import HEADER, frame
 from kvd.protocol import Delete, Done, Get, Offload, Ping, Pong, encode
 
 BLOCK_BYTES = 64 * 1024
@@ -112,7 +113,7 @@ async def time_async(fn: Callable[[int], Awaitable[Any]], iterations: int,
         return stats(lat, now_ns() - start)
 
 
-# ---------------------------------------------------------------- raw pyzmq baseline
+# ---------------------------------------------------------------- pyzmq, for reference
 
 
 def echo_server(endpoint: str, ready: Any) -> None:
@@ -143,7 +144,7 @@ def payloads(sizes: dict[str, int], what: str) -> list[bytes]:
     return [sizes[rep].to_bytes(4, "little") + bytes(sizes[req] - 4) for req, rep in pairs[what]]
 
 
-def raw_sync(endpoint: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
+def zmq_sync(endpoint: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     for opt, value in ((zmq.LINGER, 0), (zmq.SNDTIMEO, 5000), (zmq.RCVTIMEO, 5000)):
@@ -160,7 +161,7 @@ def raw_sync(endpoint: str, sizes: dict[str, int], what: str, n: int, warmup: in
         ctx.term()
 
 
-async def raw_async(endpoint: str, sizes: dict[str, int], what: str, n: int,
+async def zmq_async(endpoint: str, sizes: dict[str, int], what: str, n: int,
                     warmup: int) -> dict:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -177,7 +178,7 @@ async def raw_async(endpoint: str, sizes: dict[str, int], what: str, n: int,
         ctx.term()
 
 
-# ---------------------------------------------------------------- plain socket baseline
+# ---------------------------------------------------------------- raw baseline
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
@@ -191,12 +192,12 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 def _read_frame(conn: socket.socket) -> bytes:
-    (n,) = struct.unpack("<I", _read_exactly(conn, 4))
+    (n,) = HEADER.unpack(_read_exactly(conn, HEADER.size))
     return _read_exactly(conn, n)
 
 
 def plain_echo_server(path: str, ready: Any) -> None:
-    """Unix-socket echo with the same rule as ``echo_server``: one client at a time."""
+    """Unix-socket echo with the same rule as ``echo_server``, one client at a time."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)
@@ -214,19 +215,18 @@ def plain_echo_server(path: str, ready: Any) -> None:
                 while True:
                     payload = _read_frame(conn)
                     n = int.from_bytes(payload[:4], "little")
-                    reply = replies.get(n) or replies.setdefault(
-                        n, struct.pack("<I", n) + bytes(n))
+                    reply = replies.get(n) or replies.setdefault(n, frame(bytes(n)))
                     conn.sendall(reply)
             except ConnectionError:
                 pass
     srv.close()
 
 
-def plain_sync(path: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
+def raw_sync(path: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(5.0)
     conn.connect(path)
-    msgs = [struct.pack("<I", len(m)) + m for m in payloads(sizes, what)]
+    msgs = [frame(m) for m in payloads(sizes, what)]
     try:
         def rtt(i: int) -> None:
             conn.sendall(msgs[i % len(msgs)])
@@ -234,6 +234,20 @@ def plain_sync(path: str, sizes: dict[str, int], what: str, n: int, warmup: int)
         return time_sync(rtt, n, warmup)
     finally:
         conn.close()
+
+
+async def raw_async(path: str, sizes: dict[str, int], what: str, n: int,
+                    warmup: int) -> dict:
+    reader, writer = await asyncio.open_unix_connection(path)
+    msgs = [frame(m) for m in payloads(sizes, what)]
+    try:
+        async def rtt(i: int) -> None:
+            writer.write(msgs[i % len(msgs)])
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            await reader.readexactly(size)
+        return await time_async(rtt, n, warmup)
+    finally:
+        writer.close()
 
 
 # ---------------------------------------------------------------- kvd
@@ -345,13 +359,12 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
     out: dict[str, Any] = {}
     for name, st in res.items():
         out.update({f"{name}_{k}": round(v, 2) for k, v in st.items()})
-    plain_ping = res["plain_sync_ping"]["p50_us"]
-    out["ratio_raw_sync_ping_vs_plain_p50"] = round(res["raw_sync_ping"]["p50_us"] / plain_ping, 2)
-    out["ratio_sync_ping_vs_plain_p50"] = round(res["kvd_sync_ping"]["p50_us"] / plain_ping, 2)
     for mode in ("sync", "async"):
         raw_ping, raw_op = res[f"raw_{mode}_ping"]["p50_us"], res[f"raw_{mode}_op"]["p50_us"]
         out[f"ratio_{mode}_ping_p50"] = round(res[f"kvd_{mode}_ping"]["p50_us"] / raw_ping, 2)
         out[f"ratio_{mode}_op_p50"] = round(res[f"kvd_{mode}_op"]["p50_us"] / (3 * raw_op), 2)
+        out[f"ratio_zmq_{mode}_ping_vs_raw_p50"] = round(
+            res[f"zmq_{mode}_ping"]["p50_us"] / raw_ping, 2)
         out[f"target_met_{mode}"] = out[f"ratio_{mode}_ping_p50"] <= TARGET_RATIO
     out.update(target=TARGET, iterations={"ping": args.iterations, "op": args.op_iterations,
                                           "warmup": args.warmup}, message_sizes=sizes)
@@ -359,27 +372,23 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
     print(f"kvd control plane, sequential (1 in flight); {args.iterations} ping / "
           f"{args.op_iterations} offload+get+delete iterations, {args.warmup} warm-up")
     print("message bytes: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
-    print(f"\n{'measurement':<42}{'p50 µs':>10}{'p99 µs':>10}{'ops/s':>10}  ratio (p50)")
-    labels = {"ping": ("raw RTT, ping/pong sizes", "kvd ping()"),
-              "op": ("raw RTT, offload/get/delete sizes", "kvd offload+get+delete 64KiB")}
+    print(f"\n{'measurement':<44}{'p50 µs':>10}{'p99 µs':>10}{'ops/s':>10}  ratio (p50)")
+    labels = {"ping": ("RTT, ping/pong sizes", "kvd ping()"),
+              "op": ("RTT, offload/get/delete sizes", "kvd offload+get+delete 64KiB")}
     for mode in ("sync", "async"):
         for what in ("ping", "op"):
-            for src, label in zip(("raw", "kvd"), labels[what], strict=True):
+            for src, label in (("raw", "raw " + labels[what][0]),
+                               ("zmq", "pyzmq " + labels[what][0]), ("kvd", labels[what][1])):
                 st = res[f"{src}_{mode}_{what}"]
                 ratio = ""
                 if src == "kvd":
                     basis = "raw RTT" if what == "ping" else "3x raw RTT"
                     ratio = f"{out[f'ratio_{mode}_{what}_p50']:.2f}x vs {basis}"
-                print(f"{mode + ' ' + label:<42}{st['p50_us']:>10.1f}{st['p99_us']:>10.1f}"
+                elif src == "zmq" and what == "ping":
+                    ratio = f"{out[f'ratio_zmq_{mode}_ping_vs_raw_p50']:.2f}x vs raw RTT"
+                print(f"{mode + ' ' + label:<44}{st['p50_us']:>10.1f}{st['p99_us']:>10.1f}"
                       f"{st['ops_s']:>10.0f}  {ratio}")
         print()
-    for what in ("ping", "op"):
-        st = res[f"plain_sync_{what}"]
-        print(f"{'plain socket RTT, ' + what + ' sizes':<42}{st['p50_us']:>10.1f}"
-              f"{st['p99_us']:>10.1f}{st['ops_s']:>10.0f}")
-    print(f"raw pyzmq / plain socket (sync ping p50): "
-          f"{out['ratio_raw_sync_ping_vs_plain_p50']:.2f}x; kvd sync ping / plain socket: "
-          f"{out['ratio_sync_ping_vs_plain_p50']:.2f}x\n")
     for mode in ("sync", "async"):
         met = "MET" if out[f"target_met_{mode}"] else "NOT MET"
         print(f"target ({mode}): {TARGET}: {out[f'ratio_{mode}_ping_p50']:.2f}x -> {met}")
@@ -406,19 +415,20 @@ def main() -> int:
         daemon, path, node_id, epoch = start_daemon(tmp)
         sizes = message_sizes(node_id, epoch)
 
-        endpoint = f"ipc://{tmp}/echo.sock"
-        echo = start_echo(echo_server, endpoint)
         res = {}
-        for what, count in (("ping", n), ("op", n_op)):
-            res[f"raw_sync_{what}"] = raw_sync(endpoint, sizes, what, count, w)
-            res[f"raw_async_{what}"] = uvloop.run(raw_async(endpoint, sizes, what, count, w))
-        stop_echo(echo)
-        echo = None
-
         plain_path = f"{tmp}/plain.sock"
         echo = start_echo(plain_echo_server, plain_path)
         for what, count in (("ping", n), ("op", n_op)):
-            res[f"plain_sync_{what}"] = plain_sync(plain_path, sizes, what, count, w)
+            res[f"raw_sync_{what}"] = raw_sync(plain_path, sizes, what, count, w)
+            res[f"raw_async_{what}"] = uvloop.run(raw_async(plain_path, sizes, what, count, w))
+        stop_echo(echo)
+        echo = None
+
+        endpoint = f"ipc://{tmp}/echo.sock"
+        echo = start_echo(echo_server, endpoint)
+        for what, count in (("ping", n), ("op", n_op)):
+            res[f"zmq_sync_{what}"] = zmq_sync(endpoint, sizes, what, count, w)
+            res[f"zmq_async_{what}"] = uvloop.run(zmq_async(endpoint, sizes, what, count, w))
         stop_echo(echo)
         echo = None
 

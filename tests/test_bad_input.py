@@ -11,11 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-import zmq
-import zmq.asyncio
 
 import kvd
 from kvd import AsyncKvdClient, shared_zeros
+from kvd.framing import HEADER, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -30,19 +29,32 @@ pack = msgspec.msgpack.encode
 
 
 class RawClient:
-    """A DEALER speaking bytes, to send what the real client never would."""
+    """A raw connection to the local socket, to send what the real client never would."""
 
     def __init__(self, path: str) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"ipc://{path}")
+        self.path = path
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
-    async def send(self, *frames: bytes) -> Any:
-        await self.sock.send_multipart(list(frames))
+    async def open(self) -> RawClient:
+        self.reader, self.writer = await asyncio.open_unix_connection(self.path)
+        return self
+
+    async def write(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def reply(self) -> Any:
+        assert self.reader is not None
         async with asyncio.timeout(5):
-            reply = await self.sock.recv()
-        return decode_reply(reply)
+            (n,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
+            return decode_reply(await self.reader.readexactly(n))
+
+    async def send(self, payload: bytes) -> Any:
+        """One framed message; its reply."""
+        await self.write(frame(payload))
+        return await self.reply()
 
     async def hello(self) -> None:
         reply = await self.send(pack({"op": "hello", "req_id": 1, "protocol_version":
@@ -50,13 +62,13 @@ class RawClient:
         assert reply.__struct_config__.tag == "welcome", reply
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+        if self.writer is not None:
+            self.writer.close()
 
 
 @pytest.fixture
 async def raw(daemon: RunningDaemon) -> AsyncIterator[RawClient]:
-    r = RawClient(daemon.socket_path)
+    r = await RawClient(daemon.socket_path).open()
     await r.hello()
     yield r
     r.close()
@@ -109,18 +121,39 @@ async def test_malformed_messages(
     await still_serving(raw)
 
 
-async def test_multipart_and_oversized(daemon: RunningDaemon, raw: RawClient) -> None:
-    reply = await raw.send(pack({"op": "ping", "req_id": 3}), b"second frame")
-    assert isinstance(reply, ErrorReply) and "one frame" in reply.message
-    assert await bad_count(raw, "frames") == 1
+async def test_oversized_and_split_messages(daemon: RunningDaemon, raw: RawClient) -> None:
+    # Over max_message_bytes (1 MiB): an error reply with the req_id, then the stream is
+    # still in step (the rest of the message was skipped, not taken for the next one).
     reply = await raw.send(pack({"op": "stats", "req_id": 4, "pad": "x" * (2 * 2**20)}))
     assert isinstance(reply, ErrorReply) and reply.req_id == 4
     assert "max_message_bytes" in reply.message
-    await still_serving(raw)
+    assert await bad_count(raw, "too_large") == 1
+    # A length that claims 4 GiB: refused at once, without waiting for (or holding) it;
+    # what follows it in the stream is taken as part of it and skipped.
+    await raw.write(HEADER.pack(2**32 - 1))
+    reply = await raw.reply()
+    assert isinstance(reply, ErrorReply) and reply.req_id == 0
+    assert "4294967295 bytes" in reply.message
+    raw.close()
+    # Messages cut into pieces at every byte, and two in one write, are read as sent.
+    r = await RawClient(daemon.socket_path).open()
+    try:
+        await r.hello()
+        data = frame(pack({"op": "ping", "req_id": 5}))
+        for i in range(len(data)):
+            await r.write(data[i : i + 1])
+            await asyncio.sleep(0)
+        assert isinstance(await r.reply(), Pong)
+        await r.write(frame(pack({"op": "ping", "req_id": 6})) +
+                      frame(pack({"op": "ping", "req_id": 7})))
+        assert [(await r.reply()).req_id for _ in range(2)] == [6, 7]
+        await still_serving(r)
+    finally:
+        r.close()
 
 
 async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
-    r = RawClient(daemon.socket_path)
+    r = await RawClient(daemon.socket_path).open()
     try:
         reply = await r.send(pack({"op": "ping", "req_id": 1}))
         assert isinstance(reply, ErrorReply) and reply.code == "daemon_unavailable"
@@ -220,14 +253,13 @@ async def test_semantic_errors_keep_serving(daemon: RunningDaemon) -> None:
 
 async def test_a_new_client_on_a_reused_descriptor_keeps_its_session(
         daemon: RunningDaemon) -> None:
-    """Clients come and go: the daemon learns of a disconnect from a monitor event that
-    names the connection's file descriptor, and the next client may get the same number.
-    A late event for the old connection must not end the new client's session."""
+    """Clients come and go, and the next connection may get the descriptor number of one
+    that just closed: the old connection's end must not end the new client's session."""
     for i in range(100):
-        old = RawClient(daemon.socket_path)
+        old = await RawClient(daemon.socket_path).open()
         await old.hello()
         old.close()
-        new = RawClient(daemon.socket_path)
+        new = await RawClient(daemon.socket_path).open()
         try:
             await new.hello()
             if i % 2:

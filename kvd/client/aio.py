@@ -1,9 +1,10 @@
 """``AsyncKvdClient``: the asyncio client of a local kvd daemon.
 
-One DEALER socket; a reader task matches replies to waiting futures by ``req_id``, so any
-number of requests can be in flight. Every call has a timeout. Cancelling a call (or a
-``Transfer``) also cancels it in the daemon, which answers only once no more bytes can
-land in the caller's blocks.
+One Unix socket connection (length-prefixed messages, ``kvd.framing``); replies are
+matched to waiting futures by ``req_id`` as they arrive, so any number of requests can be
+in flight. Every call has a timeout. Cancelling a call (or a ``Transfer``) also cancels it
+in the daemon, which answers only once no more bytes can land in the caller's blocks. A
+daemon that goes away closes the connection: every pending call fails at once.
 """
 
 from __future__ import annotations
@@ -13,17 +14,63 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
-from kvd.client.base import Call, Region, RequestBuilder, close_dealer, open_dealer, result_of
+from kvd.client.base import MAX_REPLY_BYTES, Call, Region, RequestBuilder, result_of
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError, ProtocolError
+from kvd.framing import FrameReader, Oversized, frame
 from kvd.protocol import Bye, Reply, decode_reply, encode
 
 log = logging.getLogger(__name__)
+
+
+class _Connection(asyncio.Protocol):
+    """The socket's side of an ``AsyncKvdClient``: replies in, requests out."""
+
+    def __init__(self, client: AsyncKvdClient) -> None:
+        self.client = client
+        self.frames = FrameReader(MAX_REPLY_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self._writable: asyncio.Future[None] | None = None  # set while writing is paused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        for payload in self.frames.feed(data):
+            if isinstance(payload, Oversized):
+                log.warning("dropping a reply of %d bytes (over %d)", payload.nbytes,
+                            MAX_REPLY_BYTES)
+                continue
+            try:
+                reply = decode_reply(payload)
+            except ProtocolError as exc:
+                log.warning("dropping undecodable reply: %s", exc)
+                continue
+            self.client._on_reply(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.resume_writing()
+        self.client._on_lost()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    async def write(self, data: bytes) -> None:
+        """Queue ``data``; wait while the daemon is not taking what was queued before."""
+        if self.transport is None or self.lost:
+            raise OSError("connection closed")
+        self.transport.write(data)
+        if self._writable is not None:
+            await asyncio.shield(self._writable)
 
 
 class AsyncTransfer:
@@ -64,12 +111,8 @@ class AsyncKvdClient:
     def __init__(self, socket_path: str | None = None, *, name: str = "",
                  timeout_s: float = 30.0) -> None:
         self._b = RequestBuilder(socket_path, name, timeout_s)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._conn: _Connection | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._watcher: asyncio.Task[None] | None = None
         self._dead: DaemonUnavailable | None = None
         self._closed = False
         self.node_id = ""
@@ -90,12 +133,15 @@ class AsyncKvdClient:
         """Connect and say hello; ``DaemonUnavailable`` naming the socket if no daemon
         answers within the timeout."""
         self._b.check_socket()
-        self._ctx = zmq.asyncio.Context()
-        self._sock, self._monitor = open_dealer(self._ctx, self._b)
-        loop = asyncio.get_running_loop()
-        self._reader = loop.create_task(self._read_loop())
-        self._watcher = loop.create_task(self._watch_connection())
         call = self._b.hello(timeout_s)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(call.timeout_s):
+                _, self._conn = await loop.create_unix_connection(
+                    lambda: _Connection(self), self._b.socket_path)
+        except (OSError, TimeoutError) as exc:
+            raise DaemonUnavailable(f"cannot connect to kvd daemon at {self._b.socket_path}: "
+                                    f"{getattr(exc, 'strerror', None) or exc!r}") from None
         try:
             welcome = await self._call(call)
         except (KvdError, OSError) as exc:
@@ -109,49 +155,32 @@ class AsyncKvdClient:
         if self._closed:
             return
         self._closed = True
-        if self._sock is not None and self._dead is None and self.epoch:
+        if self._conn is not None and self._dead is None and self.epoch:
             with contextlib.suppress(KvdError, OSError):
                 await self._call(self._b.bye())
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(DaemonUnavailable("client closed"))
         self._pending.clear()
-        close_dealer(self._sock, self._monitor, self._ctx)
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
 
-    async def _read_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                reply = decode_reply(frames[-1])
-            except ProtocolError as exc:
-                log.warning("dropping undecodable reply: %s", exc)
-                continue
-            fut = self._pending.pop(reply.req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(reply)
+    def _on_reply(self, reply: Reply) -> None:
+        fut = self._pending.pop(reply.req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
 
-    async def _watch_connection(self) -> None:
-        assert self._monitor is not None
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                # Replies sent just before the daemon closed may trail the event.
-                await asyncio.sleep(0.1)
-                self._dead = self._b.disconnected()
-                for fut in self._pending.values():
-                    if not fut.done():
-                        fut.set_exception(self._dead)
-                self._pending.clear()
-                return
+    def _on_lost(self) -> None:
+        if self._closed:
+            return
+        self._dead = self._b.disconnected()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._dead)
+        self._pending.clear()
 
     async def _send(self, call: Call) -> asyncio.Future[Reply]:
-        if self._sock is None or (self._closed and not isinstance(call.msg, Bye)):
+        if self._conn is None or (self._closed and not isinstance(call.msg, Bye)):
             raise DaemonUnavailable("client is not connected")
         if self._dead is not None:
             raise self._dead
@@ -159,11 +188,14 @@ class AsyncKvdClient:
         self._pending[call.msg.req_id] = fut
         try:
             async with asyncio.timeout(call.timeout_s):
-                await self._sock.send(encode(call.msg))
+                await self._conn.write(frame(encode(call.msg)))
         except TimeoutError:
             self._pending.pop(call.msg.req_id, None)
             raise DaemonUnavailable(
                 f"cannot reach kvd daemon at {self._b.socket_path}") from None
+        except OSError:
+            self._pending.pop(call.msg.req_id, None)
+            raise self._dead or self._b.disconnected() from None
         return fut
 
     async def _call(self, call: Call) -> Any:
@@ -184,11 +216,11 @@ class AsyncKvdClient:
 
     def _cancel_remote(self, call: Call) -> None:
         """Tell the daemon to drop a request we stopped waiting for (fire and forget)."""
-        if self._sock is None or self._closed or call.kind in ("none", "rtt", "stats"):
+        conn = self._conn
+        if (conn is None or conn.transport is None or conn.lost or self._closed
+                or call.kind in ("none", "rtt", "stats")):
             return
-        cancel = self._b.cancel(call.msg.req_id, None)
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(encode(cancel.msg), zmq.NOBLOCK)
+        conn.transport.write(frame(encode(self._b.cancel(call.msg.req_id, None).msg)))
 
     # ------------------------------------------------------------ operations
 

@@ -8,10 +8,9 @@ arguments and results.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import secrets
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,33 +81,23 @@ class Call:
     tensors: tuple[Any, ...] = ()
 
 
-def open_dealer(ctx: Any, builder: RequestBuilder) -> tuple[Any, Any]:
-    """The client's DEALER, connected, and a monitor that reports a dropped connection
-    (the daemon stopped): every pending call then fails at once instead of timing out."""
-    import zmq
-
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, builder.identity)
-    # No IMMEDIATE: with it, replies already received are dropped when the connection
-    # closes (a drain report, the last answers of a stopping daemon). A daemon that is not
-    # there is found by the socket check, the hello timeout and the monitor instead.
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(builder.endpoint)
-    return sock, monitor
+# Replies larger than this are dropped (with a warning), not buffered: a stats reply is a
+# few KiB, everything else less than one.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
-def close_dealer(sock: Any, monitor: Any, ctx: Any) -> None:
-    import zmq
-
-    if sock is not None:
-        with contextlib.suppress(zmq.ZMQError):
-            sock.disable_monitor()
-        sock.close(linger=0)
-    if monitor is not None:
-        monitor.close(linger=0)
-    if ctx is not None:
-        ctx.term()
+def connect_unix(socket_path: str, timeout_s: float) -> socket.socket:
+    """A blocking connection to the daemon's local socket; ``DaemonUnavailable`` naming
+    the socket if nothing listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(socket_path)
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(
+            f"cannot connect to kvd daemon at {socket_path}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _blocks(blocks: Iterable[int]) -> list[int]:
@@ -134,10 +123,8 @@ def _reading(region: Region | int) -> int:
 class RequestBuilder:
     def __init__(self, socket_path: str | None, name: str, timeout_s: float) -> None:
         self.socket_path = socket_path or default_socket_path()
-        self.endpoint = f"ipc://{self.socket_path}"
         self.name = name
         self.timeout_s = timeout_s
-        self.identity = b"kvd-client-" + secrets.token_hex(8).encode()
         self._ids = itertools.count(1)
 
     def _t(self, timeout_s: float | None) -> float:

@@ -1,32 +1,41 @@
 """``KvdClient``: the blocking twin of ``AsyncKvdClient``, same methods and results.
 
-Requests are built by the shared ``RequestBuilder``; this shell only sends and waits. A
-reply for another request that arrives while waiting (a ``Transfer`` still in flight) is
-kept until its owner asks. One lock makes a client safe to share between threads; for
-concurrency within a thread, use the async client.
+Requests are built by the shared ``RequestBuilder``; this shell only sends and waits, on
+one blocking Unix socket (length-prefixed messages, ``kvd.framing``). A reply for another
+request that arrives while waiting (a ``Transfer`` still in flight) is kept until its owner
+asks. One lock makes a client safe to share between threads; for concurrency within a
+thread, use the async client. A daemon that goes away closes the connection: every wait
+then fails at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from kvd.client.base import Call, Region, RequestBuilder, close_dealer, open_dealer, result_of
+from kvd.client.base import (
+    MAX_REPLY_BYTES,
+    Call,
+    Region,
+    RequestBuilder,
+    connect_unix,
+    result_of,
+)
 from kvd.errors import DaemonUnavailable, KvdError, ProtocolError
+from kvd.framing import FrameReader, Oversized, frame
 from kvd.protocol import Reply, decode_reply, encode
 
 log = logging.getLogger(__name__)
 
-# While waiting for a reply, how often the connection monitor is looked at (a daemon that
-# went away is noticed within this).
-_MONITOR_SLICE_MS = 100
+# How long a cancel of a request we stopped waiting for may take to write (it is ~30
+# bytes: the socket's buffer takes it at once unless the daemon stopped reading).
+_CANCEL_WRITE_S = 1.0
 
 
 class Transfer:
@@ -81,11 +90,10 @@ class KvdClient:
     def __init__(self, socket_path: str | None = None, *, name: str = "",
                  timeout_s: float = 30.0) -> None:
         self._b = RequestBuilder(socket_path, name, timeout_s)
-        self._ctx: zmq.Context[Any] | None = None
-        self._sock: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None
+        self._sock: socket.socket | None = None
+        self._poller: select.poll | None = None
+        self._frames = FrameReader(MAX_REPLY_BYTES)
         self._dead: DaemonUnavailable | None = None
-        self._disconnected = False  # the monitor saw the connection drop
         self._lock = threading.RLock()
         self._stash: dict[int, Reply] = {}
         self._outstanding: set[int] = set()
@@ -112,11 +120,12 @@ class KvdClient:
         """Connect and say hello; ``DaemonUnavailable`` naming the socket if no daemon
         answers within the timeout."""
         self._b.check_socket()
-        self._ctx = zmq.Context()
-        sock, self._monitor = open_dealer(self._ctx, self._b)
-        self._sock = sock
+        call = self._b.hello(timeout_s)
+        self._sock = connect_unix(self._b.socket_path, call.timeout_s)
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
         try:
-            welcome = self._call(self._b.hello(timeout_s))
+            welcome = self._call(call)
         except (KvdError, OSError) as exc:
             self.close()
             raise DaemonUnavailable(
@@ -128,34 +137,42 @@ class KvdClient:
         with self._lock:
             if self._closed:
                 return
-            if self._monitor is not None:
-                self._check_monitor()
-            if self._sock is not None and self.epoch and not self._disconnected:
+            if self._sock is not None and self.epoch and self._dead is None:
                 with contextlib.suppress(KvdError, OSError):
                     self._call(self._b.bye())
             self._closed = True
-            close_dealer(self._sock, self._monitor, self._ctx)
+            if self._sock is not None:
+                self._sock.close()
 
     # ------------------------------------------------------------ I/O
+
+    def _write(self, data: bytes, timeout_s: float) -> None:
+        """All of ``data``, or the connection is given up: a message cut short would
+        leave the stream out of step."""
+        assert self._sock is not None
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.sendall(data)
+        except TimeoutError:
+            self._dead = DaemonUnavailable(
+                f"kvd daemon at {self._b.socket_path} stopped reading requests "
+                f"(none taken for {timeout_s:g}s): create a new client")
+            raise self._dead from None
+        except OSError:
+            self._dead = self._b.disconnected()
+            raise self._dead from None
 
     def _send(self, call: Call) -> None:
         if self._sock is None or self._closed:
             raise DaemonUnavailable("client is not connected")
         if self._dead is not None:
             raise self._dead
-        data = encode(call.msg)
-        try:
-            self._sock.send(data, zmq.NOBLOCK)
-        except zmq.Again:  # the queue to the daemon is full: wait for room, boundedly
-            if not self._sock.poll(int(call.timeout_s * 1000), zmq.POLLOUT):
-                raise DaemonUnavailable(
-                    f"cannot reach kvd daemon at {self._b.socket_path}") from None
-            self._sock.send(data)
+        self._write(frame(encode(call.msg)), call.timeout_s)
         self._outstanding.add(call.msg.req_id)
 
     def _wait_reply(self, req_id: int, timeout_s: float, poll_only: bool = False) -> Reply | None:
         """The reply to ``req_id``; replies to other outstanding requests are stashed."""
-        assert self._sock is not None
+        assert self._sock is not None and self._poller is not None
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
@@ -164,37 +181,39 @@ class KvdClient:
                     return self._stash.pop(req_id)
                 if self._dead is not None:
                     raise self._dead
-                remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-                # Poll the reply socket alone (the common case: one syscall), in slices,
-                # and look at the connection monitor between slices.
-                if not self._sock.poll(min(remaining_ms, _MONITOR_SLICE_MS), zmq.POLLIN):
-                    self._check_monitor()
-                    if self._disconnected:
-                        # Replies sent just before the daemon closed may trail the event.
-                        if self._sock.poll(100, zmq.POLLIN):
-                            continue
-                        self._dead = self._b.disconnected()
-                        raise self._dead
+                remaining_ms = 0 if poll_only else max(
+                    0, int((deadline - time.monotonic()) * 1000))
+                if not self._poller.poll(remaining_ms):
                     if poll_only or remaining_ms == 0:
                         return None
                     continue
-                try:
-                    reply = decode_reply(self._sock.recv())
-                except ProtocolError as exc:
-                    log.warning("dropping undecodable reply: %s", exc)
-                    continue
-                if reply.req_id == req_id:
-                    self._outstanding.discard(req_id)
-                    return reply
-                if reply.req_id in self._outstanding:
-                    self._stash[reply.req_id] = reply
+                self._read_replies()
 
-    def _check_monitor(self) -> None:
-        assert self._monitor is not None
-        while self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._disconnected = True
+    def _read_replies(self) -> None:
+        """What the socket has, into the stash (a closed connection: the client is dead,
+        after the replies that came before the close)."""
+        assert self._sock is not None
+        try:
+            data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._dead = self._b.disconnected()
+            return
+        for payload in self._frames.feed(data):
+            if isinstance(payload, Oversized):
+                log.warning("dropping a reply of %d bytes (over %d)", payload.nbytes,
+                            MAX_REPLY_BYTES)
+                continue
+            try:
+                reply = decode_reply(payload)
+            except ProtocolError as exc:
+                log.warning("dropping undecodable reply: %s", exc)
+                continue
+            if reply.req_id in self._outstanding:
+                self._stash[reply.req_id] = reply
 
     def _call(self, call: Call) -> Any:
         with self._lock:
@@ -208,10 +227,12 @@ class KvdClient:
             return result_of(call, reply, time.perf_counter() - started)
 
     def _cancel_remote(self, call: Call) -> None:
-        if self._sock is None or call.kind in ("none", "rtt", "stats"):
+        if self._sock is None or self._dead is not None or call.kind in (
+                "none", "rtt", "stats"):
             return
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(encode(self._b.cancel(call.msg.req_id, None).msg), zmq.NOBLOCK)
+        with contextlib.suppress(KvdError):
+            self._write(frame(encode(self._b.cancel(call.msg.req_id, None).msg)),
+                        _CANCEL_WRITE_S)
 
     # ------------------------------------------------------------ operations
 

@@ -1,16 +1,15 @@
-"""The local socket: a ZMQ ROUTER on ``ipc://`` serving the inference processes of a node.
+"""The local socket: a Unix stream socket serving the inference processes of a node.
 
-One reader coroutine takes messages off the socket with non-blocking receives and answers
-quick requests inline; long ones (get, put, offload, unregister, cancel) become tasks that
-reply when they finish. Every malformed message gets an ``ErrorReply`` and a count in
-``bad_messages``; nothing a client sends can stop the reader.
+Messages are length-prefixed msgspec messages (``kvd.framing``). Each connection's bytes
+are cut into messages right in the loop's read callback, and quick requests are answered
+there; long ones (get, put, offload, unregister, cancel) become tasks that reply when they
+finish. Every malformed message gets an ``ErrorReply`` and a count in ``bad_messages``;
+nothing a client sends can stop the server.
 
-A client is a *session*, opened by ``Hello``. A client that dies is noticed at once: a
-socket monitor reports the closed connection's file descriptor, and the session that
-said hello on that descriptor is closed: its pending requests are cancelled, its regions
-and its keys without a TTL are released, its shared-memory files unlinked. The monitor is
-always drained before the next client message is read, so a descriptor number reused by
-a new client can never be mistaken for the old one.
+A client is a *session*: one connection, opened by ``Hello``. A client that dies closes its
+connection, which the daemon sees at once: its pending requests are cancelled, its regions
+and its keys without a TTL are released, its shared-memory files unlinked. A client that
+stops reading its replies is cut off once ``_MAX_UNREAD_REPLY_BYTES`` of them wait.
 """
 
 from __future__ import annotations
@@ -19,12 +18,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
-
-import zmq
-from zmq.utils.monitor import parse_monitor_message
+from typing import Any, cast
 
 from kvd import __version__, timeline
 from kvd.config import Config
@@ -37,6 +34,7 @@ from kvd.errors import (
     KvdError,
     ProtocolError,
 )
+from kvd.framing import FrameReader, Oversized, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -68,11 +66,13 @@ from kvd.protocol import (
 
 log = logging.getLogger(__name__)
 
-# A frame larger than this closes the connection inside ZMQ; frames between
-# max_message_bytes and this get an error reply. Keeps a runaway client from making the
-# daemon buffer gigabytes.
-HARD_FRAME_LIMIT = 64 * 1024 * 1024
-_BATCH = 256
+# A request longer than max_message_bytes gets an error reply with its req_id; one longer
+# than this is refused as soon as its length arrives, and skipped, never held in memory.
+_SKIP_ABOVE_BYTES = 64 * 1024 * 1024
+# Replies waiting in the kernel and the transport for a client that does not read them:
+# past this the client is cut off (its session closed) rather than buffered without end.
+# Replies are ~100 bytes: no client that reads falls this far behind.
+_MAX_UNREAD_REPLY_BYTES = 16 * 1024 * 1024
 
 
 class _Replied:
@@ -82,65 +82,109 @@ class _Replied:
 _REPLIED = _Replied()
 
 
+class _Connection(asyncio.Protocol):
+    """One client connection: bytes in, cut into messages for the server; replies out."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.reader = FrameReader(server.config.max_message_bytes, _SKIP_ABOVE_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport.set_write_buffer_limits(high=_MAX_UNREAD_REPLY_BYTES)
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        for item in self.reader.feed(data):
+            if self.transport is None or self.transport.is_closing():
+                return
+            try:
+                self.server.on_message(self, item)
+            except Exception:  # a bug must not stop the reader
+                log.exception("unhandled error in local message handler")
+
+    def pause_writing(self) -> None:
+        # The client stopped reading its replies: cut it off (see _MAX_UNREAD_REPLY_BYTES).
+        self.server.count_bad("unread_replies")
+        log.warning("client session=%s stopped reading its replies (%d bytes waiting): "
+                    "closing its connection",
+                    self.session.sid if self.session else "-", _MAX_UNREAD_REPLY_BYTES)
+        self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        if self.session is not None:
+            self.server.start_close(self.session, "client disconnected", unlink_files=True)
+
+    def send(self, payload: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(payload))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
 @dataclass(eq=False)
 class Session:
     sid: int
-    identity: bytes
+    conn: _Connection
     pid: int
     name: str
-    fd: int
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
 
 
 class LocalServer:
-    def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
+    def __init__(self, config: Config, engine: Engine, epoch: int,
                  daemon: Any = None) -> None:
         self.daemon = daemon  # for the peer plane's figures in stats
         self.config = config
         self.engine = engine
         self.epoch = epoch
-        self.endpoint = f"ipc://{config.socket_path}"
         self.bad_messages: dict[str, int] = {}
-        self.sessions: dict[bytes, Session] = {}
-        self._by_fd: dict[int, Session] = {}
-        self._owed_disconnects: dict[int, int] = {}  # fd -> events to ignore (see _hello)
+        self.sessions: dict[_Connection, Session] = {}
+        self.connections: set[_Connection] = set()
         self._next_sid = 1
         self._closers: set[asyncio.Task[None]] = set()
         self._drain_requests: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
-        self._reading = False
-        self._read_queued = False  # a _read is scheduled with call_soon
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._server: asyncio.AbstractServer | None = None
 
     # ------------------------------------------------------------ lifecycle
 
-    def bind(self) -> None:
+    async def bind(self) -> None:
         path = self.config.socket_path
         if os.path.exists(path) and _socket_answers(path):
             raise ConfigError(f"socket_path: another daemon is serving {path}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o117)  # socket mode 0660
         try:
             prepare_socket_dir(path)
             # A socket file left by a daemon that died (a live one answered above).
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            self._sock.bind(self.endpoint)
-        except (OSError, zmq.ZMQError) as exc:
+            sock.bind(path)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
             raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
         finally:
             os.umask(old_umask)
-        self._reading = True
-        for sock in (self._sock, self._monitor):
-            self._loop.add_reader(sock.getsockopt(zmq.FD), self._read)
-        self._read_soon()  # anything that came before we watched
-        log.info("local socket listening endpoint=%s", self.endpoint)
+        self._server = await self._loop.create_unix_server(
+            lambda: _Connection(self), sock=sock)
+        log.info("local socket listening path=%s", path)
 
     def stop_reading(self) -> None:
-        self._reading = False
+        """No new clients, no new requests (replies still go out)."""
+        if self._server is not None:
+            self._server.close()
+        for conn in self.connections:
+            if conn.transport is not None:
+                conn.transport.pause_reading()
 
     async def close(self) -> None:
         if self._drain_requests:  # let the drain reports go out first
@@ -150,14 +194,15 @@ class LocalServer:
             await self._close_session(session, "daemon stopping", unlink_files=False)
         if self._closers:
             await asyncio.wait(set(self._closers), timeout=5.0)
-        for sock in (self._sock, self._monitor):
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(sock.getsockopt(zmq.FD))
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        self._monitor.close(linger=0)
         # Replies already queued (a drain report, say) get a moment to leave.
-        self._sock.close(linger=500)
+        deadline = self._loop.time() + 0.5
+        for conn in list(self.connections):
+            transport = conn.transport
+            while (transport is not None and transport.get_write_buffer_size()
+                   and self._loop.time() < deadline):
+                await asyncio.sleep(0.01)
+            if transport is not None:
+                transport.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket_path)
 
@@ -166,112 +211,56 @@ class LocalServer:
 
     # ------------------------------------------------------------ reading
 
-    def _read(self) -> None:
-        """Read what is waiting, right in the loop's reader callback (no task to wake: one
-        loop turn less per request). ZeroMQ's descriptor is edge-triggered, so read until
-        empty; after ``_BATCH`` messages, let other callbacks run and come back."""
-        self._read_queued = False
-        if not self._reading:
-            return
-        self._drain_monitor()
-        for _ in range(_BATCH):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # closed under us
-                return
-            try:
-                self._on_message(frames)
-            except Exception:  # a bug must not stop the reader
-                log.exception("unhandled error in local message handler")
-        self._read_soon()
-
-    def _read_soon(self) -> None:
-        if not self._read_queued:
-            self._read_queued = True
-            self._loop.call_soon(self._read)
-
-    def _drain_monitor(self) -> None:
-        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                msg = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(msg)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                fd = event["value"]
-                if self._owed_disconnects.get(fd):
-                    # The connection this event is about was already taken for gone when
-                    # a new client said hello on its descriptor (see _hello).
-                    self._owed_disconnects[fd] -= 1
-                    continue
-                session = self._by_fd.pop(fd, None)
-                if session is not None:
-                    self._start_close(session, "client disconnected", unlink_files=True)
-
-    def _bad(self, identity: bytes, reason: str, req_id: int, err: KvdError) -> None:
+    def count_bad(self, reason: str) -> None:
         self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
-        log.warning("bad message reason=%s req_id=%d: %s", reason, req_id, err.message)
-        self._send(identity, ErrorReply(req_id=req_id, code=err.code, message=err.message))
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        if len(frames) != 2:
-            self._bad(identity, "frames", 0,
-                      ProtocolError(f"expected one frame per message, got {len(frames) - 1}"))
-            return
-        payload = frames[1].buffer
-        if len(payload) > self.config.max_message_bytes:
-            self._bad(identity, "too_large", salvage_req_id(payload), ProtocolError(
-                f"message of {len(payload)} bytes exceeds max_message_bytes "
+    def _bad(self, conn: _Connection, reason: str, req_id: int, err: KvdError) -> None:
+        self.count_bad(reason)
+        log.warning("bad message reason=%s req_id=%d: %s", reason, req_id, err.message)
+        self._send(conn, ErrorReply(req_id=req_id, code=err.code, message=err.message))
+
+    def on_message(self, conn: _Connection, payload: bytes | Oversized) -> None:
+        if isinstance(payload, Oversized):
+            self._bad(conn, "too_large", salvage_req_id(payload.payload), ProtocolError(
+                f"message of {payload.nbytes} bytes exceeds max_message_bytes "
                 f"{self.config.max_message_bytes}"))
             return
         try:
             msg = decode_request(payload)
         except ProtocolError as err:
-            self._bad(identity, "malformed", salvage_req_id(payload), err)
+            self._bad(conn, "malformed", salvage_req_id(payload), err)
             return
         if isinstance(msg, Hello):
-            self._hello(identity, msg, frames[1].get(zmq.SRCFD))
+            self._hello(conn, msg)
             return
-        session = self.sessions.get(identity)
+        session = conn.session
         if session is None:
-            self._bad(identity, "no_session", msg.req_id, DaemonUnavailable(
+            self._bad(conn, "no_session", msg.req_id, DaemonUnavailable(
                 "unknown client: say Hello first (the daemon may have restarted; "
                 "registrations do not survive a restart, create a new client)"))
             return
         self._dispatch(session, msg)
 
-    def _hello(self, identity: bytes, msg: Hello, fd: int) -> None:
+    def _hello(self, conn: _Connection, msg: Hello) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
-            self._bad(identity, "version", msg.req_id, ProtocolError(
+            self._bad(conn, "version", msg.req_id, ProtocolError(
                 f"protocol version {msg.protocol_version} is not supported; this daemon "
                 f"speaks version {PROTOCOL_VERSION}"))
             return
-        if identity in self.sessions:
-            self._bad(identity, "duplicate_hello", msg.req_id,
+        if conn.session is not None:
+            self._bad(conn, "duplicate_hello", msg.req_id,
                       ProtocolError("this client already said hello"))
             return
         if self.engine.draining:
-            self._send(identity, ErrorReply(req_id=msg.req_id, code="draining",
-                                            message="daemon is draining: no new clients"))
+            self._send(conn, ErrorReply(req_id=msg.req_id, code="draining",
+                                        message="daemon is draining: no new clients"))
             return
-        # A new connection may reuse the descriptor of one that just closed: the old one's
-        # DISCONNECTED event must end the old session, not this one. Take the events
-        # waiting now; if the descriptor still names another session, that connection is
-        # gone (one descriptor, one connection): end it, and ignore its event when it comes.
-        self._drain_monitor()
-        stale = self._by_fd.pop(fd, None)
-        if stale is not None:
-            self._owed_disconnects[fd] = self._owed_disconnects.get(fd, 0) + 1
-            self._start_close(stale, "client disconnected", unlink_files=True)
-        session = Session(self._next_sid, identity, msg.pid, msg.name, fd)
+        session = Session(self._next_sid, conn, msg.pid, msg.name)
         self._next_sid += 1
-        self.sessions[identity] = session
-        self._by_fd[fd] = session
+        conn.session = session
+        self.sessions[conn] = session
         log.info("client connected session=%d pid=%d name=%s", session.sid, msg.pid, msg.name)
-        self._send(identity, Welcome(
+        self._send(conn, Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
             node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__))
 
@@ -282,17 +271,17 @@ class LocalServer:
         op = msg.__struct_config__.tag
         timeline.mark(f"local.request.{op}")
         if msg.req_id in s.tasks:
-            self._bad(s.identity, "duplicate_req_id", msg.req_id, ProtocolError(
+            self._bad(s.conn, "duplicate_req_id", msg.req_id, ProtocolError(
                 f"request {msg.req_id} is still pending; req_ids must be unique"))
             return
         try:
             match msg:
                 case Ping():
-                    self._send(s.identity, Pong(req_id=msg.req_id, node_id=self.config.node_id,
+                    self._send(s.conn, Pong(req_id=msg.req_id, node_id=self.config.node_id,
                                                 epoch=self.epoch, draining=e.draining))
                 case Stats():
                     stats = self.daemon.status() if self.daemon is not None else self.stats()
-                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=stats))
+                    self._send(s.conn, StatsReply(req_id=msg.req_id, stats=stats))
                 case Register():
                     self._spawn(s, msg.req_id, op, self._register(s, msg))
                 case Publish():
@@ -309,7 +298,7 @@ class LocalServer:
                     self._done(s, msg.req_id)
                 case Bye():
                     self._done(s, msg.req_id)
-                    self._start_close(s, "client said bye", unlink_files=False)
+                    self.start_close(s, "client said bye", unlink_files=False)
                 case Get():
                     self._spawn(s, msg.req_id, op, e.get(
                         s.sid, msg.req_id, msg.key, msg.region_id, msg.blocks, msg.timeout_s))
@@ -368,14 +357,14 @@ class LocalServer:
 
     async def _register(self, s: Session, msg: Register) -> _Replied:
         r = await self.engine.register(s.sid, msg.name, msg.tensors, msg.block_dim)
-        self._send(s.identity, Registered(req_id=msg.req_id, region_id=r.region_id,
+        self._send(s.conn, Registered(req_id=msg.req_id, region_id=r.region_id,
                                           num_blocks=r.num_blocks, layout=list(r.layout)))
         return _REPLIED
 
     async def _drain(self, s: Session, req_id: int, grace_s: float | None) -> None:
         report = await self.daemon.drain_on_request(grace_s)
         self.engine.counters.request("drain", "ok")
-        self._send(s.identity, StatsReply(req_id=req_id, stats=report))
+        self._send(s.conn, StatsReply(req_id=req_id, stats=report))
 
     async def _cancel(self, s: Session, target: int) -> int:
         task = s.tasks.get(target)
@@ -386,29 +375,22 @@ class LocalServer:
 
     # ------------------------------------------------------------ replies
 
-    def _send(self, identity: bytes, msg: Any) -> None:
+    def _send(self, conn: _Connection, msg: Any) -> None:
         timeline.mark(f"local.reply.{msg.__struct_config__.tag}")
-        try:
-            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # client gone or its queue full: its loss, not ours
-            log.debug("reply dropped: %s", exc)
-        # A send can consume the socket's edge-triggered readiness: if input is waiting,
-        # make sure the reader looks again.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._read_soon()
+        conn.send(encode(msg))  # a client that is gone: its loss, not ours
 
     def _done(self, s: Session, req_id: int, nbytes: int = 0) -> None:
-        self._send(s.identity, Done(req_id=req_id, nbytes=nbytes))
+        self._send(s.conn, Done(req_id=req_id, nbytes=nbytes))
 
     def _error(self, s: Session, req_id: int, op: str, err: KvdError) -> None:
         self.engine.counters.request(op, err.code)
         log.info("request failed op=%s req_id=%d session=%d code=%s: %s",
                  op, req_id, s.sid, err.code, err.message)
-        self._send(s.identity, ErrorReply(req_id=req_id, code=err.code, message=err.message))
+        self._send(s.conn, ErrorReply(req_id=req_id, code=err.code, message=err.message))
 
     # ------------------------------------------------------------ sessions
 
-    def _start_close(self, session: Session, reason: str, *, unlink_files: bool) -> None:
+    def start_close(self, session: Session, reason: str, *, unlink_files: bool) -> None:
         task = self._loop.create_task(self._close_session(session, reason, unlink_files))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
@@ -417,9 +399,9 @@ class LocalServer:
         if session.closing:
             return
         session.closing = True
-        self.sessions.pop(session.identity, None)
-        if self._by_fd.get(session.fd) is session:
-            del self._by_fd[session.fd]
+        self.sessions.pop(session.conn, None)
+        if session.conn.session is session:
+            session.conn.session = None  # the connection may say hello again (after bye)
         tasks = list(session.tasks.values())
         for task in tasks:
             task.cancel()

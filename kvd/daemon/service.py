@@ -158,9 +158,9 @@ class Daemon:
         stack.push_async_callback(self.peers.close)
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
-        self.local = LocalServer(self.config, self.engine, ctx, self.epoch, self)
+        self.local = LocalServer(self.config, self.engine, self.epoch, self)
         stack.push_async_callback(self.local.close)
-        self.local.bind()
+        await self.local.bind()
         self.peers.bind()
 
     def _nccl_gpus(self) -> list[str]:
