@@ -14,6 +14,7 @@ import torch
 
 import kvd
 from kvd import AsyncKvdClient, shared_zeros
+from kvd.daemon import local_server
 from kvd.framing import HEADER, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
@@ -23,7 +24,7 @@ from kvd.protocol import (
     StatsReply,
     decode_reply,
 )
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, make_config, running_daemon
 
 pack = msgspec.msgpack.encode
 
@@ -268,3 +269,30 @@ async def test_a_new_client_on_a_reused_descriptor_keeps_its_session(
             assert isinstance(reply, Pong), (i, reply)
         finally:
             new.close()
+
+
+async def test_a_client_that_does_not_read_its_replies_is_cut_off(
+        sock_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replies a client leaves unread pile up in the daemon only up to a bound: then the
+    client's connection is closed, its session ends, and others are served as before."""
+    monkeypatch.setattr(local_server, "_MAX_UNREAD_REPLY_BYTES", 64 * 1024)
+    async with running_daemon(make_config(sock_dir)) as d:
+        greedy = await RawClient(d.socket_path).open()
+        await greedy.hello()
+        stats = frame(pack({"op": "stats", "req_id": 2}))
+        assert greedy.writer is not None
+        greedy.writer.write(stats * 20000)  # ~30 MiB of replies that nobody reads
+        async with AsyncKvdClient(d.socket_path) as c:
+            async with asyncio.timeout(20):
+                while (await c.stats())["bad_messages"].get("unread_replies", 0) == 0:
+                    await asyncio.sleep(0.05)
+                while (await c.stats())["clients"] != 1:
+                    await asyncio.sleep(0.05)
+            assert await c.ping() > 0
+        assert greedy.reader is not None
+        with pytest.raises(ConnectionError):  # cut off (reset: its requests were unread)
+            async with asyncio.timeout(20):
+                while await greedy.reader.read(1 << 20):
+                    pass
+                raise ConnectionResetError("closed")  # or a plain end of stream
+        greedy.close()
