@@ -506,7 +506,7 @@ class Engine:
             nbytes = await self._copy(
                 [region, waiter.region], region.bytes_per_block * len(idx), _after_ready,
                 region, local.copy_blocks,
-                region.tensors, idx, waiter.region.tensors, waiter.idx,
+                region.tensors, idx, waiter.region.tensors, waiter.idx, waiter.blocks,
             )
         except BaseException as exc:
             if not waiter.future.done():

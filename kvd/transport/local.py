@@ -100,12 +100,16 @@ def copy_blocks(
     src_idx: torch.Tensor,
     dst: Sequence[torch.Tensor],
     dst_idx: torch.Tensor,
+    dst_blocks: BlockSet | None = None,
 ) -> int:
-    """Blocks of one region into blocks of another with the same layout."""
+    """Blocks of one region into blocks of another with the same layout. ``dst_blocks``:
+    the destination's blocks as a ``BlockSet`` already made (a waiting get's, whose copy
+    kernel map was made while it waited: not made again)."""
     if src and src[0].is_cuda and dst[0].is_cuda:
         if src[0].device != dst[0].device:
-            return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist())
-        done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist())
+            return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist(),
+                                    dst_blocks=dst_blocks)
+        done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist(), dst_blocks)
         if done is not None:
             _finish_writes(*dst)
             return done
@@ -129,12 +133,14 @@ CROSS_GPU_BUFFERS = 2  # gather chunk k+1 and scatter chunk k-1 while chunk k cr
 
 
 def _same_gpu_one_launch(src: Sequence[torch.Tensor], src_ids: list[int],
-                         dst: Sequence[torch.Tensor], dst_ids: list[int]) -> int | None:
+                         dst: Sequence[torch.Tensor], dst_ids: list[int],
+                         dst_blocks: BlockSet | None = None) -> int | None:
     """Blocks between two regions of one GPU in one kernel launch (``transport.gpu_copy``),
     or None when the kernel cannot describe this memory."""
     device = dst[0].device
     reader = BlockSet(src, src_ids).block_map(device)
-    writer = BlockSet(dst, dst_ids).block_map(device) if reader is not None else None
+    writer = ((dst_blocks or BlockSet(dst, dst_ids)).block_map(device)
+              if reader is not None else None)
     if reader is None or writer is None or reader.k != writer.k:
         return None
     gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
@@ -161,7 +167,8 @@ class _CrossStreams:
 
 def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
                      dst: Sequence[torch.Tensor], dst_ids: list[int],
-                     chunk_bytes: int | None = None, peer_stores: bool | None = None) -> int:
+                     chunk_bytes: int | None = None, peer_stores: bool | None = None,
+                     dst_blocks: BlockSet | None = None) -> int:
     """Blocks between two GPUs of this node, chunk by chunk, pipelined so that chunk k
     crosses NVLink while k+1 is gathered and k-1 scattered.
 
@@ -183,7 +190,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     src_dev, dst_dev = src[0].device, dst[0].device
     timeline.mark("local.cross.start")
     streams = _CrossStreams.get(src_dev, dst_dev)
-    reader, writer = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
+    reader, writer = BlockSet(src, src_ids), dst_blocks or BlockSet(dst, dst_ids)
     # Maps are made on a stream while it is idle (their small upload would wait for the
     # work queued on it, see NcclChannel._prepare): the reader's now, the writer's once
     # the first chunk is on its way, on the landing stream before it waits for anything.
