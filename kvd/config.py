@@ -70,7 +70,7 @@ CONFIG_ENV = "KVD_CONFIG"
 # KVD_* variables that are not Config fields (everything else with the prefix is a typo).
 _ENV_NON_FIELDS = frozenset({CONFIG_ENV})
 
-# sun_path is 108 bytes with the NUL; ZMQ ipc:// leaves a little less. Keep a margin.
+# sun_path is 108 bytes with the NUL. Keep a margin.
 MAX_SOCKET_PATH_BYTES = 100
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
