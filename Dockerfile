@@ -49,10 +49,11 @@ RUN pip install --no-cache-dir ".${KVD_EXTRAS}" \
 WORKDIR /home/kvd
 USER kvd:kvd
 
-# The config file (kvd.toml, CurveZMQ keys, peer allow-list), mounted read-only from the host.
+# The config file (kvd.toml, TLS certificate and key, peers' certificates), mounted
+# read-only from the host.
 VOLUME /etc/kvd
 
-# peer_port (ZMQ control), data_port (TCP bytes), http_port (metrics, health, status).
+# peer_port (control), data_port (TCP bytes), http_port (metrics, health, status).
 EXPOSE 14579 14580 9400
 
 # Liveness: /healthz answers as soon as the HTTP listener is up (before the pool is

@@ -11,9 +11,9 @@ What it measures, all sequential (one request in flight), over Unix sockets:
   request and gets a ``Pong``-sized reply back; "op" cycles through the sizes of
   ``Offload``, ``Get`` and ``Delete`` requests and their ``Done`` replies.
 * **zmq**: the same sizes through pyzmq (DEALER client, ROUTER echo server, blocking and
-  ``zmq.asyncio``), the local socket's transport until 2026-11-30: for reference, no
-  ratio. ZeroMQ's I/O thread at each end makes each message three thread wake-ups instead
-  of one; that is why kvd left it (docs/architecture.md, the local socket).
+  ``zmq.asyncio``), kvd's transport until 2026-11-30: for reference, no ratio, and only
+  when pyzmq is installed. ZeroMQ's I/O thread at each end makes each message three
+  thread wake-ups instead of one; that is why kvd left it (docs/architecture.md).
 * **kvd**: a ``kvd serve`` subprocess with ``kvd.KvdClient`` and ``kvd.AsyncKvdClient``
   (uvloop): ``ping()``, and a 64 KiB ``offload`` + ``get`` + ``delete`` of one block
   between two registered shared-memory regions, with a fresh key per iteration (the
@@ -44,11 +44,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvloop
-import zmq
-import zmq.asyncio
 from daemons import stop_daemon  # benchmarks/daemons.py (run as a script)
 
 from kvd.framing import HEADER, frame
+
+try:  # for reference only: kvd does not use it
+    import zmq
+    import zmq.asyncio
+except ImportError:
+    zmq = None  # type: ignore[assignment]
 from kvd.protocol import Delete, Done, Get, Offload, Ping, Pong, encode
 
 BLOCK_BYTES = 64 * 1024
@@ -363,8 +367,9 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
         raw_ping, raw_op = res[f"raw_{mode}_ping"]["p50_us"], res[f"raw_{mode}_op"]["p50_us"]
         out[f"ratio_{mode}_ping_p50"] = round(res[f"kvd_{mode}_ping"]["p50_us"] / raw_ping, 2)
         out[f"ratio_{mode}_op_p50"] = round(res[f"kvd_{mode}_op"]["p50_us"] / (3 * raw_op), 2)
-        out[f"ratio_zmq_{mode}_ping_vs_raw_p50"] = round(
-            res[f"zmq_{mode}_ping"]["p50_us"] / raw_ping, 2)
+        if f"zmq_{mode}_ping" in res:
+            out[f"ratio_zmq_{mode}_ping_vs_raw_p50"] = round(
+                res[f"zmq_{mode}_ping"]["p50_us"] / raw_ping, 2)
         out[f"target_met_{mode}"] = out[f"ratio_{mode}_ping_p50"] <= TARGET_RATIO
     out.update(target=TARGET, iterations={"ping": args.iterations, "op": args.op_iterations,
                                           "warmup": args.warmup}, message_sizes=sizes)
@@ -379,6 +384,8 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
         for what in ("ping", "op"):
             for src, label in (("raw", "raw " + labels[what][0]),
                                ("zmq", "pyzmq " + labels[what][0]), ("kvd", labels[what][1])):
+                if f"{src}_{mode}_{what}" not in res:
+                    continue
                 st = res[f"{src}_{mode}_{what}"]
                 ratio = ""
                 if src == "kvd":
@@ -424,13 +431,15 @@ def main() -> int:
         stop_echo(echo)
         echo = None
 
-        endpoint = f"ipc://{tmp}/echo.sock"
-        echo = start_echo(echo_server, endpoint)
-        for what, count in (("ping", n), ("op", n_op)):
-            res[f"zmq_sync_{what}"] = zmq_sync(endpoint, sizes, what, count, w)
-            res[f"zmq_async_{what}"] = uvloop.run(zmq_async(endpoint, sizes, what, count, w))
-        stop_echo(echo)
-        echo = None
+        if zmq is not None:
+            endpoint = f"ipc://{tmp}/echo.sock"
+            echo = start_echo(echo_server, endpoint)
+            for what, count in (("ping", n), ("op", n_op)):
+                res[f"zmq_sync_{what}"] = zmq_sync(endpoint, sizes, what, count, w)
+                res[f"zmq_async_{what}"] = uvloop.run(
+                    zmq_async(endpoint, sizes, what, count, w))
+            stop_echo(echo)
+            echo = None
 
         for what, st in kvd_sync(path, n, n_op, w).items():
             res[f"kvd_sync_{what}"] = st

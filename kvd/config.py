@@ -374,8 +374,10 @@ class Config:
     # (the receiver always posts the matching receive): no ACCEPT round trip before the bytes.
     nccl_eager: bool = _opt(True, _BOOL)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet
-    curve_secret_key_file: str = _opt("", _STR)
-    curve_allowed_keys_file: str = _opt("", _STR)
+    # Mutual TLS on the peer plane (kvd keygen makes the certificate; see daemon/auth.py).
+    tls_cert_file: str = _opt("", _STR)
+    tls_key_file: str = _opt("", _STR)
+    tls_allowed_certs_file: str = _opt("", _STR)  # PEM bundle of the peers' certificates
     peers: str = _opt("", _STR)  # comma-separated host:port kept linked; /readyz needs them
     http_host: str = _opt("127.0.0.1", _STR, _non_empty)
     http_port: int = _opt(9400, _INT, _port)
@@ -445,7 +447,18 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+# Settings that are gone, and what replaced them.
+_REMOVED = {
+    "curve_secret_key_file": "tls_cert_file and tls_key_file (the peer plane uses TLS "
+                             "since 2026-11-30; kvd keygen makes the certificate)",
+    "curve_allowed_keys_file": "tls_allowed_certs_file (a PEM bundle of the peers' "
+                               "certificates; the peer plane uses TLS since 2026-11-30)",
+}
+
+
 def _unknown(key: str, source: str, candidates: list[str]) -> ConfigError:
+    if key in _REMOVED:
+        return ConfigError(f"{key!r} (from {source}) is gone: use {_REMOVED[key]}")
     hint = difflib.get_close_matches(key, candidates, n=1)
     suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
     return ConfigError(f"unknown key {key!r} (from {source}){suggestion}")

@@ -3,7 +3,7 @@
 Every error a caller can see is a ``KvdError`` with a stable wire ``code`` and a
 ``retriable`` flag. The daemon replies with the code and a message; the client maps
 the code back to the same class, so ``except PoolExhausted`` works on both sides.
-Low-level exceptions (zmq, OS, torch, msgspec) are translated at the I/O edge and
+Low-level exceptions (sockets, OS, torch, msgspec) are translated at the I/O edge and
 never reach a caller bare.
 """
 

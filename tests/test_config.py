@@ -95,8 +95,9 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_warm_up": "matching",
         "nccl_eager": True,
         "gpu_staging_bytes": 2**30,
-        "curve_secret_key_file": "",
-        "curve_allowed_keys_file": "",
+        "tls_cert_file": "",
+        "tls_key_file": "",
+        "tls_allowed_certs_file": "",
         "pool_prefault": True,
         "peers": "",
         "max_message_bytes": MiB,
@@ -348,6 +349,26 @@ def test_unknown_key_in_file(tmp_path: Path, sock: str) -> None:
     message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
     assert message.startswith(f"unknown key 'pool_sise_bytes' (from file {path})")
     assert "did you mean 'pool_size_bytes'" in message
+
+
+def test_a_removed_key_says_what_replaced_it(tmp_path: Path, sock: str) -> None:
+    path = write(tmp_path / "kvd.toml", 'curve_secret_key_file = "/etc/kvd/a.key_secret"\n')
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert "'curve_secret_key_file'" in message and "tls_cert_file" in message
+
+
+def test_tls_settings_come_together(tmp_path: Path, sock: str) -> None:
+    from kvd.daemon.auth import load_tls
+
+    cfg = load_config(env={"KVD_SOCKET_PATH": sock},
+                      overrides={"tls_cert_file": str(tmp_path / "a.crt")})
+    with pytest.raises(ConfigError, match="tls_key_file: required"):
+        load_tls(cfg)
+    cfg = load_config(env={"KVD_SOCKET_PATH": sock}, overrides={
+        "tls_cert_file": str(tmp_path / "a.crt"), "tls_key_file": str(tmp_path / "a.key"),
+        "tls_allowed_certs_file": str(tmp_path / "peers.pem")})
+    with pytest.raises(ConfigError, match="cannot load"):
+        load_tls(cfg)  # the files are not there
 
 
 def test_table_in_file_is_unknown_key(tmp_path: Path, sock: str) -> None:

@@ -14,13 +14,14 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import zmq
 
 import kvd
 from kvd import KvdClient, shared_empty, shared_zeros
+from kvd.framing import FrameReader, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     ChannelDown,
+    Heartbeat,
     PeerError,
     PeerMessage,
     PeerWelcome,
@@ -31,6 +32,38 @@ from tests.conftest import ProcessDaemon, start_daemons, wait_until
 
 pack = msgspec.msgpack.encode
 BLOCK = 64 * 1024  # bytes per block in these tests (one uint8 tensor per region)
+
+
+class RawPeer:
+    """A raw connection to a daemon's peer port, to send what a daemon never would."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.frames = FrameReader(1 << 20)
+        self.pending: list[bytes] = []
+
+    def send(self, obj: object) -> None:
+        self.sock.sendall(frame(obj if isinstance(obj, bytes) else pack(obj)))
+
+    def recv(self) -> PeerMessage:
+        """The next message that is not a heartbeat."""
+        while True:
+            while not self.pending:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionError("the daemon closed the connection")
+                self.pending += [p for p in self.frames.feed(data) if isinstance(p, bytes)]
+            msg = decode_peer(self.pending.pop(0))
+            if not isinstance(msg, Heartbeat):
+                return msg
+
+    def ask(self, obj: object) -> PeerMessage:
+        self.send(obj)
+        return self.recv()
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def random_region(blocks: int, seed: int, block_bytes: int = BLOCK) -> torch.Tensor:
@@ -285,16 +318,8 @@ def test_unreachable_peer_is_a_clear_error(nodes: object) -> None:
 
 def test_bad_input_on_peer_socket(nodes: object) -> None:
     (a,) = nodes(1)  # type: ignore[operator]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(f"tcp://{a.address}")
-
-    def send(obj: object) -> PeerMessage:
-        sock.send(obj if isinstance(obj, bytes) else pack(obj))
-        return decode_peer(sock.recv())
-
+    peer = RawPeer(a.address)
+    send = peer.ask
     try:
         reply = send(os.urandom(32))
         assert isinstance(reply, PeerError) and reply.code == "protocol"
@@ -326,43 +351,45 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
                  "chunk_bytes": 2**27}
         reply = send(eager)  # bytes said to be queued on an NCCL channel we cannot have
         assert isinstance(reply, ChannelDown) and reply.channel == 9
-        reply = decode_peer(sock.recv())
+        reply = peer.recv()
         assert isinstance(reply, Refuse) and "no NCCL" in reply.message
-        sock.send(pack({"op": "xfer_done", "transfer_id": 42, "nbytes": 1}))
-        sock.send(pack({"op": "accept", "transfer_id": 43}))
+        peer.send({"op": "xfer_done", "transfer_id": 42, "nbytes": 1})
+        peer.send({"op": "accept", "transfer_id": 43})
         with socket.create_connection(("127.0.0.1", a.client.stats()["peer"]["data_port"])) as d:
             d.sendall(b"KVDD" + b"x" * 32)
             d.settimeout(5)
             assert d.recv(1) == b""  # refused: closed
         stats = wait_until(lambda: (s := a.client.stats())["peer"]["bad_messages"].get(
-            "data_token") and s)
+            "data_token") and s["peer"]["bad_messages"].get("unknown_transfer") == 2 and s)
         bad = stats["peer"]["bad_messages"]
         assert bad["malformed"] == 2 and bad["no_link"] == 1 and bad["version"] == 1
         assert bad["bad_offer"] == 3 and bad["unknown_transfer"] == 2
+        # A message over the limit (1 MiB) ends the connection; the daemon serves on.
+        peer.send(b"x" * (2 << 20))
+        reply = peer.recv()
+        assert isinstance(reply, PeerError) and "exceeds" in reply.message
+        with pytest.raises(ConnectionError):
+            peer.recv()
+        assert a.client.stats()["peer"]["bad_messages"]["too_large"] == 1
         assert a.client.ping() > 0
     finally:
-        sock.close(0)
-        ctx.term()
+        peer.close()
 
 
 def test_accepted_offer_without_a_data_connection_fails_and_frees(nodes: object) -> None:
     """A peer that is ACCEPTed but never opens its data connection: the receive fails
     after the connect timeout, the link is dropped and the pool memory comes back."""
     (a,) = nodes(1, "--peer-connect-timeout-s", "1")  # type: ignore[operator]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(f"tcp://{a.address}")
+    peer = RawPeer(a.address)
     try:
-        sock.send(pack({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
-                        "node_id": "mute", "epoch": 1, "address": "127.0.0.1:1",
-                        "data_port": 1, "data_token": b"t" * 32, "devices": ["cpu"]}))
-        assert isinstance(decode_peer(sock.recv()), PeerWelcome)
-        sock.send(pack({"op": "offer", "transfer_id": 9, "key": "k", "src_dev": "cpu",
-                        "dst_dev": "cpu",
-                        "nbytes": BLOCK, "num_blocks": 1, "layout": [[BLOCK, "uint8"]]}))
-        assert decode_peer(sock.recv()).__struct_config__.tag == "accept"
+        reply = peer.ask({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
+                          "node_id": "mute", "epoch": 1, "address": "127.0.0.1:1",
+                          "data_port": 1, "data_token": b"t" * 32, "devices": ["cpu"]})
+        assert isinstance(reply, PeerWelcome)
+        reply = peer.ask({"op": "offer", "transfer_id": 9, "key": "k", "src_dev": "cpu",
+                          "dst_dev": "cpu", "nbytes": BLOCK, "num_blocks": 1,
+                          "layout": [[BLOCK, "uint8"]]})
+        assert reply.__struct_config__.tag == "accept"
         assert a.client.stats()["pool"]["used_bytes"] == BLOCK
         stats = wait_until(lambda: (s := a.client.stats())["transfers"]["received"].get(
             "failed") and s, timeout_s=10)
@@ -371,8 +398,20 @@ def test_accepted_offer_without_a_data_connection_fails_and_frees(nodes: object)
         assert "data connection did not come within 1s" in a.proc.log()
         assert a.client.ping() > 0
     finally:
-        sock.close(0)
-        ctx.term()
+        peer.close()
+
+
+def test_a_peer_whose_connection_closes_is_gone_at_once(nodes: object) -> None:
+    """The control connection's end is the link's end: no wait for heartbeats."""
+    (a,) = nodes(1, "--peer-grace-s", "60")  # type: ignore[operator]
+    peer = RawPeer(a.address)
+    reply = peer.ask({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
+                      "node_id": "brief", "epoch": 1, "address": "127.0.0.1:1",
+                      "data_port": 1, "data_token": b"t" * 32, "devices": ["cpu"]})
+    assert isinstance(reply, PeerWelcome)
+    assert len(a.client.stats()["peer"]["links"]) == 1
+    peer.close()
+    wait_until(lambda: a.client.stats()["peer"]["links"] == [], timeout_s=5)
 
 
 def test_second_peer_unaffected_by_first_dying(nodes: object) -> None:
@@ -397,23 +436,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_curve_keys_refuse_strangers(nodes: object, sock_dir: str) -> None:
-    from kvd.daemon.auth import write_keys
+def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
+    from kvd.daemon.auth import write_cert
 
     keydir = os.path.join(sock_dir, "keys")
-    ports = {name: free_port() for name in ("a", "b", "c")}
-    keys = {name: write_keys(keydir, name) for name in ports}
+    certs = {name: write_cert(keydir, name) for name in ("a", "b", "c")}
     # a and b know each other; c knows a (so it can try) but a does not know c.
-    lists = {"a": ["b"], "b": ["a"], "c": ["a"]}
+    bundles = {"a": ["b"], "b": ["a"], "c": ["a"]}
     args = {}
-    for name, known in lists.items():
-        path = os.path.join(keydir, f"{name}.allowed")
-        with open(path, "w") as f:
-            f.write("# allow-list\n")
+    for name, known in bundles.items():
+        path = os.path.join(keydir, f"{name}.allowed.pem")
+        with open(path, "wb") as f:
             for other in known:
-                f.write(f"{keys[other][2]} 127.0.0.1:{ports[other]}\n")
-        args[name] = ("--peer-port", str(ports[name]), "--curve-secret-key-file",
-                      keys[name][1], "--curve-allowed-keys-file", path)
+                with open(certs[other][0], "rb") as cert:
+                    f.write(cert.read())
+        args[name] = ("--tls-cert-file", certs[name][0], "--tls-key-file", certs[name][1],
+                      "--tls-allowed-certs-file", path)
     a = nodes(1, *args["a"])[0]  # type: ignore[operator]
     b = nodes(1, *args["b"])[1]  # type: ignore[operator]
     c = nodes(1, *args["c"])[2]  # type: ignore[operator]
@@ -428,11 +466,12 @@ def test_curve_keys_refuse_strangers(nodes: object, sock_dir: str) -> None:
         rs = stranger.client.register("kv", [random_region(1, 11)])
         with pytest.raises(kvd.PeerUnreachable):
             stranger.client.put("no", rs, [0], to=a.address, timeout_s=3).wait(10)
-    bad = a.client.stats()["peer"]["bad_messages"]
+    bad = wait_until(lambda: (s := a.client.stats()["peer"]["bad_messages"]).get(
+        "handshake") and s)
     assert bad.get("auth", 0) >= 1 and bad.get("handshake", 0) >= 1, bad
     assert a.client.stats()["keys"] == 0 and len(a.client.stats()["peer"]["links"]) == 1
-    # without a key for the address, an authenticated daemon does not even try
-    with pytest.raises(kvd.PeerUnreachable, match="no public key"):
+    # and a daemon with TLS does not talk to one without
+    with pytest.raises(kvd.PeerUnreachable, match="TLS"):
         a.client.put("no", r, [0], to=plain.address, timeout_s=3).wait(10)
 
 
@@ -443,8 +482,9 @@ def test_keygen_cli(sock_dir: str) -> None:
     result = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
                              "--name", "n1"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
-    assert os.path.exists(os.path.join(sock_dir, "n1.key_secret"))
-    assert oct(os.stat(os.path.join(sock_dir, "n1.key_secret")).st_mode)[-3:] == "600"
+    assert os.path.exists(os.path.join(sock_dir, "n1.crt"))
+    assert oct(os.stat(os.path.join(sock_dir, "n1.key")).st_mode)[-3:] == "600"
+    assert "tls_cert_file" in result.stdout
     again = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
                             "--name", "n1"], capture_output=True, text=True, timeout=30)
     assert again.returncode == 2 and "not overwriting" in again.stderr

@@ -1,143 +1,105 @@
-"""CurveZMQ on the peer plane: this daemon's key pair, the allow-list, the ZAP handler.
+"""TLS on the peer plane: this daemon's certificate, the peers it accepts, ``kvd keygen``.
 
-Keys come from ``kvd keygen`` (pyzmq's certificate format: ``NAME.key`` holds the public
-key, ``NAME.key_secret`` both). ``curve_secret_key_file`` names this daemon's secret
-certificate; ``curve_allowed_keys_file`` lists the peers it talks to, one per line::
+Each daemon has a self-signed certificate and its private key (``kvd keygen`` makes both:
+``NAME.crt``, ``NAME.key`` with mode 0600). ``tls_allowed_certs_file`` is a PEM bundle of
+the certificates of the daemons it talks to (its own may be in it too: one bundle can
+serve a whole cluster). Both ends of a peer connection present their certificate and
+check the other's against the bundle (mutual TLS 1.3): a daemon whose certificate is not
+in the bundle is refused, and counted in ``bad_messages["auth"]``. Certificates are pinned,
+not named: there is no host name check, since peers are addressed by ``host:port``.
 
-    # comment lines start with '#' followed by a space
-    # public key (z85, 40 chars)              address (needed to connect to that peer)
-    rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7  10.0.0.2:14579
-    Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID
-
-A peer connecting to us is admitted by the ZAP handler only if its public key is on the
-list (refusals are counted); to connect to a peer we need its public key, looked up by
-address. The data connections are plain TCP: they are admitted by the per-link token
-handed out over the authenticated handshake, and are not encrypted.
+The data connections are plain TCP: they are admitted by the per-link token handed out
+over the authenticated handshake, and are not encrypted.
 """
 
 from __future__ import annotations
 
-import logging
+import datetime
 import os
-from dataclasses import dataclass, field
-from typing import Any
-
-import zmq
-import zmq.auth
-from zmq.utils import z85
+import ssl
+from dataclasses import dataclass
 
 from kvd.config import Config
 from kvd.errors import ConfigError
 
-log = logging.getLogger(__name__)
-
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-KEY_CHARS = 40
+_SETTINGS = ("tls_cert_file", "tls_key_file", "tls_allowed_certs_file")
 
 
-@dataclass
-class CurveKeys:
-    public: bytes
-    secret: bytes
-    allowed: set[bytes] = field(default_factory=set)  # z85 public keys
-    by_address: dict[str, bytes] = field(default_factory=dict)
+@dataclass(frozen=True)
+class TlsContexts:
+    server: ssl.SSLContext  # for connections peers open to us
+    client: ssl.SSLContext  # for connections we open
 
 
-def load_keys(config: Config) -> CurveKeys | None:
-    """The configured keys, or None when the peer plane runs without CurveZMQ."""
-    secret_file, allowed_file = config.curve_secret_key_file, config.curve_allowed_keys_file
-    if not secret_file:
-        if allowed_file:
-            raise ConfigError("curve_allowed_keys_file: set, but curve_secret_key_file is not")
+def load_tls(config: Config) -> TlsContexts | None:
+    """The configured TLS contexts, or None when the peer plane runs without TLS."""
+    values = {name: getattr(config, name) for name in _SETTINGS}
+    if not any(values.values()):
         return None
-    if not allowed_file:
-        raise ConfigError("curve_allowed_keys_file: required with curve_secret_key_file")
+    missing = [name for name, value in values.items() if not value]
+    if missing:
+        raise ConfigError(f"{missing[0]}: required with " + ", ".join(
+            name for name, value in values.items() if value))
+    return TlsContexts(server=_context(ssl.PROTOCOL_TLS_SERVER, **values),
+                       client=_context(ssl.PROTOCOL_TLS_CLIENT, **values))
+
+
+def _context(protocol: int, tls_cert_file: str, tls_key_file: str,
+             tls_allowed_certs_file: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(protocol)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     try:
-        public, secret = zmq.auth.load_certificate(secret_file)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"curve_secret_key_file: cannot read {secret_file!r}: {exc}") from None
-    if not secret:
-        raise ConfigError(f"curve_secret_key_file: {secret_file!r} holds no secret key "
-                          "(give the .key_secret file)")
-    keys = CurveKeys(public=public, secret=secret)
+        ctx.load_cert_chain(tls_cert_file, tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_cert_file / tls_key_file: cannot load {tls_cert_file!r} with "
+                          f"{tls_key_file!r}: {exc}") from None
     try:
-        with open(allowed_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"curve_allowed_keys_file: cannot read {allowed_file!r}: "
-                          f"{exc.strerror}") from None
-    for number, raw in enumerate(lines, 1):
-        parts = raw.split()
-        # '#' is also a z85 character: a key line is one whose first word has key length.
-        if not parts or (parts[0].startswith("#") and len(parts[0]) != KEY_CHARS):
-            continue
-        if len(parts) > 2 and parts[2].startswith("#"):
-            parts = parts[:2]
-        key = parts[0].encode()
-        if len(key) != KEY_CHARS or len(parts) > 2 or not _valid_z85(key):
-            raise ConfigError(f"curve_allowed_keys_file: line {number} of {allowed_file!r} is "
-                              "not '<40-char z85 public key> [host:port]'")
-        keys.allowed.add(key)
-        if len(parts) == 2:
-            keys.by_address[parts[1]] = key
-    return keys
+        ctx.load_verify_locations(cafile=tls_allowed_certs_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_allowed_certs_file: cannot load {tls_allowed_certs_file!r}: "
+                          f"{exc}") from None
+    ctx.check_hostname = False  # pinned certificates, peers named by host:port
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    # A peer's self-signed certificate in the bundle is trusted as it is (it is no CA).
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return ctx
 
 
-def _valid_z85(key: bytes) -> bool:
+def write_cert(directory: str, name: str, days: int = 3650) -> tuple[str, str]:
+    """Create ``NAME.crt`` (self-signed, EC P-256) and ``NAME.key`` (mode 0600) in
+    ``directory``; returns both paths. Needs the ``cryptography`` package."""
     try:
-        return len(z85.decode(key)) == 32
-    except (ValueError, KeyError):
-        return False
-
-
-class ZapHandler:
-    """Answers libzmq's authentication requests for the peer socket (ZAP, RFC 27)."""
-
-    def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys,
-                 bad_messages: dict[str, int]) -> None:
-        self.keys = keys
-        self.bad_messages = bad_messages
-        self.sock = ctx.socket(zmq.REP)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(ZAP_ENDPOINT)
-
-    def handle_pending(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.sock.send_multipart(self._answer(frames))
-
-    def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) < 6:
-            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
-        version, request_id, _domain, address, _identity, mechanism = frames[:6]
-        if mechanism == b"CURVE" and len(frames) >= 7:
-            client_key = z85.encode(frames[6])
-            if client_key in self.keys.allowed:
-                return [version, request_id, b"200", b"OK", client_key, b""]
-            reason = "key not on the allow-list"
-        else:
-            reason = f"mechanism {mechanism.decode(errors='replace')} not accepted"
-        self.bad_messages["auth"] = self.bad_messages.get("auth", 0) + 1
-        log.warning("peer refused at the handshake from=%s: %s",
-                    address.decode(errors="replace"), reason)
-        return [version, request_id, b"400", reason.encode(), b"", b""]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-def write_keys(directory: str, name: str) -> tuple[str, str, str]:
-    """Create ``NAME.key`` and ``NAME.key_secret`` in ``directory``; returns both paths and
-    the public key."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError:
+        raise ConfigError("kvd keygen needs the cryptography package: "
+                          "pip install cryptography") from None
+    cert_path = os.path.join(directory, name + ".crt")
+    key_path = os.path.join(directory, name + ".key")
+    for path in (cert_path, key_path):
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists; not overwriting a key")
     os.makedirs(directory, exist_ok=True)
-    for suffix in (".key", ".key_secret"):
-        if os.path.exists(os.path.join(directory, name + suffix)):
-            raise ConfigError(f"{os.path.join(directory, name + suffix)} exists; not "
-                              "overwriting a key")
-    public_file, secret_file = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret_file, 0o600)
-    public, _ = zmq.auth.load_certificate(public_file)
-    return public_file, secret_file, public.decode()
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvd {name}")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                              ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    return cert_path, key_path

@@ -1,19 +1,21 @@
 """The peer plane: links to other daemons, their handshake, heartbeats and death.
 
-Each daemon binds a ZMQ ROUTER on ``tcp://peer_host:peer_port`` and a plain TCP data
-listener on ``data_port``. To talk to a peer it connects a DEALER and says ``PeerHello``
-(version, node id, epoch, its address, its data port and a fresh *data token*); the peer
-answers ``PeerWelcome`` with the same fields. The link then carries messages both ways:
-ours on the DEALER, theirs back through their ROUTER; a peer that connected to us is
-answered on our ROUTER with its identity. Each side opens its own data connection to the
-other's data port for the bytes it sends, presenting the token it was given, so the data
-port only ever accepts peers that passed the handshake.
+Each daemon listens on ``peer_host:peer_port`` (TCP, TLS when configured: see
+``daemon/auth.py``) for control messages, and on ``data_port`` (plain TCP) for bytes. To
+talk to a peer it opens a connection and says ``PeerHello`` (version, node id, epoch, its
+address, its data port and a fresh *data token*); the peer answers ``PeerWelcome`` with
+the same fields. The link then carries messages both ways over that one connection,
+length-prefixed msgspec messages (``kvd.framing``) in order: the NCCL channels rely on
+that order. Each side opens its own data connection to the other's data port for the
+bytes it sends, presenting the token it was given, so the data port only ever accepts
+peers that passed the handshake.
 
-Heartbeats go both ways every ``heartbeat_interval_s``; any message counts as a sign of
-life. A link silent for longer than ``peer_grace_s`` is dead: its transfers fail with
-``PeerUnreachable`` (through ``on_link_lost``), its channels are aborted, its sockets closed.
-A ``PeerHello`` with a new epoch from a known address means the peer restarted: the old
-link dies the same way and the new one replaces it.
+A link ends when its connection closes (a peer that exits or dies: at once), or when it
+is silent for longer than ``peer_grace_s`` (a hung peer; heartbeats go both ways every
+``heartbeat_interval_s``, and any message counts as a sign of life). Its transfers then
+fail with ``PeerUnreachable`` (through ``on_link_lost``) and its channels are aborted. A
+``PeerHello`` with a new epoch from a known address means the peer restarted: the old link
+dies the same way and the new one replaces it.
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import zmq
+from typing import Any, cast
 
 from kvd import timeline
 from kvd.config import Config
-from kvd.daemon.auth import ZapHandler, load_keys
-from kvd.errors import KvdError, PeerUnreachable, ProtocolError
+from kvd.daemon.auth import load_tls
+from kvd.errors import BadRequest, ConfigError, KvdError, PeerUnreachable, ProtocolError
+from kvd.framing import FrameReader, Oversized, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -48,7 +50,60 @@ from kvd.transport.tcp import RecvChannel, SendChannel, data_hello, parse_data_h
 log = logging.getLogger(__name__)
 
 CPU_DEVICE = "cpu"
-_BATCH = 256
+MAX_PEER_MESSAGE_BYTES = 1 << 20  # larger ones end the connection
+# Control messages queued for a peer that does not read them: past this the link is
+# declared dead rather than buffered without end (they are ~100 bytes each).
+_MAX_UNSENT_BYTES = 16 * 1024 * 1024
+
+
+class _PeerConnection(asyncio.Protocol):
+    """One control connection to a peer: messages in (to the plane), messages out."""
+
+    def __init__(self, plane: PeerPlane, outgoing: bool) -> None:
+        self.plane = plane
+        self.frames = FrameReader(MAX_PEER_MESSAGE_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.link: PeerLink | None = None
+        self.peer = "?"
+        # An outgoing connection waits for the PeerWelcome that completes its handshake.
+        self.welcome: asyncio.Future[PeerWelcome] | None = (
+            plane._loop.create_future() if outgoing else None)
+        self.early: list[bytes] = []  # messages behind the welcome, until the link is made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport.set_write_buffer_limits(high=_MAX_UNSENT_BYTES)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peer = f"{peer[0]}:{peer[1]}"
+        self.plane._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        for item in self.frames.feed(data):
+            if self.transport is None or self.transport.is_closing():
+                return
+            try:
+                self.plane._on_message(self, item)
+            except Exception:  # a bug must not stop the reader
+                log.exception("unhandled error in peer message handler")
+
+    def pause_writing(self) -> None:
+        self.plane._on_stalled(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.plane._connections.discard(self)
+        self.transport = None
+        self.plane._on_closed(self)
+
+    def send(self, data: bytes) -> bool:
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self.transport.write(frame(data))
+        return True
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
 @dataclass(eq=False)
@@ -59,8 +114,8 @@ class PeerLink:
     data_port: int
     token_for_them: bytes  # they present it on our data port
     token_for_us: bytes  # we present it on theirs
-    dealer: zmq.Socket[Any] | None = None  # outgoing link
-    identity: bytes | None = None  # incoming link: their DEALER on our ROUTER
+    conn: _PeerConnection | None = None  # the control connection
+    outgoing: bool = False  # we opened it
     last_seen: float = 0.0
     devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
     alive: bool = True
@@ -76,7 +131,7 @@ class PeerLink:
 
     def describe(self, now: float) -> dict[str, Any]:
         return {"address": self.address, "node_id": self.node_id, "epoch": self.epoch,
-                "direction": "out" if self.dealer is not None else "in",
+                "direction": "out" if self.outgoing else "in",
                 "alive": self.alive, "last_heard_s_ago": round(now - self.last_seen, 3),
                 "devices": self.devices,
                 "channels": {"send": self.send_channel is not None,
@@ -84,38 +139,30 @@ class PeerLink:
 
 
 class PeerPlane:
-    def __init__(self, config: Config, ctx: zmq.Context[Any], epoch: int,
+    def __init__(self, config: Config, epoch: int,
                  on_message: Callable[[PeerLink, PeerMessage], None],
                  on_link_lost: Callable[[PeerLink, KvdError], None],
                  gpus: Sequence[str] = (),
                  on_link_up: Callable[[PeerLink], None] | None = None) -> None:
         self.config = config
         self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
-        self.ctx = ctx
         self.epoch = epoch
         self.on_message = on_message
         self.on_link_lost = on_link_lost
         self.on_link_up = on_link_up
         self.bad_messages: dict[str, int] = {}
         self.links: dict[str, PeerLink] = {}  # by address
-        self._by_identity: dict[bytes, PeerLink] = {}
-        self._by_dealer: dict[zmq.Socket[Any], PeerLink] = {}
         self._by_token: dict[bytes, PeerLink] = {}
-        self._pending_hello: dict[zmq.Socket[Any], asyncio.Future[PeerWelcome]] = {}
+        self._connections: set[_PeerConnection] = set()
         # Tokens of our handshakes in flight: the peer may dial our data port as soon as
         # it has welcomed us, before our loop has made the link that knows the token.
         self._handshake_done: dict[bytes, asyncio.Future[None]] = {}
         self._linking: dict[str, asyncio.Task[PeerLink]] = {}
         self._warmups: set[asyncio.Task[None]] = set()
+        self._admitting: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
-        self._reading = True
-        self._read_queued = False  # a _read is scheduled with call_soon
-        self._router = ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        self.keys = load_keys(config)
-        self._zap: ZapHandler | None = None
-        self._router_monitor: zmq.Socket[Any] | None = None
+        self.tls = load_tls(config)
+        self._listener: socket.socket | None = None
         self._data_listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
@@ -126,79 +173,32 @@ class PeerPlane:
 
     def bind(self) -> None:
         cfg = self.config
-        if self.keys is not None:
-            self._zap = ZapHandler(self.ctx, self.keys, self.bad_messages)
-            self._watch(self._zap.sock)
-            self._router.curve_server = True
-            self._router.curve_publickey = self.keys.public
-            self._router.curve_secretkey = self.keys.secret
-            self._router.zap_domain = b"kvd"
-        # Handshakes that fail inside ZMQ (wrong mechanism, bad key) are counted too.
-        self._router_monitor = self._router.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-        self._watch(self._router_monitor)
-        try:
-            self._router.bind(f"tcp://{cfg.peer_host}:{cfg.peer_port}")
-        except zmq.ZMQError as exc:
-            from kvd.errors import ConfigError
-
-            raise ConfigError(
-                f"peer_port: cannot listen on {cfg.peer_host}:{cfg.peer_port}: {exc}"
-            ) from None
-        port = int(self._router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self._listener = _listen(cfg.peer_host, cfg.peer_port, "peer_port")
+        port = self._listener.getsockname()[1]
         self.address = f"{cfg.advertise_host or cfg.peer_host}:{port}"
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((cfg.peer_host, cfg.data_port))
-        except OSError as exc:
-            listener.close()
-            from kvd.errors import ConfigError
-
-            raise ConfigError(
-                f"data_port: cannot listen on {cfg.peer_host}:{cfg.data_port}: {exc}"
-            ) from None
-        listener.listen(64)
-        listener.setblocking(False)
-        self._data_listener = listener
-        self.data_port = listener.getsockname()[1]
-        self._watch(self._router)
-        self._read_soon()  # anything that came before we watched
+        self._data_listener = _listen(cfg.peer_host, cfg.data_port, "data_port")
+        self.data_port = self._data_listener.getsockname()[1]
         self._tasks = [
             self._loop.create_task(self._heartbeat_loop(), name="kvd-peer-heartbeat"),
+            self._loop.create_task(self._accept_peers(), name="kvd-peer-accept"),
             self._loop.create_task(self._accept_loop(), name="kvd-data-accept"),
         ]
-        log.info("peer socket listening address=%s data_port=%d", self.address, self.data_port)
+        log.info("peer socket listening address=%s data_port=%d tls=%s", self.address,
+                 self.data_port, "on" if self.tls else "off")
 
     async def close(self) -> None:
-        self._reading = False
-        tasks = [*self._tasks, *self._warmups, *self._linking.values()]
+        tasks = [*self._tasks, *self._warmups, *self._linking.values(), *self._admitting]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
         await asyncio.sleep(0)
-        if self._zap is not None:
-            self._unwatch(self._zap.sock)
-            self._zap.close()
-        if self._router_monitor is not None:
-            self._unwatch(self._router_monitor)
-            with contextlib.suppress(zmq.ZMQError):
-                self._router.disable_monitor()
-            self._router_monitor.close(linger=0)
-        for sock in [self._router, *self._pending_hello]:
-            self._unwatch(sock)
-            sock.close(linger=0)
-        if self._data_listener is not None:
-            self._data_listener.close()
-
-    def _watch(self, sock: zmq.Socket[Any]) -> None:
-        self._loop.add_reader(int(sock.getsockopt(zmq.FD)), self._read)
-
-    def _unwatch(self, sock: zmq.Socket[Any]) -> None:
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(int(sock.getsockopt(zmq.FD)))
+        for conn in list(self._connections):
+            conn.close()
+        for listener in (self._listener, self._data_listener):
+            if listener is not None:
+                listener.close()
 
     # ------------------------------------------------------------ links
 
@@ -229,69 +229,46 @@ class PeerPlane:
             raise PeerUnreachable(f"{address} is this daemon")
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
-            from kvd.errors import BadRequest
-
             raise BadRequest(f"peer address must be host:port, got {address!r}")
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.IMMEDIATE, 1)
-        if self.keys is not None:
-            server_key = self.keys.by_address.get(address)
-            if server_key is None:
-                dealer.close(linger=0)
-                raise PeerUnreachable(
-                    f"no public key for peer {address}: add '<key> {address}' to "
-                    f"curve_allowed_keys_file")
-            dealer.curve_serverkey = server_key
-            dealer.curve_publickey = self.keys.public
-            dealer.curve_secretkey = self.keys.secret
-        dealer.connect(f"tcp://{address}")
         token = secrets.token_bytes(32)
-        welcome_fut: asyncio.Future[PeerWelcome] = self._loop.create_future()
-        self._pending_hello[dealer] = welcome_fut
         done = self._handshake_done[token] = self._loop.create_future()
-        self._watch(dealer)
+        conn: _PeerConnection | None = None
         try:
-            return await self._complete_handshake(address, dealer, token, welcome_fut,
-                                                  timeout_s)
+            async with asyncio.timeout(min(timeout_s, self.config.peer_connect_timeout_s)):
+                _, conn = await self._loop.create_connection(
+                    lambda: _PeerConnection(self, outgoing=True), host, int(port),
+                    ssl=self.tls.client if self.tls else None,
+                    server_hostname=host if self.tls else None)
+                assert conn.welcome is not None
+                conn.send(encode(PeerHello(**self._hello_fields(token))))
+                welcome = await conn.welcome
+        except (TimeoutError, OSError, KvdError) as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, KvdError) and not isinstance(exc, PeerUnreachable):
+                raise
+            hint = (" (with TLS: is our certificate in its tls_allowed_certs_file, and its "
+                    "in ours?)" if self.tls else "")
+            detail = "" if isinstance(exc, TimeoutError) else (
+                f": {exc.message}" if isinstance(exc, KvdError) else f": {exc}")
+            raise PeerUnreachable(f"no answer from peer {address}{hint}{detail}") from None
         finally:
             del self._handshake_done[token]
             if not done.done():
                 done.set_result(None)
-
-    async def _complete_handshake(self, address: str, dealer: zmq.Socket[Any], token: bytes,
-                                  welcome_fut: asyncio.Future[PeerWelcome],
-                                  timeout_s: float) -> PeerLink:
-        try:
-            async with asyncio.timeout(min(timeout_s, self.config.peer_connect_timeout_s)):
-                while True:  # IMMEDIATE: sends fail until the TCP connection is up
-                    try:
-                        dealer.send(encode(PeerHello(**self._hello_fields(token))), zmq.NOBLOCK)
-                        self._read_soon()
-                        break
-                    except zmq.Again:
-                        await asyncio.sleep(0.01)
-                welcome = await welcome_fut
-        except (TimeoutError, KvdError) as exc:
-            self._pending_hello.pop(dealer, None)
-            self._unwatch(dealer)
-            dealer.close(linger=0)
-            if isinstance(exc, KvdError):
-                raise
-            hint = (" (with CurveZMQ: is our public key on its allow-list?)"
-                    if self.keys is not None else "")
-            raise PeerUnreachable(f"no answer from peer {address}{hint}") from None
-        del self._pending_hello[dealer]
         link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
                         data_port=welcome.data_port, token_for_them=token,
-                        token_for_us=welcome.data_token, dealer=dealer,
+                        token_for_us=welcome.data_token, conn=conn, outgoing=True,
                         last_seen=self._loop.time(), devices=list(welcome.devices))
+        conn.link = link
         self._add_link(link)
-        self._by_dealer[dealer] = link
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
                  link.epoch)
         self._warm_up(link)
         self._link_up(link)
+        early, conn.early = conn.early, []
+        for item in early:  # what came right behind the welcome, before the link was made
+            self._on_message(conn, item)
         return link
 
     def _add_link(self, link: PeerLink) -> None:
@@ -380,18 +357,11 @@ class PeerPlane:
 
     def send(self, link: PeerLink, msg: Any) -> None:
         """Send a message on the link (dropped silently if the link is gone)."""
-        if not link.alive:
+        if not link.alive or link.conn is None:
             return
         timeline.mark(f"peer.send.{msg.__struct_config__.tag}")
-        data = encode(msg)
-        try:
-            if link.dealer is not None:
-                link.dealer.send(data, zmq.NOBLOCK)
-            elif link.identity is not None:
-                self._router.send_multipart([link.identity, data], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("peer message dropped address=%s: %s", link.address, exc)
-        self._read_soon()  # a send can consume a socket's edge-triggered readiness
+        if not link.conn.send(encode(msg)):
+            log.debug("peer message dropped address=%s: connection closing", link.address)
 
     def _lose(self, link: PeerLink, error: KvdError) -> None:
         if not link.alive:
@@ -402,8 +372,6 @@ class PeerPlane:
         if self.links.get(link.address) is link:
             del self.links[link.address]
         self._by_token.pop(link.token_for_them, None)
-        if link.identity is not None and self._by_identity.get(link.identity) is link:
-            del self._by_identity[link.identity]
         for channel in (link.send_channel, link.recv_channel):
             if channel is not None:
                 channel.abort(error)
@@ -416,87 +384,78 @@ class PeerPlane:
         channels = [c for c in (link.send_channel, link.recv_channel) if c is not None]
         if channels:
             self._loop.run_in_executor(None, _close_channels, channels)
-        if link.dealer is not None:
-            self._by_dealer.pop(link.dealer, None)
-            self._unwatch(link.dealer)
-            link.dealer.close(linger=0)
-            link.dealer = None
+        if link.conn is not None:
+            link.conn.close()
 
     # ------------------------------------------------------------ reading
 
-    def _drain_side_sockets(self) -> None:
-        if self._zap is not None:
-            self._zap.handle_pending()
-        while self._router_monitor is not None:
-            try:
-                self._router_monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self.bad_messages["handshake"] = self.bad_messages.get("handshake", 0) + 1
-            log.warning("peer handshake failed (wrong or missing CurveZMQ keys?)")
+    async def _accept_peers(self) -> None:
+        """Take connections on the peer port; each passes the TLS handshake (when
+        configured) before it may say anything."""
+        assert self._listener is not None
+        while True:
+            sock, addr = await self._loop.sock_accept(self._listener)
+            task = self._loop.create_task(self._admit_peer(sock, addr))
+            self._admitting.add(task)
+            task.add_done_callback(self._admitting.discard)
 
-    def _read(self) -> None:
-        """Read every socket, right in the loop's reader callback (no task to wake: one
-        loop turn less per message). ZeroMQ's descriptors are edge-triggered, so read
-        until empty; after ``_BATCH`` messages, let other callbacks run and come back."""
-        self._read_queued = False
-        if not self._reading:
-            return
-        self._drain_side_sockets()
-        handled = 0
-        for sock in [self._router, *self._by_dealer, *self._pending_hello]:
-            while handled < _BATCH:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    break  # closed under us
-                handled += 1
-                try:
-                    self._on_frames(sock, frames)
-                except Exception:
-                    log.exception("unhandled error in peer message handler")
-        if handled:  # a handler may have made a socket, or more may have come: look again
-            self._read_soon()
+    async def _admit_peer(self, sock: socket.socket, addr: Any) -> None:
+        try:
+            await self._loop.connect_accepted_socket(
+                lambda: _PeerConnection(self, outgoing=False), sock,
+                ssl=self.tls.server if self.tls else None,
+                ssl_handshake_timeout=self.config.peer_connect_timeout_s if self.tls else None)
+        except (OSError, ssl.SSLError, TimeoutError) as exc:
+            refused = isinstance(exc, ssl.SSLCertVerificationError)
+            reason = "auth" if refused else "handshake"
+            self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
+            log.warning("peer connection refused from=%s: %s", _host_port(addr),
+                        "certificate not in tls_allowed_certs_file" if refused else repr(exc))
+            sock.close()
 
-    def _read_soon(self) -> None:
-        if not self._read_queued:
-            self._read_queued = True
-            self._loop.call_soon(self._read)
+    def _on_closed(self, conn: _PeerConnection) -> None:
+        if conn.welcome is not None and not conn.welcome.done():
+            conn.welcome.set_exception(PeerUnreachable(
+                f"peer {conn.peer} closed the connection during the handshake"))
+        link = conn.link
+        if link is not None and link.alive and link.conn is conn:
+            self._lose(link, PeerUnreachable(f"connection to peer {link.address} closed"))
 
-    def _bad(self, reason: str, identity: bytes | None, err: KvdError) -> None:
+    def _on_stalled(self, conn: _PeerConnection) -> None:
+        link = conn.link
+        if link is not None and link.alive:
+            self._lose(link, PeerUnreachable(
+                f"peer {link.address} stopped reading ({_MAX_UNSENT_BYTES} bytes unsent)"))
+        conn.close()
+
+    def _bad(self, reason: str, conn: _PeerConnection, err: KvdError) -> None:
         self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
-        log.warning("bad peer message reason=%s: %s", reason, err.message)
-        if identity is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._router.send_multipart(
-                    [identity, encode(PeerError(code=err.code, message=err.message))],
-                    zmq.NOBLOCK)
+        log.warning("bad peer message reason=%s from=%s: %s", reason, conn.peer, err.message)
+        conn.send(encode(PeerError(code=err.code, message=err.message)))
 
-    def _on_frames(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
-        identity = frames[0] if sock is self._router else None
-        payload = frames[1] if sock is self._router and len(frames) == 2 else (
-            frames[0] if sock is not self._router and len(frames) == 1 else None)
-        if payload is None:
-            self._bad("frames", identity, ProtocolError("expected one frame per message"))
+    def _on_message(self, conn: _PeerConnection, payload: bytes | Oversized) -> None:
+        if isinstance(payload, Oversized):
+            self._bad("too_large", conn, ProtocolError(
+                f"message of {payload.nbytes} bytes exceeds {MAX_PEER_MESSAGE_BYTES}"))
+            conn.close()  # out of step on purpose: nothing sends such messages
             return
         try:
             msg = decode_peer(payload)
         except ProtocolError as err:
-            self._bad("malformed", identity, err)
+            self._bad("malformed", conn, err)
             return
-        if sock in self._pending_hello:
-            self._on_handshake_reply(sock, msg)
+        if conn.welcome is not None and conn.link is None:
+            if conn.welcome.done():  # the link is being made: keep the message for it
+                conn.early.append(payload)
+            else:
+                self._on_handshake_reply(conn, msg)
             return
         if isinstance(msg, PeerHello):
-            assert identity is not None
-            self._on_hello(identity, msg)
+            self._on_hello(conn, msg)
             return
-        link = (self._by_identity.get(identity) if identity is not None
-                else self._by_dealer.get(sock))
+        link = conn.link
         if link is None or not link.alive:
-            self._bad("no_link", identity, ProtocolError(
+            self._bad("no_link", conn, ProtocolError(
                 "unknown peer: send peer_hello first (this daemon may have restarted)"))
             return
         link.last_seen = self._loop.time()
@@ -507,16 +466,15 @@ class PeerPlane:
         timeline.mark(f"peer.recv.{msg.__struct_config__.tag}")
         if isinstance(msg, PeerError):
             log.warning("peer %s reported: [%s] %s", link.address, msg.code, msg.message)
-            if "peer_hello" in msg.message:  # it restarted and forgot us
-                self._lose(link, PeerUnreachable(f"peer {link.address} forgot this link"))
             return
         if isinstance(msg, PeerWelcome):
-            self._bad("unexpected", identity, ProtocolError("unexpected peer_welcome"))
+            self._bad("unexpected", conn, ProtocolError("unexpected peer_welcome"))
             return
         self.on_message(link, msg)
 
-    def _on_handshake_reply(self, dealer: zmq.Socket[Any], msg: PeerMessage) -> None:
-        fut = self._pending_hello[dealer]
+    def _on_handshake_reply(self, conn: _PeerConnection, msg: PeerMessage) -> None:
+        fut = conn.welcome
+        assert fut is not None
         if fut.done():
             return
         if isinstance(msg, PeerWelcome):
@@ -530,27 +488,28 @@ class PeerPlane:
 
             fut.set_exception(error_from_code(msg.code, f"peer refused: {msg.message}"))
 
-    def _on_hello(self, identity: bytes, hello: PeerHello) -> None:
+    def _on_hello(self, conn: _PeerConnection, hello: PeerHello) -> None:
+        if conn.welcome is not None:
+            self._bad("unexpected", conn, ProtocolError("peer_hello on a link we opened"))
+            return
         if hello.protocol_version != PROTOCOL_VERSION:
-            self._bad("version", identity, ProtocolError(
+            self._bad("version", conn, ProtocolError(
                 f"protocol version {hello.protocol_version} is not supported; this daemon "
                 f"speaks version {PROTOCOL_VERSION}"))
             return
-        if identity in self._by_identity:
-            self._bad("duplicate_hello", identity, ProtocolError("already said peer_hello"))
+        if conn.link is not None:
+            self._bad("duplicate_hello", conn, ProtocolError("already said peer_hello"))
             return
         token = secrets.token_bytes(32)
         link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
                         data_port=hello.data_port, token_for_them=token,
-                        token_for_us=hello.data_token, identity=identity,
+                        token_for_us=hello.data_token, conn=conn,
                         last_seen=self._loop.time(), devices=list(hello.devices))
+        conn.link = link
         self._add_link(link)
-        self._by_identity[identity] = link
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
                  link.node_id, link.epoch)
-        with contextlib.suppress(zmq.ZMQError):
-            self._router.send_multipart(
-                [identity, encode(PeerWelcome(**self._hello_fields(token)))], zmq.NOBLOCK)
+        conn.send(encode(PeerWelcome(**self._hello_fields(token))))
         self._warm_up(link)
 
     # ------------------------------------------------------------ data connections
@@ -624,6 +583,24 @@ class PeerPlane:
                 "links": [link.describe(self._loop.time()) for link in self.links.values()],
                 "configured": list(self.configured),
                 "bad_messages": dict(self.bad_messages)}
+
+
+def _listen(host: str, port: int, setting: str) -> socket.socket:
+    """A non-blocking TCP listener; a clear ConfigError when the port is taken."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise ConfigError(f"{setting}: cannot listen on {host}:{port}: {exc}") from None
+    listener.listen(128)
+    listener.setblocking(False)
+    return listener
+
+
+def _host_port(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
 
 
 def _close_channels(channels: list[Any]) -> None:

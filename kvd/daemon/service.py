@@ -18,8 +18,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import zmq
-
 from kvd import timeline
 from kvd.config import Config, check_socket_path
 from kvd.daemon.engine import Engine
@@ -142,12 +140,9 @@ class Daemon:
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
         self.engine = Engine(self.config, pool, worker, self.metrics, gpu_pools)
-        ctx: zmq.Context[Any] = zmq.Context()
-        # destroy, not term: a socket some error path left open must not hang the exit.
-        stack.callback(ctx.destroy, 0)
         transfers: list[PeerTransfers] = []
         self.peers = PeerPlane(
-            self.config, ctx, self.epoch,
+            self.config, self.epoch,
             on_message=lambda link, msg: transfers[0].on_message(link, msg),
             on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err),
             gpus=gpus, on_link_up=lambda link: transfers[0].on_link_up(link))
