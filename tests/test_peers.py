@@ -401,6 +401,19 @@ def test_accepted_offer_without_a_data_connection_fails_and_frees(nodes: object)
         peer.close()
 
 
+def test_a_connection_that_never_says_hello_is_closed(nodes: object) -> None:
+    (a,) = nodes(1, "--peer-connect-timeout-s", "1")  # type: ignore[operator]
+    peer = RawPeer(a.address)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError):
+            peer.recv()
+        assert time.monotonic() - t0 < 4.5
+        assert a.client.stats()["peer"]["bad_messages"]["no_hello"] == 1
+    finally:
+        peer.close()
+
+
 def test_a_peer_whose_connection_closes_is_gone_at_once(nodes: object) -> None:
     """The control connection's end is the link's end: no wait for heartbeats."""
     (a,) = nodes(1, "--peer-grace-s", "60")  # type: ignore[operator]

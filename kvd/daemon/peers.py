@@ -401,10 +401,12 @@ class PeerPlane:
 
     async def _admit_peer(self, sock: socket.socket, addr: Any) -> None:
         try:
-            await self._loop.connect_accepted_socket(
+            _, conn = await self._loop.connect_accepted_socket(
                 lambda: _PeerConnection(self, outgoing=False), sock,
                 ssl=self.tls.server if self.tls else None,
                 ssl_handshake_timeout=self.config.peer_connect_timeout_s if self.tls else None)
+            # A connection that never says hello is not kept (a port scan, a stuck peer).
+            self._loop.call_later(self.config.peer_connect_timeout_s, self._expire_silent, conn)
         except (OSError, ssl.SSLError, TimeoutError) as exc:
             refused = isinstance(exc, ssl.SSLCertVerificationError)
             reason = "auth" if refused else "handshake"
@@ -412,6 +414,13 @@ class PeerPlane:
             log.warning("peer connection refused from=%s: %s", _host_port(addr),
                         "certificate not in tls_allowed_certs_file" if refused else repr(exc))
             sock.close()
+
+    def _expire_silent(self, conn: _PeerConnection) -> None:
+        if conn.link is None and conn.transport is not None:
+            self.bad_messages["no_hello"] = self.bad_messages.get("no_hello", 0) + 1
+            log.warning("peer connection from=%s closed: no peer_hello within %gs", conn.peer,
+                        self.config.peer_connect_timeout_s)
+            conn.close()
 
     def _on_closed(self, conn: _PeerConnection) -> None:
         if conn.welcome is not None and not conn.welcome.done():
