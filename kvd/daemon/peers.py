@@ -101,9 +101,13 @@ class _PeerConnection(asyncio.Protocol):
         self.transport.write(frame(data))
         return True
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Close after what is queued has gone out; ``abort``: drop it, close now."""
         if self.transport is not None:
-            self.transport.close()
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
 
 
 @dataclass(eq=False)
@@ -435,7 +439,7 @@ class PeerPlane:
         if link is not None and link.alive:
             self._lose(link, PeerUnreachable(
                 f"peer {link.address} stopped reading ({_MAX_UNSENT_BYTES} bytes unsent)"))
-        conn.close()
+        conn.close(abort=True)  # what is queued would never be read
 
     def _bad(self, reason: str, conn: _PeerConnection, err: KvdError) -> None:
         self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
