@@ -14,43 +14,38 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
-from kvd.client.base import MAX_REPLY_BYTES, Call, Region, RequestBuilder, result_of
-from kvd.errors import Cancelled, DaemonUnavailable, KvdError, ProtocolError
-from kvd.framing import FrameReader, Oversized, frame
-from kvd.protocol import Bye, Reply, decode_reply, encode
+from kvd.client.base import (
+    MAX_REPLY_BYTES,
+    Call,
+    Region,
+    RequestBuilder,
+    decode_replies,
+    result_of,
+)
+from kvd.errors import Cancelled, DaemonUnavailable, KvdError
+from kvd.framing import FramedProtocol, Oversized
+from kvd.protocol import Bye, Reply, encode
 
 log = logging.getLogger(__name__)
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(FramedProtocol):
     """The socket's side of an ``AsyncKvdClient``: replies in, requests out."""
 
     def __init__(self, client: AsyncKvdClient) -> None:
+        super().__init__(MAX_REPLY_BYTES)
         self.client = client
-        self.frames = FrameReader(MAX_REPLY_BYTES)
-        self.transport: asyncio.Transport | None = None
         self.lost = False
         self._writable: asyncio.Future[None] | None = None  # set while writing is paused
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        for payload in self.frames.feed(data):
-            if isinstance(payload, Oversized):
-                log.warning("dropping a reply of %d bytes (over %d)", payload.nbytes,
-                            MAX_REPLY_BYTES)
-                continue
-            try:
-                reply = decode_reply(payload)
-            except ProtocolError as exc:
-                log.warning("dropping undecodable reply: %s", exc)
-                continue
+    def on_frame(self, item: bytes | Oversized) -> None:
+        for reply in decode_replies([item]):
             self.client._on_reply(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
         self.lost = True
         self.resume_writing()
         self.client._on_lost()
@@ -65,10 +60,9 @@ class _Connection(asyncio.Protocol):
         self._writable = None
 
     async def write(self, data: bytes) -> None:
-        """Queue ``data``; wait while the daemon is not taking what was queued before."""
-        if self.transport is None or self.lost:
+        """Send one message; wait while the daemon is not taking what was queued before."""
+        if self.lost or not self.send(data):
             raise OSError("connection closed")
-        self.transport.write(data)
         if self._writable is not None:
             await asyncio.shield(self._writable)
 
@@ -162,8 +156,8 @@ class AsyncKvdClient:
             if not fut.done():
                 fut.set_exception(DaemonUnavailable("client closed"))
         self._pending.clear()
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.close()
+        if self._conn is not None:
+            self._conn.close()
 
     def _on_reply(self, reply: Reply) -> None:
         fut = self._pending.pop(reply.req_id, None)
@@ -188,7 +182,7 @@ class AsyncKvdClient:
         self._pending[call.msg.req_id] = fut
         try:
             async with asyncio.timeout(call.timeout_s):
-                await self._conn.write(frame(encode(call.msg)))
+                await self._conn.write(encode(call.msg))
         except TimeoutError:
             self._pending.pop(call.msg.req_id, None)
             raise DaemonUnavailable(
@@ -216,11 +210,9 @@ class AsyncKvdClient:
 
     def _cancel_remote(self, call: Call) -> None:
         """Tell the daemon to drop a request we stopped waiting for (fire and forget)."""
-        conn = self._conn
-        if (conn is None or conn.transport is None or conn.lost or self._closed
-                or call.kind in ("none", "rtt", "stats")):
+        if self._conn is None or self._closed or call.kind in ("none", "rtt", "stats"):
             return
-        conn.transport.write(frame(encode(self._b.cancel(call.msg.req_id, None).msg)))
+        self._conn.send(encode(self._b.cancel(call.msg.req_id, None).msg))
 
     # ------------------------------------------------------------ operations
 

@@ -9,14 +9,23 @@ arguments and results.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.client.shm import mark_ready, share_with_daemon, tensor_spec
-from kvd.errors import BadRequest, DaemonUnavailable, KvdError, KvdTimeout, error_from_code
+from kvd.errors import (
+    BadRequest,
+    DaemonUnavailable,
+    KvdError,
+    KvdTimeout,
+    ProtocolError,
+    error_from_code,
+)
+from kvd.framing import Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -44,7 +53,10 @@ from kvd.protocol import (
     Unpublish,
     Unregister,
     Welcome,
+    decode_reply,
 )
+
+log = logging.getLogger(__name__)
 
 # Extra time a client waits for the reply of an operation that has its own server-side
 # timeout (get, put), so the daemon's precise error arrives before the client gives up.
@@ -84,6 +96,19 @@ class Call:
 # Replies larger than this are dropped (with a warning), not buffered: a stats reply is a
 # few KiB, everything else less than one.
 MAX_REPLY_BYTES = 64 * 1024 * 1024
+
+
+def decode_replies(items: Iterable[bytes | Oversized]) -> Iterator[Reply]:
+    """The replies among framed messages; oversized or undecodable ones are dropped with a
+    warning (a client must not die of one bad reply)."""
+    for item in items:
+        if isinstance(item, Oversized):
+            log.warning("dropping a reply of %d bytes (over %d)", item.nbytes, MAX_REPLY_BYTES)
+            continue
+        try:
+            yield decode_reply(item)
+        except ProtocolError as exc:
+            log.warning("dropping undecodable reply: %s", exc)
 
 
 def connect_unix(socket_path: str, timeout_s: float) -> socket.socket:

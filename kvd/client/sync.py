@@ -25,11 +25,12 @@ from kvd.client.base import (
     Region,
     RequestBuilder,
     connect_unix,
+    decode_replies,
     result_of,
 )
-from kvd.errors import DaemonUnavailable, KvdError, ProtocolError
-from kvd.framing import FrameReader, Oversized, frame
-from kvd.protocol import Reply, decode_reply, encode
+from kvd.errors import DaemonUnavailable, KvdError
+from kvd.framing import FrameReader, frame
+from kvd.protocol import Reply, encode
 
 log = logging.getLogger(__name__)
 
@@ -202,16 +203,7 @@ class KvdClient:
         if not data:
             self._dead = self._b.disconnected()
             return
-        for payload in self._frames.feed(data):
-            if isinstance(payload, Oversized):
-                log.warning("dropping a reply of %d bytes (over %d)", payload.nbytes,
-                            MAX_REPLY_BYTES)
-                continue
-            try:
-                reply = decode_reply(payload)
-            except ProtocolError as exc:
-                log.warning("dropping undecodable reply: %s", exc)
-                continue
+        for reply in decode_replies(self._frames.feed(data)):
             if reply.req_id in self._outstanding:
                 self._stash[reply.req_id] = reply
 

@@ -21,7 +21,7 @@ import os
 import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from kvd import __version__, timeline
 from kvd.config import Config
@@ -34,7 +34,7 @@ from kvd.errors import (
     KvdError,
     ProtocolError,
 )
-from kvd.framing import FrameReader, Oversized, frame
+from kvd.framing import FramedProtocol, Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -82,28 +82,21 @@ class _Replied:
 _REPLIED = _Replied()
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection: bytes in, cut into messages for the server; replies out."""
+class _Connection(FramedProtocol):
+    """One client connection: requests in, to the server; replies out."""
 
     def __init__(self, server: LocalServer) -> None:
+        super().__init__(server.config.max_message_bytes, _SKIP_ABOVE_BYTES,
+                         write_limit=_MAX_UNREAD_REPLY_BYTES)
         self.server = server
-        self.reader = FrameReader(server.config.max_message_bytes, _SKIP_ABOVE_BYTES)
-        self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.transport.set_write_buffer_limits(high=_MAX_UNREAD_REPLY_BYTES)
+        super().connection_made(transport)
         self.server.connections.add(self)
 
-    def data_received(self, data: bytes) -> None:
-        for item in self.reader.feed(data):
-            if self.transport is None or self.transport.is_closing():
-                return
-            try:
-                self.server.on_message(self, item)
-            except Exception:  # a bug must not stop the reader
-                log.exception("unhandled error in local message handler")
+    def on_frame(self, item: bytes | Oversized) -> None:
+        self.server.on_message(self, item)
 
     def pause_writing(self) -> None:
         # The client stopped reading its replies: cut it off (see _MAX_UNREAD_REPLY_BYTES).
@@ -111,21 +104,13 @@ class _Connection(asyncio.Protocol):
         log.warning("client session=%s stopped reading its replies (%d bytes waiting): "
                     "closing its connection",
                     self.session.sid if self.session else "-", _MAX_UNREAD_REPLY_BYTES)
-        self.close()
+        self.close(abort=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
         self.server.connections.discard(self)
-        self.transport = None
         if self.session is not None:
             self.server.start_close(self.session, "client disconnected", unlink_files=True)
-
-    def send(self, payload: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(payload))
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
 
 
 @dataclass(eq=False)

@@ -28,13 +28,13 @@ import socket
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.auth import load_tls
 from kvd.errors import BadRequest, ConfigError, KvdError, PeerUnreachable, ProtocolError
-from kvd.framing import FrameReader, Oversized, frame
+from kvd.framing import FramedProtocol, Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -56,13 +56,12 @@ MAX_PEER_MESSAGE_BYTES = 1 << 20  # larger ones end the connection
 _MAX_UNSENT_BYTES = 16 * 1024 * 1024
 
 
-class _PeerConnection(asyncio.Protocol):
+class _PeerConnection(FramedProtocol):
     """One control connection to a peer: messages in (to the plane), messages out."""
 
     def __init__(self, plane: PeerPlane, outgoing: bool) -> None:
+        super().__init__(MAX_PEER_MESSAGE_BYTES, write_limit=_MAX_UNSENT_BYTES)
         self.plane = plane
-        self.frames = FrameReader(MAX_PEER_MESSAGE_BYTES)
-        self.transport: asyncio.Transport | None = None
         self.link: PeerLink | None = None
         self.peer = "?"
         # An outgoing connection waits for the PeerWelcome that completes its handshake.
@@ -71,43 +70,22 @@ class _PeerConnection(asyncio.Protocol):
         self.early: list[bytes] = []  # messages behind the welcome, until the link is made
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.transport.set_write_buffer_limits(high=_MAX_UNSENT_BYTES)
+        super().connection_made(transport)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
             self.peer = f"{peer[0]}:{peer[1]}"
         self.plane._connections.add(self)
 
-    def data_received(self, data: bytes) -> None:
-        for item in self.frames.feed(data):
-            if self.transport is None or self.transport.is_closing():
-                return
-            try:
-                self.plane._on_message(self, item)
-            except Exception:  # a bug must not stop the reader
-                log.exception("unhandled error in peer message handler")
+    def on_frame(self, item: bytes | Oversized) -> None:
+        self.plane._on_message(self, item)
 
     def pause_writing(self) -> None:
         self.plane._on_stalled(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
         self.plane._connections.discard(self)
-        self.transport = None
         self.plane._on_closed(self)
-
-    def send(self, data: bytes) -> bool:
-        if self.transport is None or self.transport.is_closing():
-            return False
-        self.transport.write(frame(data))
-        return True
-
-    def close(self, abort: bool = False) -> None:
-        """Close after what is queued has gone out; ``abort``: drop it, close now."""
-        if self.transport is not None:
-            if abort:
-                self.transport.abort()
-            else:
-                self.transport.close()
 
 
 @dataclass(eq=False)
