@@ -373,6 +373,10 @@ class Config:
     # Send GPU blocks over NCCL together with their OFFER when a channel to the peer exists
     # (the receiver always posts the matching receive): no ACCEPT round trip before the bytes.
     nccl_eager: bool = _opt(True, _BOOL)
+    # Issue a transfer's NCCL calls from the event loop, and poll them there, when its
+    # channel is idle and its blocks need no staging copy (see NcclChannel._start_inline):
+    # two thread hand-offs fewer. Off: every job goes through the channel's thread.
+    nccl_inline: bool = _opt(True, _BOOL)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet
     # Mutual TLS on the peer plane (kvd keygen makes the certificate; see daemon/auth.py).
     tls_cert_file: str = _opt("", _STR)

@@ -94,6 +94,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_init_timeout_s": 30.0,
         "nccl_warm_up": "matching",
         "nccl_eager": True,
+        "nccl_inline": True,
         "gpu_staging_bytes": 2**30,
         "tls_cert_file": "",
         "tls_key_file": "",

@@ -9,7 +9,8 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -189,13 +190,7 @@ def test_eager_sends_and_dropped_offers_keep_channels_in_step() -> None:
 
 
 def _eager_and_dropped(b: Node, ca: kvd.KvdClient, cb: kvd.KvdClient) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        channels = nccl_stats(ca)["channels"] + nccl_stats(cb)["channels"]
-        if len(channels) == 4 and all(ch["idle"] for ch in channels):
-            break
-        assert time.monotonic() < deadline, (nccl_stats(ca), nccl_stats(cb))
-        time.sleep(0.2)
+    wait_warm(ca, cb)
     src, dst = kv_layers("cuda:0", 5), zeros("cuda:1")
     torch.cuda.synchronize()
     r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
@@ -217,6 +212,108 @@ def _eager_and_dropped(b: Node, ca: kvd.KvdClient, cb: kvd.KvdClient) -> None:
     for c in (ca, cb):
         s = nccl_stats(c)
         assert s["created"] == 2 and s["failed"] == 0, s
+
+
+def test_inline_and_threaded_jobs_share_channels() -> None:
+    """Transfers whose blocks need no staging run from the event loop (one NCCL group of
+    all their chunks), others in the channel's thread (chunk by chunk), and one side may do
+    one while the other does the other: a grouped send meets receives issued one by one
+    and the other way round. Concurrent puts also queue behind an inline job. Every
+    transfer is byte-exact and no channel fails."""
+    b = start_node(1, "--nccl-chunk-bytes", "1MiB")
+    a: Node | None = None
+    try:
+        a = start_node(0, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb:
+            wait_warm(ca, cb)
+            src, dst = kv_layers("cuda:0", 7), zeros("cuda:1")
+            torch.cuda.synchronize()
+            r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+            run, scattered = list(range(32)), list(range(127, 63, -2))  # 32 blocks: 8 chunks
+            cases = [(run, run), (run, scattered), (scattered, run)]
+            for i, (src_ids, dst_ids) in enumerate(cases):  # a get waiting for each
+                for d in dst:
+                    d.zero_()
+                torch.cuda.synchronize()
+                got = waiting_get(cb, f"k{i}", r_dst, dst_ids)
+                ca.put(f"k{i}", r_src, src_ids, to=b.address).wait(60)
+                assert got() == 32 * LAYERS * 32 * 1024
+                assert_moved(src, src_ids, dst, dst_ids)
+            # Eight puts at once: later ones queue behind the first while it runs inline.
+            for d in dst:
+                d.zero_()
+            torch.cuda.synchronize()
+            groups = [list(range(16 * j, 16 * j + 16)) for j in range(8)]
+            groups[3] = groups[3][::-1]  # one of them gathered, not one run
+            errors: list[BaseException] = []
+
+            def put(j: int) -> None:
+                try:
+                    with kvd.KvdClient(a.sock, timeout_s=60) as c:
+                        r = c.register(f"src{j}", src)
+                        c.put(f"c{j}", r, groups[j], to=b.address).wait(60)
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=put, args=(j,)) for j in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors, errors
+            for j in range(len(groups)):
+                cb.get(f"c{j}", r_dst, list(range(16 * j, 16 * j + 16)), timeout_s=60)
+            assert_moved(src, [i for g in groups for i in g], dst, list(range(128)))
+            sent, received = nccl_stats(ca), nccl_stats(cb)
+            for s in (sent, received):
+                assert s["created"] == 2 and s["failed"] == 0, s
+            send_ch = next(c for c in sent["channels"] if c["direction"] == "send")
+            recv_ch = next(c for c in received["channels"] if c["direction"] == "recv")
+            # at least the first case ran inline on both ends, the gathered ones threaded
+            assert send_ch["jobs_inline"] >= 1 and send_ch["jobs_threaded"] >= 2, send_ch
+            assert recv_ch["jobs_inline"] >= 1 and recv_ch["jobs_threaded"] >= 1, recv_ch
+    finally:
+        if a is not None:
+            stop_node(a)
+        stop_node(b)
+
+
+def wait_warm(ca: kvd.KvdClient, cb: kvd.KvdClient) -> None:
+    """Until both daemons have their warmed-up channels (two each), idle."""
+    deadline = time.monotonic() + 90
+    while True:
+        channels = nccl_stats(ca)["channels"] + nccl_stats(cb)["channels"]
+        if len(channels) == 4 and all(ch["idle"] for ch in channels):
+            return
+        assert time.monotonic() < deadline, (nccl_stats(ca), nccl_stats(cb))
+        time.sleep(0.2)
+
+
+def waiting_get(c: kvd.KvdClient, key: str, region: Any, ids: list[int]
+                ) -> Callable[[], object]:
+    """Start a get of ``key`` in a thread, waiting before the put comes; returns a
+    function that joins it and gives its result (or raises its error)."""
+    result: dict[str, object] = {}
+
+    def get() -> None:
+        try:
+            result["n"] = c.get(key, region, ids, timeout_s=60)
+        except BaseException as exc:  # reported by the join
+            result["err"] = exc
+
+    thread = threading.Thread(target=get)
+    thread.start()
+    time.sleep(0.3)
+
+    def join() -> object:
+        thread.join(60)
+        assert not thread.is_alive(), f"get of {key} did not return"
+        if "err" in result:
+            raise result["err"]  # type: ignore[misc]
+        return result["n"]
+
+    return join
 
 
 def peer_devices(c: kvd.KvdClient, address: str) -> list[str]:

@@ -178,7 +178,8 @@ class NcclLinks:
         self._evict_for(local_dev)
         name = f"kvd-nccl-{direction}-{local_dev}-{link.node_id}-{remote_dev}"
         channel = NcclChannel(name, torch.device(local_dev), direction,
-                              self.config.nccl_chunk_bytes, on_failed=self._failed_in_thread)
+                              self.config.nccl_chunk_bytes, on_failed=self._failed_in_thread,
+                              inline=self.config.nccl_inline)
         channel.start(unique_id, rank, self.config.nccl_init_timeout_s)
         entry = _Entry(channel_id, unique_id, channel, link, key)
         self._by_key[(id(link), *key)] = entry
@@ -254,7 +255,9 @@ class NcclLinks:
     def stats(self) -> dict[str, Any]:
         return {"channels": [{"id": e.channel_id, "peer": e.link.address,
                               "direction": e.key[0], "device": e.key[1],
-                              "peer_device": e.key[2], "idle": e.channel.idle}
+                              "peer_device": e.key[2], "idle": e.channel.idle,
+                              "jobs_inline": e.channel.jobs_inline,
+                              "jobs_threaded": e.channel.jobs_threaded}
                              for e in self._by_id.values()],
                 "created": self.created, "failed": self.failed, "evicted": self.evicted,
                 "warmed": self.warmed}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvd import timeline
@@ -89,34 +90,69 @@ class Communicator:
 
     def _settle(self, timeout_s: float, what: str) -> None:
         """Poll until the last call is accepted (``Success``); abort on error or timeout."""
-        from nccl.bindings import nccl as nb
-
         started = time.monotonic()
         deadline = started + timeout_s
         while True:
-            result = self._comm.get_async_error()
-            if result == nb.Result.Success:
-                return
-            if result != nb.Result.InProgress:
+            try:
+                if self.settled(what):
+                    return
+            except TransferFailed:
                 self.abort()
-                raise TransferFailed(f"nccl {what} on {self.name} failed: {result}")
+                raise
             if time.monotonic() > deadline:
                 self.abort()
                 raise PeerUnreachable(f"nccl {what} on {self.name} did not complete within "
                                       f"{timeout_s:g}s (peer gone?); communicator aborted")
             _pause(started)
 
-    def _call(self, op: str, buf: Any, peer: int, stream: Any, timeout_s: float,
-              settle: bool) -> None:
+    def settled(self, what: str) -> bool:
+        """One poll: has the last call been accepted? Raises ``TransferFailed`` on an
+        error without aborting (an abort takes ~0.5 s: the caller decides where), and
+        ``PeerUnreachable`` once the communicator was aborted."""
+        from nccl.bindings import nccl as nb
+
         if self.aborted:
             raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
-        if not (buf.is_cuda and buf.is_contiguous()):
-            raise TransferFailed(f"nccl {op} needs a contiguous CUDA buffer")
+        result = self._comm.get_async_error()
+        if result == nb.Result.Success:
+            return True
+        if result != nb.Result.InProgress:
+            raise TransferFailed(f"nccl {what} on {self.name} failed: {result}")
+        return False
+
+    def start(self, op: str, bufs: Sequence[Any], peer: int, stream: Any) -> None:
+        """Issue ``op`` ("send" or "recv") of each buffer, in order, without waiting for
+        the call to be accepted (see ``send``). Several buffers go as one NCCL group: one
+        kernel moves them all, with no drain between messages (~35 us each on H200), and
+        one call settles instead of one per buffer. The peer may issue the matching
+        messages one by one or grouped otherwise: only their order and sizes must match."""
+        if self.aborted:
+            raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
         import torch
 
-        u8 = buf.view(-1).view(dtype=torch.uint8)
-        getattr(self._comm, op)(u8, peer, stream=int(stream.cuda_stream))
+        views = []
+        for buf in bufs:
+            if not (buf.is_cuda and buf.is_contiguous()):
+                raise TransferFailed(f"nccl {op} needs a contiguous CUDA buffer")
+            views.append(buf.view(-1).view(dtype=torch.uint8))
+        call = {"send": self._comm.send, "recv": self._comm.recv}[op]
+        handle = int(stream.cuda_stream)
+        if len(views) == 1:
+            call(views[0], peer, stream=handle)
+        else:
+            import nccl.core as nc
+
+            nc.group_start()
+            try:
+                for view in views:
+                    call(view, peer, stream=handle)
+            finally:
+                nc.group_end()
         timeline.mark("nccl.returned")
+
+    def _call(self, op: str, buf: Any, peer: int, stream: Any, timeout_s: float,
+              settle: bool) -> None:
+        self.start(op, [buf], peer, stream)
         if settle:
             self._settle(timeout_s, op)
 

@@ -24,6 +24,7 @@ channel that failed is never reused, the peer plane makes a new one.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from kvd import timeline
-from kvd.errors import Cancelled, KvdError, PeerUnreachable, TransferFailed
+from kvd.errors import Cancelled, KvdError, KvdTimeout, PeerUnreachable, TransferFailed
 from kvd.memory.cuda_ipc import wait_ready
 from kvd.memory.regions import Layout
 from kvd.transport import gpu_copy
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 STAGING_BUFFERS = 2  # double buffering: gather (or scatter) one chunk while one is on the wire
+# An inline job is polled at every turn of the loop while its bytes should still be moving
+# (this long, plus its bytes at this rate), then every _INLINE_POLL_S.
+_INLINE_SPIN_S = 0.002
+_INLINE_SPIN_BYTES_PER_S = 300e9
+_INLINE_POLL_S = 0.0002
 
 
 @dataclass(eq=False)
@@ -65,17 +71,32 @@ class NcclJob:
     abandoned: bool = False  # receiver: drop the bytes instead of storing them
 
 
+@dataclass(eq=False)
+class _InlineRun:
+    """An inline job in progress (``NcclChannel._start_inline``)."""
+
+    job: NcclJob
+    comm: Communicator
+    loop: asyncio.AbstractEventLoop
+    nbytes: int
+    spin_until: float  # time.monotonic(): poll at every loop turn until then
+    done: torch.cuda.Event | None = None  # recorded once the calls were accepted
+    locked: bool = True  # holds the channel's _comm_lock (until the calls are accepted)
+
+
 class NcclChannel:
     """One direction ("send" or "recv") of a 2-rank communicator, run by its own thread."""
 
     def __init__(self, name: str, device: torch.device, direction: str, chunk_bytes: int,
-                 on_failed: Callable[[NcclChannel, KvdError], None] | None = None) -> None:
+                 on_failed: Callable[[NcclChannel, KvdError], None] | None = None,
+                 inline: bool = True) -> None:
         if direction not in ("send", "recv"):
             raise ValueError(direction)
         self.name = name
         self.device = device
         self.direction = direction
         self.chunk_bytes = chunk_bytes
+        self.inline = inline
         self.last_used = time.monotonic()
         self.failed: KvdError | None = None
         self._on_failed = on_failed
@@ -83,7 +104,12 @@ class NcclChannel:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._staging: list[torch.Tensor] = []
         self._busy = 0  # jobs queued or running
+        self.jobs_inline = 0  # jobs run from the loop (_start_inline), for stats and tests
+        self.jobs_threaded = 0
         self._lock = threading.Lock()
+        # Held by whoever issues a job's NCCL calls, from the first call until the last is
+        # accepted: the thread for its jobs, the loop for an inline one (see _start_inline).
+        self._comm_lock = threading.Lock()
         # Not a daemon thread: every NCCL call it makes is bounded by a deadline, and
         # teardown stops it with a sentinel and joins it (NcclLinks._drop).
         self._thread = threading.Thread(target=self._run, name=name)
@@ -102,8 +128,10 @@ class NcclChannel:
         self._queue(("warm", timeout_s))
 
     def submit(self, job: NcclJob) -> concurrent.futures.Future[int]:
+        """Run ``job`` after every job submitted before it. Called on the event loop."""
         self.last_used = time.monotonic()
-        self._queue(job)
+        if not (self.inline and self._start_inline(job)):
+            self._queue(job)
         return job.future
 
     def _queue(self, item: Any) -> None:
@@ -146,10 +174,10 @@ class NcclChannel:
                 continue
             if isinstance(item, tuple):
                 try:
-                    self._warm(item[1])
+                    with self._comm_lock:
+                        self._warm(item[1])
                 finally:
-                    with self._lock:
-                        self._busy -= 1
+                    self._done()
                 continue
             job: NcclJob = item
             try:
@@ -160,31 +188,139 @@ class NcclChannel:
                                               future=concurrent.futures.Future())
                     job.future.set_running_or_notify_cancel()
                 try:
-                    if self.failed is not None:
-                        raise self.failed
-                    job.started_at = time.monotonic()
-                    timeline.mark(f"nccl.{self.direction}.start")
-                    if self.direction == "send":
-                        job.future.set_result(self._send(job))
-                    else:
-                        nbytes = self._recv(job)
-                        if job.abandoned or job.blocks is None:
-                            # Received and dropped as asked: the channel stays usable.
-                            job.future.set_exception(Cancelled(
-                                f"transfer {job.transfer_id} was given up; its bytes were "
-                                "dropped"))
-                        else:
-                            job.future.set_result(nbytes)
+                    # An inline job started before this one may still be in its calls.
+                    if not self._comm_lock.acquire(timeout=self._remaining(job)):
+                        raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} "
+                                              "ran out of time behind the job before it")
+                    try:
+                        if self.failed is not None:
+                            raise self.failed
+                        job.started_at = time.monotonic()
+                        timeline.mark(f"nccl.{self.direction}.start")
+                        self.jobs_threaded += 1
+                        nbytes = self._send(job) if self.direction == "send" else self._recv(job)
+                    finally:
+                        self._comm_lock.release()
+                    self._resolve(job, nbytes)
                 except BaseException as exc:
-                    err = exc if isinstance(exc, KvdError) else TransferFailed(
-                        f"nccl {self.direction} on {self.name}: {exc!r}")
+                    err = self._as_error(exc)
                     self._fail(err)
                     job.future.set_exception(self.failed or err)
             finally:
-                timeline.mark(f"nccl.{self.direction}.end")
-                with self._lock:
-                    self._busy -= 1
-                self.last_used = time.monotonic()
+                self._done()
+
+    def _resolve(self, job: NcclJob, nbytes: int) -> None:
+        if job.abandoned or job.blocks is None:
+            # Received and dropped as asked: the channel stays usable.
+            job.future.set_exception(Cancelled(
+                f"transfer {job.transfer_id} was given up; its bytes were dropped"))
+        else:
+            job.future.set_result(nbytes)
+
+    def _as_error(self, exc: BaseException) -> KvdError:
+        return exc if isinstance(exc, KvdError) else TransferFailed(
+            f"nccl {self.direction} on {self.name}: {exc!r}")
+
+    def _done(self) -> None:
+        """A queued item (or an inline job) ended."""
+        timeline.mark(f"nccl.{self.direction}.end")
+        with self._lock:
+            self._busy -= 1
+        self.last_used = time.monotonic()
+
+    # ------------------------------------------------------------ inline jobs
+
+    def _start_inline(self, job: NcclJob) -> bool:
+        """Run ``job`` from the event loop's own thread, if it is idle and simple: no job
+        queued or running here (so none may go first), and every chunk straight from (or
+        into) the blocks' memory (no staging copies to order). Then the loop issues the
+        NCCL calls (one group, ~35-90 us) and polls their acceptance and the end of the
+        bytes between its other callbacks. That skips two thread hand-offs, each ~100-150
+        us on the H200 host (the thread's wake-up with the GIL, then the loop's when the
+        future is set). Returns False when the job must go to the thread instead."""
+        comm = self._comm
+        if (comm is None or self.failed is not None or self._busy or job.blocks is None
+                or job.abandoned):
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
+        bufs = _only_direct([job.blocks.direct(c, self.device) for c in chunks])
+        if bufs is None:
+            return False
+        if not self._comm_lock.acquire(blocking=False):
+            return False
+        if not job.future.set_running_or_notify_cancel():
+            self._comm_lock.release()
+            return False
+        with self._lock:
+            self._busy += 1
+        self.jobs_inline += 1
+        job.started_at = time.monotonic()
+        timeline.mark(f"nccl.{self.direction}.start")
+        nbytes = sum(c.nbytes for c in chunks)
+        run = _InlineRun(job, comm, loop, nbytes, job.started_at + _INLINE_SPIN_S
+                         + nbytes / _INLINE_SPIN_BYTES_PER_S)
+        try:
+            self._issue_direct(comm, job, bufs)
+        except BaseException as exc:
+            self._fail_inline(run, self._as_error(exc))
+            return True
+        loop.call_soon(self._poll_inline, run)
+        return True
+
+    def _issue_direct(self, comm: Communicator, job: NcclJob,
+                      bufs: Sequence[torch.Tensor]) -> None:
+        """All of a job's chunks, straight from (into) its blocks, as one NCCL group."""
+        if self.direction == "send":
+            wait_ready(job.ready_events, self._comm_stream)
+        timeline.mark("nccl.call")
+        comm.start(self.direction, bufs, 1 if self.direction == "send" else 0,
+                   self._comm_stream)
+
+    def _poll_inline(self, run: _InlineRun) -> None:
+        """One look at an inline job, from the loop: its calls accepted, then its bytes
+        there; again at the next turn (or shortly) until then or until its deadline."""
+        job = run.job
+        try:
+            if run.comm.aborted:
+                raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
+            if run.done is None and run.comm.settled(self.direction):
+                timeline.mark("nccl.settled")
+                run.done = gpu_copy.recorded(self._comm_stream)
+                run.locked = False
+                self._comm_lock.release()  # the next job's calls may follow ours now
+            if run.done is None or not run.done.query():
+                if time.monotonic() > job.deadline:
+                    raise KvdTimeout(f"nccl {self.direction} of transfer {job.transfer_id} on "
+                                     f"{self.name} did not finish by its deadline; "
+                                     "communicator aborted")
+                if time.monotonic() < run.spin_until:
+                    run.loop.call_soon(self._poll_inline, run)
+                else:
+                    run.loop.call_later(_INLINE_POLL_S, self._poll_inline, run)
+                return
+            if run.comm.aborted:  # an abort ends the kernels too: the event fires
+                raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
+        except BaseException as exc:
+            self._fail_inline(run, self._as_error(exc))
+            return
+        self._resolve(job, run.nbytes)
+        self._done()
+
+    def _fail_inline(self, run: _InlineRun, err: KvdError) -> None:
+        """Abort (~0.5 s, so in a thread of its own, not on the loop), then fail the job:
+        once its future is done no kernel of it touches the blocks."""
+        def fail() -> None:
+            self._fail(err)
+            if run.locked:
+                self._comm_lock.release()
+            run.job.future.set_exception(self.failed or err)
+            self._done()
+
+        threading.Thread(target=fail, name=f"{self.name}-abort", daemon=True).start()
 
     def _init(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
         try:
@@ -283,6 +419,9 @@ class NcclChannel:
         blocks = job.blocks
         direct = self._prepare(blocks, chunks, size)
         timeline.mark("nccl.send.prepared")
+        bufs = _only_direct(direct)
+        if bufs is not None:
+            return self._run_direct(comm, job, bufs, chunks)
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
         buf = self._load(blocks, chunks[0], direct[0], 0, None) if chunks else None
@@ -307,6 +446,9 @@ class NcclChannel:
         blocks = None if job.abandoned else job.blocks  # None: drop the bytes
         direct = self._prepare(blocks, chunks, size)
         timeline.mark("nccl.recv.prepared")
+        bufs = _only_direct(direct)
+        if bufs is not None:
+            return self._run_direct(comm, job, bufs, chunks)
         stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         landed: tuple[Chunk, torch.Tensor, torch.cuda.Event, int] | None = None
 
@@ -347,9 +489,25 @@ class NcclChannel:
                   f"receive of transfer {job.transfer_id}")
         return sum(c.nbytes for c in chunks)
 
+    def _run_direct(self, comm: Communicator, job: NcclJob, bufs: Sequence[torch.Tensor],
+                    chunks: Sequence[Chunk]) -> int:
+        """A job whose chunks all go straight from (into) memory: one grouped call."""
+        self._issue_direct(comm, job, bufs)
+        comm.settle(self._remaining(job), self.direction)
+        timeline.mark("nccl.settled")
+        comm.wait(gpu_copy.recorded(self._comm_stream), self._remaining(job),
+                  f"{self.direction} of transfer {job.transfer_id}")
+        return sum(c.nbytes for c in chunks)
+
     def _release(self) -> None:
         comm = self._comm
         if comm is not None and self.failed is None:
             # A clean stop still aborts: destroy would wait for the peer, abort does not.
             comm.abort()
         self._staging = []
+
+
+def _only_direct(direct: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+    """Every chunk's memory, when each goes straight from (or into) it; else None."""
+    bufs = [d for d in direct if d is not None]
+    return bufs if bufs and len(bufs) == len(direct) else None
