@@ -89,6 +89,24 @@ def test_packed_buffers_and_direct_chunks() -> None:
         assert direct is not None and direct.data_ptr() == src[0][first].data_ptr()
 
 
+@pytest.mark.parametrize("n", [8, 200])  # short segments checked in Python, long by numpy
+def test_runs_are_found_in_short_and_long_segments(n: int) -> None:
+    src = [torch.zeros(2 * n, 64, dtype=torch.uint8)]
+    chunks = plan_chunks(layout_of(src), 2 * n, n * 64)  # n blocks per chunk
+    cpu = torch.device("cpu")
+    ids = list(range(n, 2 * n)) + list(range(n))  # two runs, one per chunk
+    blocks = BlockSet(src, ids)
+    found = blocks.direct_chunks(chunks, cpu)
+    assert [d.data_ptr() if d is not None else None for d in found] == [
+        src[0][n].data_ptr(), src[0][0].data_ptr()]
+    assert blocks.direct_chunks(chunks, cpu) is found  # remembered per plan
+    broken = ids.copy()  # the same ends, a swap inside each chunk: no run
+    broken[1], broken[2], broken[n + 1], broken[n + 2] = ids[2], ids[1], ids[n + 2], ids[n + 1]
+    assert BlockSet(src, broken).direct_chunks(chunks, cpu) == [None, None]
+    whole = plan_chunks(layout_of(src), 2 * n, 2 * n * 64)
+    assert BlockSet(src, list(range(2 * n))).direct_chunks(whole, cpu)[0] is not None
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> None:
     # The rows the one-launch GPU copy reads, built here from CPU tensors. The kernel finds

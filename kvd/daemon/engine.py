@@ -50,7 +50,7 @@ from kvd.memory.regions import (
 )
 from kvd.protocol import CudaIpcTensor, TensorSpec
 from kvd.transport import local
-from kvd.transport.chunks import BlockSet
+from kvd.transport.chunks import BlockSet, plan_chunks
 
 log = logging.getLogger(__name__)
 
@@ -432,8 +432,11 @@ class Engine:
         device = region.tensors[0].device if region.tensors else None
         if device is not None and device.type == "cuda":
             # The copy kernel's map of our blocks, made while we wait rather than after
-            # the bytes' offer came (its upload is ~0.1-0.3 ms on the critical path).
+            # the bytes' offer came (its upload is ~0.1-0.3 ms on the critical path), and
+            # the views an NCCL receive takes straight into them, for the usual chunk size.
             ours.block_map(device)
+            ours.direct_chunks(plan_chunks(region.layout, len(idx),
+                                           self.config.nccl_chunk_bytes), device)
         try:
             async with asyncio.timeout(timeout_s):
                 result = await waiter.future

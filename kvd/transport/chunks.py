@@ -87,6 +87,9 @@ def largest_chunk(chunks: Sequence[Chunk]) -> int:
     return max((c.nbytes for c in chunks), default=0)
 
 
+_SHORT_RUN = 64  # segments of up to this many blocks are checked without numpy
+
+
 @dataclass(eq=False)
 class BlockSet:
     """Blocks ``ids`` of every tensor in ``tensors`` (block dimension first): one end's
@@ -98,6 +101,9 @@ class BlockSet:
     _maps: dict[torch.device, BlockMap | None] = field(default_factory=dict, repr=False)
     _packed: tuple[torch.Tensor, Layout] | None = field(default=None, repr=False)
     _breaks: np.ndarray[Any, Any] | None = field(default=None, repr=False)
+    _consecutive: bool | None = field(default=None, repr=False)
+    _direct: dict[tuple[int, torch.device], tuple[tuple[Chunk, ...], list[torch.Tensor | None]]
+                  ] = field(default_factory=dict, repr=False)
 
     @classmethod
     def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
@@ -124,10 +130,17 @@ class BlockSet:
             self._ids_on[device] = found
         return found
 
+    def consecutive(self) -> bool:
+        """The ids are one run (n, n+1, ...); found once."""
+        if self._consecutive is None:
+            ids = self.ids
+            self._consecutive = bool(ids) and ids == list(range(ids[0], ids[0] + len(ids)))
+        return self._consecutive
+
     def one_run(self) -> bool:
         """Each tensor's blocks are consecutive ids of a block-contiguous tensor: the
         bytes can travel straight from (or into) this memory in one message per tensor."""
-        if not self.ids or self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
+        if not self.consecutive():
             return False
         return all(gpu_copy.block_contiguous(t) and (
             len(self.ids) == 1 or t.stride(0) == math.prod(t.shape[1:])) for t in self.tensors)
@@ -137,12 +150,33 @@ class BlockSet:
         first = self.ids[seg.start]
         if self.ids[seg.stop - 1] - first != seg.stop - 1 - seg.start:
             return None
+        if self.consecutive():
+            return first
+        if seg.stop - seg.start <= _SHORT_RUN:
+            # Short: compare in Python. numpy's setup costs ~40-50 us per transfer in a
+            # daemon (cold caches between transfers), ten times its cost in a tight loop.
+            run = self.ids[seg.start : seg.stop] == list(range(first, first + seg.stop
+                                                               - seg.start))
+            return first if run else None
         if self._breaks is None:
             # breaks[p]: how many positions before p do not continue a run. Found once per
             # transfer with numpy: a Python loop over 1024 ids cost ~0.1 ms per chunk.
             steps = np.diff(np.asarray(self.ids, dtype=np.int64)) != 1
             self._breaks = np.concatenate(([0], np.cumsum(steps)))
         return first if self._breaks[seg.stop - 1] == self._breaks[seg.start] else None
+
+    def direct_chunks(self, chunks: tuple[Chunk, ...], device: torch.device
+                      ) -> list[torch.Tensor | None]:
+        """``direct`` of each chunk of a plan, remembered: a get that waits finds them
+        ahead of the transfer (``Engine.get``), so the receiver's first NCCL call does not
+        wait for the ~50-80 us this takes in a daemon. Keyed by the plan's identity
+        (``plan_chunks`` returns one object per plan; the entry keeps it alive)."""
+        key = (id(chunks), device)
+        found = self._direct.get(key)
+        if found is None:
+            found = (chunks, [self.direct(c, device) for c in chunks])
+            self._direct[key] = found
+        return found[1]
 
     def direct(self, chunk: Chunk, device: torch.device) -> torch.Tensor | None:
         """The chunk's bytes as one contiguous uint8 tensor of this memory on ``device``,

@@ -247,7 +247,7 @@ class NcclChannel:
         except RuntimeError:
             return False
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
-        bufs = _only_direct([job.blocks.direct(c, self.device) for c in chunks])
+        bufs = _only_direct(job.blocks.direct_chunks(chunks, self.device))
         if bufs is None:
             return False
         if not self._comm_lock.acquire(blocking=False):
@@ -374,20 +374,21 @@ class NcclChannel:
             raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} ran out of time")
         return left
 
-    def _plan(self, job: NcclJob) -> tuple[Communicator, Sequence[Chunk], int]:
+    def _plan(self, job: NcclJob) -> tuple[Communicator, tuple[Chunk, ...], int]:
         """The communicator, the transfer's chunks, and the staging size they need."""
         assert self._comm is not None
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
         return self._comm, chunks, largest_chunk(chunks)
 
-    def _prepare(self, blocks: BlockSet | None, chunks: Sequence[Chunk], size: int
-                 ) -> list[torch.Tensor | None]:
+    def _prepare(self, blocks: BlockSet | None, chunks: tuple[Chunk, ...], size: int
+                 ) -> Sequence[torch.Tensor | None]:
         """Each chunk's memory when it goes straight from (or into) it, else None (staged).
         For staged chunks: the blocks' map for the staging copies, made now while the copy
         stream is idle (its small upload, made later, would wait for the chunk queued
         ahead of it), and the staging buffers, grown now (growing waits for the GPU)."""
-        direct = [blocks.direct(c, self.device) if blocks is not None else None
-                  for c in chunks]
+        direct: Sequence[torch.Tensor | None] = (
+            blocks.direct_chunks(chunks, self.device) if blocks is not None
+            else [None] * len(chunks))
         if any(d is None for d in direct):
             if blocks is not None:
                 with torch.cuda.stream(self._copy_stream):
