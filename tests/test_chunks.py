@@ -112,7 +112,7 @@ def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> Non
     # The rows the one-launch GPU copy reads, built here from CPU tensors. The kernel finds
     # piece i of the wire order (tensor t, block position p, piece j) at
     #   address[t] + ids[p] * stride[t] + j * piece[t]   in the blocks, and
-    #   wire_start[t] + (p * k + j) * piece[t]            in the packed bytes;
+    #   n * before[t] + (p * k + j) * piece[t]            in the packed bytes;
     # this is that arithmetic in Python, against every piece's true place.
     from kvd.transport.gpu_copy import PIECE_BYTES, BlockMap
 
@@ -126,8 +126,9 @@ def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> Non
     assert found.k == k and found.pieces() == len(tensors) * len(ids) * k
     rows = found.rows.tolist()
     count = len(tensors)
-    address, stride, wire_start, piece = (rows[r * count : (r + 1) * count] for r in range(4))
-    assert rows[4 * count :] == ids
+    assert len(rows) == 4 * count and found.ids.tolist() == ids
+    address, stride, before, piece = (rows[r * count : (r + 1) * count] for r in range(4))
+    n = len(ids)
     expected, got = [], []
     wire = 0
     for t, tensor in enumerate(tensors):
@@ -137,8 +138,11 @@ def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> Non
                 expected.append((tensor[i].data_ptr() + j * block // k, wire, block // k))
                 wire += block // k
                 got.append((address[t] + ids[p] * stride[t] + j * piece[t],
-                            wire_start[t] + (p * k + j) * piece[t], piece[t]))
+                            n * before[t] + (p * k + j) * piece[t], piece[t]))
     assert got == expected
+    # The rows are the region's, made once; a transfer brings only its ids.
+    again = BlockMap(tensors, [1, 2], torch.device("cpu"))
+    assert again.rows is found.rows and again.ids.tolist() == [1, 2]
     assert found.piece_range(1, 1, 3) == ((len(ids) + 1) * k, (len(ids) + 3) * k)
 
 

@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,12 +58,13 @@ def _build() -> Any:
     # Integers that change from call to call are not specialised on: a new specialisation
     # would compile (about a second) in the middle of a transfer.
     @triton.jit(do_not_specialize=["src_base", "dst_base", "first", "T", "n", "k"])
-    def copy_pieces(src_map, dst_map, src_base, dst_base, first, T, n, k,
-                    SRC_MAPPED: tl.constexpr, DST_MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_pieces(src_rows, src_ids, dst_rows, dst_ids, src_base, dst_base, first, T, n,
+                    k, SRC_MAPPED: tl.constexpr, DST_MAPPED: tl.constexpr,
+                    BLOCK: tl.constexpr):
         # Program i copies piece first + i: tensor t, block position p, piece j. A mapped
         # side finds the piece through its BlockMap, the other is a packed buffer at
-        # base + the piece's wire offset. Map rows: address, stride, wire start, piece
-        # bytes (T each), then the n block ids.
+        # base + the piece's wire offset. Rows (T each, per region): address, stride,
+        # bytes per block of the tensors before t, piece bytes; ids: the n block ids.
         i = tl.program_id(0).to(tl.int64) + first
         per_tensor = n * k
         t = i // per_tensor
@@ -70,16 +72,16 @@ def _build() -> Any:
         p = r // k
         j = r - p * k
         if SRC_MAPPED:
-            piece = tl.load(src_map + 3 * T + t)
-            wire = tl.load(src_map + 2 * T + t) + (p * k + j) * piece
-            src = (tl.load(src_map + t) + tl.load(src_map + 4 * T + p) * tl.load(src_map + T + t)
+            piece = tl.load(src_rows + 3 * T + t)
+            wire = n * tl.load(src_rows + 2 * T + t) + (p * k + j) * piece
+            src = (tl.load(src_rows + t) + tl.load(src_ids + p) * tl.load(src_rows + T + t)
                    + j * piece)
         else:
-            piece = tl.load(dst_map + 3 * T + t)
-            wire = tl.load(dst_map + 2 * T + t) + (p * k + j) * piece
+            piece = tl.load(dst_rows + 3 * T + t)
+            wire = n * tl.load(dst_rows + 2 * T + t) + (p * k + j) * piece
             src = src_base + wire
         if DST_MAPPED:
-            dst = (tl.load(dst_map + t) + tl.load(dst_map + 4 * T + p) * tl.load(dst_map + T + t)
+            dst = (tl.load(dst_rows + t) + tl.load(dst_ids + p) * tl.load(dst_rows + T + t)
                    + j * piece)
         else:
             dst = dst_base + wire
@@ -97,30 +99,31 @@ def _build() -> Any:
 class BlockMap:
     """Blocks ``ids`` of ``tensors`` as the kernel reads them, on ``device``: the pieces in
     wire order (tensor-major, then block, then piece), each tensor's blocks cut into the same
-    number ``k`` of pieces (1 when the tensors' block sizes do not split alike)."""
+    number ``k`` of pieces (1 when the tensors' block sizes do not split alike).
+
+    What describes the tensors (``rows``) is made and uploaded once per region and device
+    (``_Facts.rows_on``); a transfer uploads only its block ids. Making the whole table per
+    transfer took ~30 us of numpy in a tight loop and, in a daemon, several times that on
+    the sender's critical path (2026-11-30: a staged sender's start, see
+    docs/architecture.md)."""
 
     def __init__(self, tensors: Any, ids: list[int], device: torch.device) -> None:
-        # numpy, not torch, for these small host-side rows: a torch op costs ~5 us of CPU.
-        geo = _facts_of(tensors).geometry  # (address, block bytes, stride bytes)
-        n, count = len(ids), len(geo)
-        per_block = np.array([g[1] for g in geo], dtype=np.int64)
-        splits = np.where(per_block % PIECE_BYTES == 0,
-                          np.maximum(per_block // PIECE_BYTES, 1), 1)
-        k = int(splits[0]) if count and (splits == splits[0]).all() else 1
-        rows = np.empty(4 * count + n, dtype=np.int64)
-        rows[:count] = [g[0] for g in geo]
-        rows[count : 2 * count] = [g[2] for g in geo]
-        rows[2 * count : 3 * count] = np.concatenate([[0], np.cumsum(per_block * n)[:-1]])
-        rows[3 * count : 4 * count] = per_block // k
-        rows[4 * count :] = ids
-        self._host = rows  # kept alive while a copy from it may still be queued
+        facts = _facts_of(tensors)
+        described = facts.rows_on(device)
+        self.rows, self.k = described.rows, described.k
+        self._host = torch.tensor(ids, dtype=torch.int64)  # alive while its upload is queued
         # Uploaded on whatever stream is current (a map may be made ahead, on the loop's
-        # thread, while the transfer's offer is out); a copy on another stream waits for it.
-        cuda = device.type == "cuda"
-        self.stream = torch.cuda.current_stream(device) if cuda else None
-        self.rows = torch.from_numpy(rows).to(device, non_blocking=True)
-        self.ready = recorded(self.stream) if self.stream is not None else None
-        self.k, self.num_tensors, self.num_blocks = k, count, n
+        # thread, while the transfer's offer is out); a copy on another stream waits for
+        # ``ready``, which also follows the rows' upload.
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        if self.stream is not None:
+            if described.ready is not None:
+                self.stream.wait_event(described.ready)
+            self.ids = self._host.to(device, non_blocking=True)
+            self.ready: torch.cuda.Event | None = recorded(self.stream)
+        else:
+            self.ids, self.ready = self._host, None
+        self.num_tensors, self.num_blocks = len(facts.geometry), len(ids)
         self.device = device
 
     def piece_range(self, tensor: int, start: int, stop: int) -> tuple[int, int]:
@@ -150,7 +153,9 @@ def copy(first: int, last: int, *, src: BlockMap | int, dst: BlockMap | int) -> 
     with _launch_lock, torch.cuda.device(any_map.device):  # Triton launches on the current one
         _kernel[(count,)](
             src.rows if isinstance(src, BlockMap) else any_map.rows,
+            src.ids if isinstance(src, BlockMap) else any_map.ids,
             dst.rows if isinstance(dst, BlockMap) else any_map.rows,
+            dst.ids if isinstance(dst, BlockMap) else any_map.ids,
             src if isinstance(src, int) else 0, dst if isinstance(dst, int) else 0,
             first, any_map.num_tensors, any_map.num_blocks, any_map.k,
             SRC_MAPPED=isinstance(src, BlockMap), DST_MAPPED=isinstance(dst, BlockMap),
@@ -233,6 +238,14 @@ def block_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class _Rows:
+    rows: torch.Tensor
+    k: int
+    ready: torch.cuda.Event | None  # after the upload
+    host: torch.Tensor  # the upload's source, alive while it may be queued
+
+
 class _Facts:
     """What the maps need of a list of tensors, found once: the same region's tensors
     come back with every transfer, and reading 64 tensors' geometry costs ~60 us and
@@ -241,12 +254,37 @@ class _Facts:
     def __init__(self, tensors: Any) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         self.watch: Any = None  # the first tensor's weakref that drops this entry
+        self._rows: dict[torch.device, _Rows] = {}
         self.geometry = [_geometry(t) for t in tensors]  # (address, block, stride) bytes
         self.device = tensors[0].device if len(tensors) else None
         self.describable = bool(len(tensors)) and all(
             t.is_cuda and t.device == self.device and len(t) > 0 and block_contiguous(t)
             and not (block % WORD or address % WORD or stride % WORD)
             for t, (address, block, stride) in zip(tensors, self.geometry, strict=True))
+
+    def rows_on(self, device: torch.device) -> _Rows:
+        """The kernel's rows for these tensors on ``device``: made and uploaded once per
+        device, on the stream current then (``ready``: an event after the upload)."""
+        found = self._rows.get(device)
+        if found is None:
+            per_block = np.array([g[1] for g in self.geometry], dtype=np.int64)
+            count = len(per_block)
+            splits = np.where(per_block % PIECE_BYTES == 0,
+                              np.maximum(per_block // PIECE_BYTES, 1), 1)
+            k = int(splits[0]) if count and (splits == splits[0]).all() else 1
+            rows = np.empty(4 * count, dtype=np.int64)
+            rows[:count] = [g[0] for g in self.geometry]
+            rows[count : 2 * count] = [g[2] for g in self.geometry]
+            rows[2 * count : 3 * count] = np.concatenate([[0], np.cumsum(per_block)[:-1]])
+            rows[3 * count :] = per_block // k
+            host = torch.from_numpy(rows)
+            if device.type == "cuda":
+                stream = torch.cuda.current_stream(device)
+                found = _Rows(host.to(device, non_blocking=True), k, recorded(stream), host)
+            else:
+                found = _Rows(host, k, None, host)
+            self._rows[device] = found
+        return found
 
     def of(self, tensors: Any) -> bool:
         return len(self.refs) == len(tensors) and all(
