@@ -83,7 +83,7 @@ class _InlineRun:
     spin_until: float  # time.monotonic(): poll at every loop turn until then
     wait: Any = None  # what the current step waits for (SETTLE, or the last event); None:
     # the first step has not run yet
-    locked: bool = True  # holds the channel's _comm_lock (until the calls are accepted)
+    locked: bool = True  # holds the channel's _comm_lock (until the job ends)
 
 
 class NcclChannel:
@@ -109,8 +109,8 @@ class NcclChannel:
         self.jobs_inline = 0  # jobs run from the loop (_start_inline), for stats and tests
         self.jobs_threaded = 0
         self._lock = threading.Lock()
-        # Held by whoever issues a job's NCCL calls, from the first call until the last is
-        # accepted: the thread for its jobs, the loop for an inline one (see _start_inline).
+        # Held by whoever runs a job, from its first call to its end: the thread for its
+        # jobs, the loop for an inline one (see _start_inline).
         self._comm_lock = threading.Lock()
         # Not a daemon thread: every NCCL call it makes is bounded by a deadline, and
         # teardown stops it with a sentinel and joins it (NcclLinks._drop).
@@ -300,12 +300,13 @@ class NcclChannel:
                     if run.comm.aborted:  # an abort ends the kernels too: the event fires
                         raise PeerUnreachable(
                             f"nccl communicator {self.name} was aborted") from None
+                    # Held to the end, not only until the calls are accepted: the next
+                    # job's gathers would reuse staging our last send may still read.
+                    run.locked = False
+                    self._comm_lock.release()
                     self._resolve(job, int(stop.value))
                     self._done()
                     return
-                if run.wait is not SETTLE and run.locked:
-                    run.locked = False
-                    self._comm_lock.release()  # all calls accepted: the next job's may go
                 run.loop.call_soon(self._poll_inline, run)
                 return
             if time.monotonic() > job.deadline:
