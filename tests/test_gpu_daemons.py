@@ -270,8 +270,9 @@ def test_inline_and_threaded_jobs_share_channels() -> None:
                 assert s["created"] == 2 and s["failed"] == 0, s
             send_ch = next(c for c in sent["channels"] if c["direction"] == "send")
             recv_ch = next(c for c in received["channels"] if c["direction"] == "recv")
-            # at least the first case ran inline on both ends, the gathered ones threaded
-            assert send_ch["jobs_inline"] >= 1 and send_ch["jobs_threaded"] >= 2, send_ch
+            # the first case ran inline on both ends; the first staged job of each channel
+            # ran in its thread (it grew the staging), later ones may run inline too
+            assert send_ch["jobs_inline"] >= 1 and send_ch["jobs_threaded"] >= 1, send_ch
             assert recv_ch["jobs_inline"] >= 1 and recv_ch["jobs_threaded"] >= 1, recv_ch
     finally:
         if a is not None:

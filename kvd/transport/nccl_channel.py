@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ from kvd.transport.nccl import Communicator
 log = logging.getLogger(__name__)
 
 _STOP = object()
+SETTLE = object()  # a step waits for the last NCCL call to be accepted (see _steps)
 STAGING_BUFFERS = 2  # double buffering: gather (or scatter) one chunk while one is on the wire
 # An inline job is polled at every turn of the loop while its bytes should still be moving
 # (this long, plus its bytes at this rate), then every _INLINE_POLL_S.
@@ -78,10 +79,11 @@ class _InlineRun:
     job: NcclJob
     comm: Communicator
     loop: asyncio.AbstractEventLoop
-    nbytes: int
+    steps: Generator[Any, None, int]  # NcclChannel._steps
     spin_until: float  # time.monotonic(): poll at every loop turn until then
-    done: torch.cuda.Event | None = None  # recorded once the calls were accepted
-    locked: bool = True  # holds the channel's _comm_lock (until the calls are accepted)
+    wait: Any = None  # what the current step waits for (SETTLE, or the last event); None:
+    # the first step has not run yet
+    locked: bool = True  # holds the channel's _comm_lock (until the job ends)
 
 
 class NcclChannel:
@@ -107,8 +109,8 @@ class NcclChannel:
         self.jobs_inline = 0  # jobs run from the loop (_start_inline), for stats and tests
         self.jobs_threaded = 0
         self._lock = threading.Lock()
-        # Held by whoever issues a job's NCCL calls, from the first call until the last is
-        # accepted: the thread for its jobs, the loop for an inline one (see _start_inline).
+        # Held by whoever runs a job, from its first call to its end: the thread for its
+        # jobs, the loop for an inline one (see _start_inline).
         self._comm_lock = threading.Lock()
         # Not a daemon thread: every NCCL call it makes is bounded by a deadline, and
         # teardown stops it with a sentinel and joins it (NcclLinks._drop).
@@ -198,7 +200,7 @@ class NcclChannel:
                         job.started_at = time.monotonic()
                         timeline.mark(f"nccl.{self.direction}.start")
                         self.jobs_threaded += 1
-                        nbytes = self._send(job) if self.direction == "send" else self._recv(job)
+                        nbytes = self._run_steps(job)
                     finally:
                         self._comm_lock.release()
                     self._resolve(job, nbytes)
@@ -231,13 +233,14 @@ class NcclChannel:
     # ------------------------------------------------------------ inline jobs
 
     def _start_inline(self, job: NcclJob) -> bool:
-        """Run ``job`` from the event loop's own thread, if it is idle and simple: no job
-        queued or running here (so none may go first), and every chunk straight from (or
-        into) the blocks' memory (no staging copies to order). Then the loop issues the
-        NCCL calls (one group, ~35-90 us) and polls their acceptance and the end of the
-        bytes between its other callbacks. That skips two thread hand-offs, each ~100-150
-        us on the H200 host (the thread's wake-up with the GIL, then the loop's when the
-        future is set). Returns False when the job must go to the thread instead."""
+        """Run ``job`` from the event loop's own thread when the channel is idle (nothing
+        queued or running here, so nothing may go first): the loop runs the job's steps
+        (``_steps``: NCCL calls, one group when no chunk needs staging, and the gathers or
+        scatters of staged chunks) and polls what each waits for between its other
+        callbacks. That skips two thread hand-offs, each ~100-150 us on the H200 host (the
+        thread's wake-up with the GIL, then the loop's when the future is set). Returns
+        False when the job must go to the thread instead: the channel is busy, the bytes
+        are to be dropped, or its staging must grow first (growing waits for the GPU)."""
         comm = self._comm
         if (comm is None or self.failed is not None or self._busy or job.blocks is None
                 or job.abandoned):
@@ -247,8 +250,9 @@ class NcclChannel:
         except RuntimeError:
             return False
         chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
-        bufs = _only_direct(job.blocks.direct_chunks(chunks, self.device))
-        if bufs is None:
+        direct = job.blocks.direct_chunks(chunks, self.device)
+        if _only_direct(direct) is None and (
+                not self._staging or self._staging[0].numel() < largest_chunk(chunks)):
             return False
         if not self._comm_lock.acquire(blocking=False):
             return False
@@ -261,14 +265,9 @@ class NcclChannel:
         job.started_at = time.monotonic()
         timeline.mark(f"nccl.{self.direction}.start")
         nbytes = sum(c.nbytes for c in chunks)
-        run = _InlineRun(job, comm, loop, nbytes, job.started_at + _INLINE_SPIN_S
+        run = _InlineRun(job, comm, loop, self._steps(job), job.started_at + _INLINE_SPIN_S
                          + nbytes / _INLINE_SPIN_BYTES_PER_S)
-        try:
-            self._issue_direct(comm, job, bufs)
-        except BaseException as exc:
-            self._fail_inline(run, self._as_error(exc))
-            return True
-        loop.call_soon(self._poll_inline, run)
+        self._poll_inline(run)  # the first step (the first NCCL call) now
         return True
 
     def _issue_direct(self, comm: Communicator, job: NcclJob,
@@ -281,34 +280,46 @@ class NcclChannel:
                    self._comm_stream)
 
     def _poll_inline(self, run: _InlineRun) -> None:
-        """One look at an inline job, from the loop: its calls accepted, then its bytes
-        there; again at the next turn (or shortly) until then or until its deadline."""
+        """One look at an inline job, from the loop: if what its step waits for is done,
+        run the next step; again at the next turn (or shortly) until the last step is
+        done or the job's deadline passes."""
         job = run.job
         try:
             if run.comm.aborted:
                 raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
-            if run.done is None and run.comm.settled(self.direction):
-                timeline.mark("nccl.settled")
-                run.done = gpu_copy.recorded(self._comm_stream)
-                run.locked = False
-                self._comm_lock.release()  # the next job's calls may follow ours now
-            if run.done is None or not run.done.query():
-                if time.monotonic() > job.deadline:
-                    raise KvdTimeout(f"nccl {self.direction} of transfer {job.transfer_id} on "
-                                     f"{self.name} did not finish by its deadline; "
-                                     "communicator aborted")
-                if time.monotonic() < run.spin_until:
-                    run.loop.call_soon(self._poll_inline, run)
-                else:
-                    run.loop.call_later(_INLINE_POLL_S, self._poll_inline, run)
+            if run.wait is None:
+                ready = True
+            elif run.wait is SETTLE:
+                ready = run.comm.settled(self.direction)
+            else:
+                ready = run.wait.query()
+            if ready:
+                try:
+                    run.wait = run.steps.send(None)
+                except StopIteration as stop:
+                    if run.comm.aborted:  # an abort ends the kernels too: the event fires
+                        raise PeerUnreachable(
+                            f"nccl communicator {self.name} was aborted") from None
+                    # Held to the end, not only until the calls are accepted: the next
+                    # job's gathers would reuse staging our last send may still read.
+                    run.locked = False
+                    self._comm_lock.release()
+                    self._resolve(job, int(stop.value))
+                    self._done()
+                    return
+                run.loop.call_soon(self._poll_inline, run)
                 return
-            if run.comm.aborted:  # an abort ends the kernels too: the event fires
-                raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
+            if time.monotonic() > job.deadline:
+                raise KvdTimeout(f"nccl {self.direction} of transfer {job.transfer_id} on "
+                                 f"{self.name} did not finish by its deadline; "
+                                 "communicator aborted")
+            if time.monotonic() < run.spin_until:
+                run.loop.call_soon(self._poll_inline, run)
+            else:
+                run.loop.call_later(_INLINE_POLL_S, self._poll_inline, run)
         except BaseException as exc:
+            run.steps.close()
             self._fail_inline(run, self._as_error(exc))
-            return
-        self._resolve(job, run.nbytes)
-        self._done()
 
     def _fail_inline(self, run: _InlineRun, err: KvdError) -> None:
         """Abort (~0.5 s, so in a thread of its own, not on the loop), then fail the job:
@@ -410,19 +421,49 @@ class NcclChannel:
             return (blocks.load(chunk, stage) if blocks is not None
                     else stage[: chunk.nbytes].zero_())
 
-    # Both loops call NCCL without waiting for the call to be accepted, queue the
-    # copy-stream work that does not depend on it (the next chunk's gather, the previous
-    # chunk's scatter) while NCCL launches it from its own thread (~0.1 ms on the H200
-    # host), and only then settle: nothing goes on the NCCL stream in between.
+    # A job's work is a generator of steps: between two yields it issues work (NCCL calls,
+    # copies, events), and each yield is what to wait for before the next step — SETTLE
+    # (the last NCCL call accepted), or, last, the event after which the bytes are there
+    # (all calls accepted by then). The thread runs the steps with blocking polls
+    # (_run_steps), the loop with callbacks (_poll_inline): the same work either way.
+    #
+    # Both call NCCL without waiting for the call to be accepted, queue the copy-stream
+    # work that does not depend on it (the next chunk's gather, the previous chunk's
+    # scatter) while NCCL launches it from its own thread (~0.1 ms on the H200 host), and
+    # only then settle: nothing goes on the NCCL stream in between.
 
-    def _send(self, job: NcclJob) -> int:
+    def _steps(self, job: NcclJob) -> Generator[Any, None, int]:
+        return self._send_steps(job) if self.direction == "send" else self._recv_steps(job)
+
+    def _run_steps(self, job: NcclJob) -> int:
+        comm = self._comm
+        assert comm is not None
+        steps = self._steps(job)
+        try:
+            wait = next(steps)
+            while True:
+                if wait is SETTLE:
+                    comm.settle(self._remaining(job), self.direction)
+                else:
+                    comm.wait(wait, self._remaining(job),
+                              f"{self.direction} of transfer {job.transfer_id}")
+                wait = steps.send(None)
+        except StopIteration as stop:
+            return int(stop.value)
+
+    def _send_steps(self, job: NcclJob) -> Generator[Any, None, int]:
         comm, chunks, size = self._plan(job)
         blocks = job.blocks
         direct = self._prepare(blocks, chunks, size)
         timeline.mark("nccl.send.prepared")
+        nbytes = sum(c.nbytes for c in chunks)
         bufs = _only_direct(direct)
-        if bufs is not None:
-            return self._run_direct(comm, job, bufs, chunks)
+        if bufs is not None:  # one grouped call
+            self._issue_direct(comm, job, bufs)
+            yield SETTLE
+            timeline.mark("nccl.settled")
+            yield gpu_copy.recorded(self._comm_stream)
+            return nbytes
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
         buf = self._load(blocks, chunks[0], direct[0], 0, None) if chunks else None
@@ -435,21 +476,25 @@ class NcclChannel:
             if k + 1 < len(chunks):
                 nb = (k + 1) % STAGING_BUFFERS
                 buf = self._load(blocks, chunks[k + 1], direct[k + 1], nb, freed[nb])
-            comm.settle(self._remaining(job), "send")
+            yield SETTLE
             timeline.mark("nccl.settled")
             freed[b] = gpu_copy.recorded(self._comm_stream)
-        comm.wait(gpu_copy.recorded(self._comm_stream), self._remaining(job),
-                  f"send of transfer {job.transfer_id}")
-        return sum(c.nbytes for c in chunks)
+        yield gpu_copy.recorded(self._comm_stream)
+        return nbytes
 
-    def _recv(self, job: NcclJob) -> int:
+    def _recv_steps(self, job: NcclJob) -> Generator[Any, None, int]:
         comm, chunks, size = self._plan(job)
         blocks = None if job.abandoned else job.blocks  # None: drop the bytes
         direct = self._prepare(blocks, chunks, size)
         timeline.mark("nccl.recv.prepared")
+        nbytes = sum(c.nbytes for c in chunks)
         bufs = _only_direct(direct)
-        if bufs is not None:
-            return self._run_direct(comm, job, bufs, chunks)
+        if bufs is not None:  # one grouped call
+            self._issue_direct(comm, job, bufs)
+            yield SETTLE
+            timeline.mark("nccl.settled")
+            yield gpu_copy.recorded(self._comm_stream)
+            return nbytes
         stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         landed: tuple[Chunk, torch.Tensor, torch.cuda.Event, int] | None = None
 
@@ -475,7 +520,7 @@ class NcclChannel:
             if landed is not None:
                 scatter(*landed)
                 landed = None
-            comm.settle(self._remaining(job), "recv")
+            yield SETTLE
             timeline.mark("nccl.settled")
             if staged:
                 arrived = gpu_copy.recorded(self._comm_stream)
@@ -486,19 +531,8 @@ class NcclChannel:
         if landed is not None:
             scatter(*landed)
         self._copy_stream.wait_stream(self._comm_stream)
-        comm.wait(gpu_copy.recorded(self._copy_stream), self._remaining(job),
-                  f"receive of transfer {job.transfer_id}")
-        return sum(c.nbytes for c in chunks)
-
-    def _run_direct(self, comm: Communicator, job: NcclJob, bufs: Sequence[torch.Tensor],
-                    chunks: Sequence[Chunk]) -> int:
-        """A job whose chunks all go straight from (into) memory: one grouped call."""
-        self._issue_direct(comm, job, bufs)
-        comm.settle(self._remaining(job), self.direction)
-        timeline.mark("nccl.settled")
-        comm.wait(gpu_copy.recorded(self._comm_stream), self._remaining(job),
-                  f"{self.direction} of transfer {job.transfer_id}")
-        return sum(c.nbytes for c in chunks)
+        yield gpu_copy.recorded(self._copy_stream)
+        return nbytes
 
     def _release(self) -> None:
         comm = self._comm
