@@ -200,7 +200,8 @@ def raw_receiver(pipe: Any, max_bytes: int, chunk: int, tls: tuple[str, ...] | N
             sock.sendall(zlib.crc32(buf[:n]).to_bytes(4, "little") if check else b"\x01")
 
 
-def start_raw_receiver(max_bytes: int, tls: Tls | None) -> tuple[Any, socket.socket]:
+def start_raw_receiver(max_bytes: int, tls: Tls | None = None
+                       ) -> tuple[Any, socket.socket]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=raw_receiver, daemon=True, args=(
@@ -245,7 +246,8 @@ def pattern_buffer(nbytes: int) -> memoryview:
     return memoryview(buf)
 
 
-def raw_bench(sizes: list[int], repeat: int, tls: Tls | None) -> dict[int, list[float]]:
+def raw_bench(sizes: list[int], repeat: int, tls: Tls | None = None
+              ) -> dict[int, list[float]]:
     """Seconds per transfer (including the 1-byte ack) for each size."""
     proc = sock = None
     times: dict[int, list[float]] = {}
@@ -393,7 +395,7 @@ class KvdPair:
         return t_get - t0
 
 
-def kvd_bench(root: str, sizes: list[int], repeat: int, tls: Tls | None
+def kvd_bench(root: str, sizes: list[int], repeat: int, tls: Tls | None = None
               ) -> dict[str, dict[int, list[float]]]:
     import torch
 
