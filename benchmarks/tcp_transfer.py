@@ -1,6 +1,12 @@
 """Daemon-to-daemon TCP throughput of kvd against raw loopback TCP with the same chunking.
 
-Run: ``python benchmarks/tcp_transfer.py [--quick] [--json] [--sizes 64MiB,1GiB] [--repeat N]``
+Run: ``python benchmarks/tcp_transfer.py [--quick] [--json] [--sizes 64MiB,1GiB] [--repeat N]
+[--tls]``
+
+With ``--tls`` both sides speak TLS 1.3 with the same pinned self-signed certificates:
+the raw baseline wraps its two sockets, and the daemons run with ``tls_*`` set (their data
+connections are TLS too, ``tls_data``). Certificates are made for the run (``kvd keygen``'s
+code, which needs ``cryptography``).
 
 What it measures, one transfer in flight at a time, on this machine's loopback:
 
@@ -48,6 +54,7 @@ import os
 import platform
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -56,6 +63,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from daemons import stop_daemon  # benchmarks/daemons.py (run as a script)
@@ -104,11 +112,54 @@ def machine() -> dict[str, Any]:
 # ---------------------------------------------------------------- raw TCP baseline
 
 
+@dataclass(frozen=True)
+class Tls:
+    """Certificates for a TLS run: a's and b's, and one bundle trusting both."""
+
+    a_cert: str
+    a_key: str
+    b_cert: str
+    b_key: str
+    bundle: str
+
+    @classmethod
+    def make(cls, directory: str) -> Tls:
+        from kvd.daemon.auth import write_cert
+
+        (a_cert, a_key), (b_cert, b_key) = (write_cert(directory, n) for n in ("a", "b"))
+        bundle = os.path.join(directory, "bundle.pem")
+        with open(bundle, "wb") as out:
+            for cert in (a_cert, b_cert):
+                with open(cert, "rb") as f:
+                    out.write(f.read())
+        return cls(a_cert, a_key, b_cert, b_key, bundle)
+
+    def flags(self, name: str) -> tuple[str, ...]:
+        cert, key = (self.a_cert, self.a_key) if name == "a" else (self.b_cert, self.b_key)
+        return ("--tls-cert-file", cert, "--tls-key-file", key,
+                "--tls-allowed-certs-file", self.bundle)
+
+
+def tls_context(server: bool, cert: str, key: str, bundle: str) -> ssl.SSLContext:
+    """What kvd's peer plane uses (daemon/auth.py): TLS 1.3, mutual, pinned certificates."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert, key)
+    ctx.load_verify_locations(cafile=bundle)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return ctx
+
+
 def recv_exactly(sock: socket.socket, view: memoryview, chunk: int) -> bool:
-    """Fill ``view`` with ``recvmsg_into`` in chunks; False on a clean EOF before any byte."""
+    """Fill ``view`` with ``recvmsg_into`` in chunks (``recv_into`` under TLS); False on a
+    clean EOF before any byte."""
     got = 0
     while got < len(view):
-        n = sock.recvmsg_into([view[got:got + min(chunk, len(view) - got)]])[0]
+        piece = view[got:got + min(chunk, len(view) - got)]
+        n = (sock.recv_into(piece) if isinstance(sock, ssl.SSLSocket)
+             else sock.recvmsg_into([piece])[0])
         if n == 0:
             if got == 0:
                 return False
@@ -120,10 +171,15 @@ def recv_exactly(sock: socket.socket, view: memoryview, chunk: int) -> bool:
 def send_exactly(sock: socket.socket, view: memoryview, chunk: int) -> None:
     sent = 0
     while sent < len(view):
-        sent += sock.sendmsg([view[sent:sent + min(chunk, len(view) - sent)]])
+        piece = view[sent:sent + min(chunk, len(view) - sent)]
+        if isinstance(sock, ssl.SSLSocket):
+            sock.sendall(piece)
+            sent += len(piece)
+        else:
+            sent += sock.sendmsg([piece])
 
 
-def raw_receiver(pipe: Any, max_bytes: int, chunk: int) -> None:
+def raw_receiver(pipe: Any, max_bytes: int, chunk: int, tls: tuple[str, ...] | None) -> None:
     """Child process: accept one connection, receive transfers until EOF, ack each."""
     buf = memoryview(bytearray(max_bytes))
     header = memoryview(bytearray(LEN + 1))
@@ -131,6 +187,9 @@ def raw_receiver(pipe: Any, max_bytes: int, chunk: int) -> None:
         srv.settimeout(IO_TIMEOUT_S)
         pipe.send(srv.getsockname()[1])
         sock, _ = srv.accept()
+    if tls is not None:
+        sock.settimeout(IO_TIMEOUT_S)
+        sock = tls_context(True, *tls).wrap_socket(sock, server_side=True)
     with sock:
         sock.settimeout(IO_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -141,10 +200,13 @@ def raw_receiver(pipe: Any, max_bytes: int, chunk: int) -> None:
             sock.sendall(zlib.crc32(buf[:n]).to_bytes(4, "little") if check else b"\x01")
 
 
-def start_raw_receiver(max_bytes: int) -> tuple[Any, socket.socket]:
+def start_raw_receiver(max_bytes: int, tls: Tls | None = None
+                       ) -> tuple[Any, socket.socket]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=raw_receiver, args=(child, max_bytes, CHUNK_BYTES), daemon=True)
+    proc = ctx.Process(target=raw_receiver, daemon=True, args=(
+        child, max_bytes, CHUNK_BYTES, None if tls is None else (tls.b_cert, tls.b_key,
+                                                                 tls.bundle)))
     proc.start()
     try:
         deadline = time.monotonic() + 30
@@ -153,6 +215,8 @@ def start_raw_receiver(max_bytes: int) -> tuple[Any, socket.socket]:
                 raise RuntimeError(f"raw receiver did not start (exit code {proc.exitcode})")
         port = parent.recv()
         sock = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S)
+        if tls is not None:
+            sock = tls_context(False, tls.a_cert, tls.a_key, tls.bundle).wrap_socket(sock)
     except BaseException:
         stop_raw_receiver(proc)
         raise
@@ -182,12 +246,13 @@ def pattern_buffer(nbytes: int) -> memoryview:
     return memoryview(buf)
 
 
-def raw_bench(sizes: list[int], repeat: int) -> dict[int, list[float]]:
+def raw_bench(sizes: list[int], repeat: int, tls: Tls | None = None
+              ) -> dict[int, list[float]]:
     """Seconds per transfer (including the 1-byte ack) for each size."""
     proc = sock = None
     times: dict[int, list[float]] = {}
     try:
-        proc, sock = start_raw_receiver(max(sizes))
+        proc, sock = start_raw_receiver(max(sizes), tls)
         src = pattern_buffer(max(sizes))
         ack = bytearray(4)
 
@@ -220,7 +285,8 @@ def raw_bench(sizes: list[int], repeat: int) -> dict[int, list[float]]:
 # ---------------------------------------------------------------- kvd
 
 
-def start_daemon(root: str, name: str, pool_bytes: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(root: str, name: str, pool_bytes: int, *extra: str
+                 ) -> tuple[subprocess.Popen[bytes], str]:
     from kvd import KvdClient, KvdError
 
     tmp = os.path.join(root, name)
@@ -229,7 +295,8 @@ def start_daemon(root: str, name: str, pool_bytes: int) -> tuple[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", path,
            "--node-id", f"bench-{name}", "--peer-port", "0", "--data-port", "0",
-           "--http-port", "0", "--pool-size-bytes", str(pool_bytes), "--log-level", "warning"]
+           "--http-port", "0", "--pool-size-bytes", str(pool_bytes), "--log-level", "warning",
+           *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
@@ -328,7 +395,8 @@ class KvdPair:
         return t_get - t0
 
 
-def kvd_bench(root: str, sizes: list[int], repeat: int) -> dict[str, dict[int, list[float]]]:
+def kvd_bench(root: str, sizes: list[int], repeat: int, tls: Tls | None = None
+              ) -> dict[str, dict[int, list[float]]]:
     import torch
 
     from kvd import shared_empty
@@ -337,8 +405,8 @@ def kvd_bench(root: str, sizes: list[int], repeat: int) -> dict[str, dict[int, l
     pool = 2 * max(sizes) + 256 * MiB
     a = b = pair = None
     try:
-        a, a_path = start_daemon(root, "a", pool)
-        b, b_path = start_daemon(root, "b", pool)
+        a, a_path = start_daemon(root, "a", pool, *(tls.flags("a") if tls else ()))
+        b, b_path = start_daemon(root, "b", pool, *(tls.flags("b") if tls else ()))
         pair = KvdPair(a_path, b_path)
         for n in sizes:
             block = min(BLOCK_BYTES, n)
@@ -386,6 +454,7 @@ def report(raw: dict[int, list[float]], kvd: dict[str, dict[int, list[float]]],
            sizes: list[int], args: argparse.Namespace) -> dict:
     host = machine()
     out: dict[str, Any] = {"target": TARGET, "repeat": args.repeat, "machine": host,
+                           "tls": bool(args.tls),
                            "chunk_bytes": CHUNK_BYTES, "block_bytes": BLOCK_BYTES,
                            "sizes": [fmt_size(n) for n in sizes]}
     rows = []
@@ -408,7 +477,8 @@ def report(raw: dict[int, list[float]], kvd: dict[str, dict[int, list[float]]],
         rows.append((label, st))
     out["target_met"] = all(out[f"target_met_{fmt_size(n)}"] for n in sizes)
 
-    print(f"kvd TCP transfer, daemon to daemon over loopback; {args.repeat} timed runs per "
+    print(f"kvd TCP transfer{' over TLS 1.3' if args.tls else ''}, daemon to daemon over "
+          f"loopback; {args.repeat} timed runs per "
           f"size and flow after one checked warm-up; chunks {fmt_size(CHUNK_BYTES)}, "
           f"kvd blocks {fmt_size(BLOCK_BYTES)}")
     print(f"machine: {host['node']}, {host['cpu_model']}, {host['cpus']} CPUs "
@@ -445,6 +515,9 @@ def main() -> int:
                                     "--quick: 64MiB)")
     ap.add_argument("--repeat", type=int, help="timed runs per size and flow (default 5; "
                                                "--quick: 2)")
+    ap.add_argument("--tls", action="store_true",
+                    help="TLS 1.3 on both the raw sockets and kvd's peer plane and data "
+                         "connections")
     args = ap.parse_args()
     args.repeat = args.repeat or (2 if args.quick else 5)
     if args.repeat < 1:
@@ -461,8 +534,9 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="kvd-b-", dir="/tmp")  # short: Unix socket paths ~100 bytes
     try:
-        raw = raw_bench(sizes, args.repeat)
-        kvd = kvd_bench(tmp, sizes, args.repeat)
+        tls = Tls.make(os.path.join(tmp, "keys")) if args.tls else None
+        raw = raw_bench(sizes, args.repeat, tls)
+        kvd = kvd_bench(tmp, sizes, args.repeat, tls)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -382,6 +382,9 @@ class Config:
     tls_cert_file: str = _opt("", _STR)
     tls_key_file: str = _opt("", _STR)
     tls_allowed_certs_file: str = _opt("", _STR)  # PEM bundle of the peers' certificates
+    # With TLS on, the TCP data connections (host memory) are TLS too; off: plain TCP for
+    # them (admitted by a token from the TLS handshake, not encrypted). NCCL is never TLS.
+    tls_data: bool = _opt(True, _BOOL)
     peers: str = _opt("", _STR)  # comma-separated host:port kept linked; /readyz needs them
     http_host: str = _opt("127.0.0.1", _STR, _non_empty)
     http_port: int = _opt(9400, _INT, _port)

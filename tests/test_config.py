@@ -99,6 +99,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "tls_cert_file": "",
         "tls_key_file": "",
         "tls_allowed_certs_file": "",
+        "tls_data": True,
         "pool_prefault": True,
         "peers": "",
         "max_message_bytes": MiB,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -449,13 +450,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
+def tls_setup(sock_dir: str, bundles: dict[str, list[str]]
+              ) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, ...]]]:
+    """A certificate per name, and each name's daemon flags trusting the names it knows:
+    (certificate and key paths, flags) by name."""
     from kvd.daemon.auth import write_cert
 
     keydir = os.path.join(sock_dir, "keys")
-    certs = {name: write_cert(keydir, name) for name in ("a", "b", "c")}
-    # a and b know each other; c knows a (so it can try) but a does not know c.
-    bundles = {"a": ["b"], "b": ["a"], "c": ["a"]}
+    certs = {name: write_cert(keydir, name) for name in bundles}
     args = {}
     for name, known in bundles.items():
         path = os.path.join(keydir, f"{name}.allowed.pem")
@@ -465,6 +467,12 @@ def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
                     f.write(cert.read())
         args[name] = ("--tls-cert-file", certs[name][0], "--tls-key-file", certs[name][1],
                       "--tls-allowed-certs-file", path)
+    return certs, args
+
+
+def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
+    # a and b know each other; c knows a (so it can try) but a does not know c.
+    _, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["a"]})
     a = nodes(1, *args["a"])[0]  # type: ignore[operator]
     b = nodes(1, *args["b"])[1]  # type: ignore[operator]
     c = nodes(1, *args["c"])[2]  # type: ignore[operator]
@@ -486,6 +494,63 @@ def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
     # and a daemon with TLS does not talk to one without
     with pytest.raises(kvd.PeerUnreachable, match="TLS"):
         a.client.put("no", r, [0], to=plain.address, timeout_s=3).wait(10)
+
+
+def test_tls_covers_the_data_connections(nodes: object, sock_dir: str) -> None:
+    """With TLS on, the bytes of host-memory transfers go over TLS data connections too:
+    they arrive byte-exact both ways, and the data port speaks TLS only (a plain hello is
+    refused, and so is a stranger's certificate). With ``tls_data`` off it takes the plain
+    hello (and refuses its made-up token)."""
+    import ssl
+
+    from kvd.transport.tcp import data_hello
+
+    certs, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["b"]})
+    a = nodes(1, *args["a"])[0]  # type: ignore[operator]
+    b = nodes(1, *args["b"])[1]  # type: ignore[operator]
+    src = random_region(4, 21, block_bytes=40 * BLOCK)  # 10 MiB: 4 MiB chunks
+    a.client.put("there", a.client.register("kv", [src]), [0, 1, 2, 3],
+                 to=b.address).wait(10)
+    dst = shared_zeros((4, 40 * BLOCK), torch.uint8)
+    rb = b.client.register("kv", [dst])
+    b.client.get("there", rb, [3, 2, 1, 0], timeout_s=5)
+    assert torch.equal(dst, src.flip(0))
+    b.client.put("back", rb, [1], to=a.address).wait(10)
+    back = shared_zeros((1, 40 * BLOCK), torch.uint8)
+    a.client.get("back", a.client.register("back", [back]), [0], timeout_s=5)
+    assert torch.equal(back[0], src[2])
+
+    data_port = b.client.stats()["peer"]["data_port"]
+    with socket.create_connection(("127.0.0.1", data_port), timeout=5) as plain:
+        plain.sendall(data_hello(bytes(32)))
+        with contextlib.suppress(OSError):
+            assert plain.recv(1) == b""  # closed (or reset) by b
+    stranger = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    stranger.load_cert_chain(*certs["c"])
+    stranger.load_verify_locations(cafile=certs["b"][0])
+    stranger.check_hostname = False
+    stranger.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    with socket.create_connection(("127.0.0.1", data_port), timeout=5) as raw, \
+            contextlib.suppress(OSError), stranger.wrap_socket(raw) as tls:
+        tls.sendall(data_hello(bytes(32)))  # TLS 1.3: refused after the client's side
+        assert tls.recv(1) == b""
+    bad = wait_until(lambda: (s := b.client.stats()["peer"]["bad_messages"]).get(
+        "data_auth") and s.get("data_handshake") and s)
+    assert "data_token" not in bad, bad  # no hello got as far as its token
+
+    _, plain_args = tls_setup(os.path.join(sock_dir, "plain"), {"d": ["e"], "e": ["d"]})
+    d = nodes(1, *plain_args["d"], "--tls-data", "false")[2]  # type: ignore[operator]
+    e = nodes(1, *plain_args["e"], "--tls-data", "false")[3]  # type: ignore[operator]
+    d.client.put("k", d.client.register("kv", [src]), [2], to=e.address).wait(10)
+    one = shared_zeros((1, 40 * BLOCK), torch.uint8)
+    e.client.get("k", e.client.register("kv", [one]), [0], timeout_s=5)
+    assert torch.equal(one[0], src[2])
+    with socket.create_connection(
+            ("127.0.0.1", e.client.stats()["peer"]["data_port"]), timeout=5) as plain:
+        plain.sendall(data_hello(bytes(32)))
+        with contextlib.suppress(OSError):
+            assert plain.recv(1) == b""
+    wait_until(lambda: e.client.stats()["peer"]["bad_messages"].get("data_token"))
 
 
 def test_keygen_cli(sock_dir: str) -> None:

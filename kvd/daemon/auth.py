@@ -8,8 +8,9 @@ check the other's against the bundle (mutual TLS 1.3): a daemon whose certificat
 in the bundle is refused, and counted in ``bad_messages["auth"]``. Certificates are pinned,
 not named: there is no host name check, since peers are addressed by ``host:port``.
 
-The data connections are plain TCP: they are admitted by the per-link token handed out
-over the authenticated handshake, and are not encrypted.
+The data connections (host-memory bytes) are admitted by the per-link token handed out over
+the authenticated handshake, and with ``tls_data`` (the default) are TLS with the same
+contexts (``daemon/peers.py``). NCCL's connections are never encrypted.
 """
 
 from __future__ import annotations

@@ -26,13 +26,14 @@ import logging
 import secrets
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvd import timeline
 from kvd.config import Config
-from kvd.daemon.auth import load_tls
+from kvd.daemon.auth import TlsContexts, load_tls
 from kvd.errors import BadRequest, ConfigError, KvdError, PeerUnreachable, ProtocolError
 from kvd.framing import FramedProtocol, Oversized
 from kvd.protocol import (
@@ -45,7 +46,13 @@ from kvd.protocol import (
     decode_peer,
     encode,
 )
-from kvd.transport.tcp import RecvChannel, SendChannel, data_hello, parse_data_hello
+from kvd.transport.tcp import (
+    DATA_HELLO,
+    RecvChannel,
+    SendChannel,
+    data_hello,
+    parse_data_hello,
+)
 
 log = logging.getLogger(__name__)
 
@@ -313,10 +320,15 @@ class PeerPlane:
         assert connecting is not None
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
+        tls = self._data_tls()
         try:
             async with asyncio.timeout(self.config.peer_connect_timeout_s):
                 await self._loop.sock_connect(sock, (link.host, link.data_port))
-                await self._loop.sock_sendall(sock, data_hello(link.token_for_us))
+                if tls is None:
+                    await self._loop.sock_sendall(sock, data_hello(link.token_for_us))
+            if tls is not None:  # a blocking socket for its thread: handshake there too
+                sock = await asyncio.to_thread(self._tls_dial, tls.client, sock,
+                                               data_hello(link.token_for_us))
             sock.setblocking(True)
         except (OSError, TimeoutError) as exc:
             sock.close()
@@ -336,6 +348,52 @@ class PeerPlane:
         channel.attach(sock)
         link.send_channel = channel
         connecting.set_result(channel)
+
+    def _data_tls(self) -> TlsContexts | None:
+        """The TLS contexts for data connections: the peer plane's, unless ``tls_data`` is
+        off (plain TCP on a trusted network, for speed)."""
+        return self.tls if self.config.tls_data else None
+
+    def _tls_dial(self, ctx: ssl.SSLContext, sock: socket.socket, hello: bytes
+                  ) -> socket.socket:
+        """In a thread: TLS over a connected data socket, then the hello."""
+        sock.setblocking(True)
+        sock.settimeout(self.config.peer_connect_timeout_s)
+        try:
+            tls = ctx.wrap_socket(sock)  # the handshake; a failed one closes the socket
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            tls.sendall(hello)
+        except BaseException:
+            tls.close()
+            raise
+        return tls
+
+    def _tls_admit(self, ctx: ssl.SSLContext, conn: socket.socket
+                   ) -> tuple[socket.socket, bytes]:
+        """In a thread: TLS over an accepted data socket, then its hello, all within
+        ``peer_connect_timeout_s``."""
+        deadline = time.monotonic() + self.config.peer_connect_timeout_s
+        conn.setblocking(True)
+        conn.settimeout(self.config.peer_connect_timeout_s)
+        tls = ctx.wrap_socket(conn, server_side=True)
+        try:
+            buf = b""
+            while len(buf) < DATA_HELLO.size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no data connection hello in time")
+                tls.settimeout(left)
+                chunk = tls.recv(DATA_HELLO.size - len(buf))
+                if not chunk:
+                    raise ProtocolError("data connection closed during hello")
+                buf += chunk
+        except BaseException:
+            tls.close()
+            raise
+        return tls, buf
 
     def send(self, link: PeerLink, msg: Any) -> None:
         """Send a message on the link (dropped silently if the link is gone)."""
@@ -513,14 +571,18 @@ class PeerPlane:
 
     async def _admit_data(self, conn: socket.socket, addr: Any) -> None:
         conn.setblocking(False)
+        tls = self._data_tls()
         try:
-            async with asyncio.timeout(self.config.peer_connect_timeout_s):
-                buf = b""
-                while len(buf) < 36:
-                    chunk = await self._loop.sock_recv(conn, 36 - len(buf))
-                    if not chunk:
-                        raise ProtocolError("data connection closed during hello")
-                    buf += chunk
+            if tls is None:
+                async with asyncio.timeout(self.config.peer_connect_timeout_s):
+                    buf = b""
+                    while len(buf) < DATA_HELLO.size:
+                        chunk = await self._loop.sock_recv(conn, DATA_HELLO.size - len(buf))
+                        if not chunk:
+                            raise ProtocolError("data connection closed during hello")
+                        buf += chunk
+            else:
+                conn, buf = await asyncio.to_thread(self._tls_admit, tls.server, conn)
             token = parse_data_hello(buf)
             link = self._by_token.get(token)
             if link is None and token in self._handshake_done:
@@ -534,7 +596,12 @@ class PeerPlane:
             link.recv_channel.attach(conn)
             log.info("data connection up from=%s node=%s", addr, link.node_id)
         except (ProtocolError, OSError, TimeoutError) as exc:
-            reason = "data_token" if isinstance(exc, ProtocolError) else "data_connect"
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                reason = "data_auth"  # a certificate not in tls_allowed_certs_file
+            elif isinstance(exc, ssl.SSLError):
+                reason = "data_handshake"  # not TLS, or TLS gone wrong
+            else:
+                reason = "data_token" if isinstance(exc, ProtocolError) else "data_connect"
             self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
             log.warning("data connection refused from=%s: %r", addr, exc)
             conn.close()

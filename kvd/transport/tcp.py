@@ -24,6 +24,7 @@ import contextlib
 import logging
 import queue
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -129,7 +130,9 @@ class Channel:
         self._attached.set()
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                # The socket's own shutdown, also under TLS (SSLSocket.shutdown would drop
+                # the TLS state a blocked worker is reading with).
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
         self._fail_pending(error)
 
     def close(self, timeout_s: float) -> None:
@@ -234,6 +237,10 @@ class SendChannel(Channel):
             flags = (0 if left else FLAG_LAST) | (FLAG_EAGER if job.eager else 0)
             header = HEADER.pack(MAGIC, job.transfer_id, n, flags)
             pending = [memoryview(header), *cursor.take(n)]
+            if isinstance(sock, ssl.SSLSocket):  # no sendmsg: one record stream
+                for view in pending:
+                    sock.sendall(view)
+                pending = []
             while pending:
                 sent = sock.sendmsg(pending[:512])
                 _advance(pending, sent)
@@ -438,7 +445,8 @@ class RecvChannel(Channel):
         got_any = False
         while pending:
             try:
-                n = sock.recvmsg_into(pending[:512])[0]
+                n = (sock.recv_into(pending[0]) if isinstance(sock, ssl.SSLSocket)
+                     else sock.recvmsg_into(pending[:512])[0])
             except TimeoutError:
                 if idle_ok and not got_any and not self._stopping:
                     return False
