@@ -458,7 +458,7 @@ def tls_setup(sock_dir: str, bundles: dict[str, list[str]]
 
     keydir = os.path.join(sock_dir, "keys")
     certs = {name: write_cert(keydir, name) for name in bundles}
-    args = {}
+    args: dict[str, tuple[str, ...]] = {}
     for name, known in bundles.items():
         path = os.path.join(keydir, f"{name}.allowed.pem")
         with open(path, "wb") as f:
@@ -508,9 +508,17 @@ def test_tls_covers_the_data_connections(nodes: object, sock_dir: str) -> None:
     certs, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["b"]})
     a = nodes(1, *args["a"])[0]  # type: ignore[operator]
     b = nodes(1, *args["b"])[1]  # type: ignore[operator]
+    data_port = b.client.stats()["peer"]["data_port"]
+    # Connections that never start TLS hold no thread of b's: a's real one (its first
+    # transfer dials it) gets through while they wait out their timeout.
+    silent = [socket.create_connection(("127.0.0.1", data_port), timeout=5)
+              for _ in range(12)]
     src = random_region(4, 21, block_bytes=40 * BLOCK)  # 10 MiB: 4 MiB chunks
-    a.client.put("there", a.client.register("kv", [src]), [0, 1, 2, 3],
-                 to=b.address).wait(10)
+    a.client.put("there", a.client.register("kv", [src]), [0, 1, 2, 3], to=b.address,
+                 timeout_s=4).wait(10)
+    b.client.register("more", [shared_zeros((1, BLOCK), torch.uint8)])  # a thread's work
+    for s in silent:
+        s.close()
     dst = shared_zeros((4, 40 * BLOCK), torch.uint8)
     rb = b.client.register("kv", [dst])
     b.client.get("there", rb, [3, 2, 1, 0], timeout_s=5)
@@ -520,7 +528,6 @@ def test_tls_covers_the_data_connections(nodes: object, sock_dir: str) -> None:
     a.client.get("back", a.client.register("back", [back]), [0], timeout_s=5)
     assert torch.equal(back[0], src[2])
 
-    data_port = b.client.stats()["peer"]["data_port"]
     with socket.create_connection(("127.0.0.1", data_port), timeout=5) as plain:
         plain.sendall(data_hello(bytes(32)))
         with contextlib.suppress(OSError):

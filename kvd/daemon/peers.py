@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import socket
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvd import timeline
 from kvd.config import Config
@@ -55,6 +55,7 @@ from kvd.transport.tcp import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CPU_DEVICE = "cpu"
 MAX_PEER_MESSAGE_BYTES = 1 << 20  # larger ones end the connection
@@ -324,11 +325,13 @@ class PeerPlane:
         try:
             async with asyncio.timeout(self.config.peer_connect_timeout_s):
                 await self._loop.sock_connect(sock, (link.host, link.data_port))
+                hello = data_hello(link.token_for_us)
                 if tls is None:
-                    await self._loop.sock_sendall(sock, data_hello(link.token_for_us))
-            if tls is not None:  # a blocking socket for its thread: handshake there too
-                sock = await asyncio.to_thread(self._tls_dial, tls.client, sock,
-                                               data_hello(link.token_for_us))
+                    await self._loop.sock_sendall(sock, hello)
+                else:
+                    sock = tls.client.wrap_socket(sock, do_handshake_on_connect=False)
+                    await self._tls_step(sock, sock.do_handshake)
+                    await self._tls_step(sock, lambda: sock.sendall(hello))
             sock.setblocking(True)
         except (OSError, TimeoutError) as exc:
             sock.close()
@@ -354,46 +357,30 @@ class PeerPlane:
         off (plain TCP on a trusted network, for speed)."""
         return self.tls if self.config.tls_data else None
 
-    def _tls_dial(self, ctx: ssl.SSLContext, sock: socket.socket, hello: bytes
-                  ) -> socket.socket:
-        """In a thread: TLS over a connected data socket, then the hello."""
-        sock.setblocking(True)
-        sock.settimeout(self.config.peer_connect_timeout_s)
-        try:
-            tls = ctx.wrap_socket(sock)  # the handshake; a failed one closes the socket
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            tls.sendall(hello)
-        except BaseException:
-            tls.close()
-            raise
-        return tls
+    async def _tls_step(self, sock: ssl.SSLSocket, op: Callable[[], _T]) -> _T:
+        """Run a TLS operation on a non-blocking socket on the loop, waiting for the socket
+        whenever TLS asks to (a handshake, a hello): no thread is held by a peer that is
+        slow or silent, so connections to the data port cannot starve the default executor
+        (region registration and channel teardown use it). Callers bound it in time."""
+        while True:
+            try:
+                return op()
+            except ssl.SSLWantReadError:
+                await self._fd_ready(sock, write=False)
+            except ssl.SSLWantWriteError:
+                await self._fd_ready(sock, write=True)
 
-    def _tls_admit(self, ctx: ssl.SSLContext, conn: socket.socket
-                   ) -> tuple[socket.socket, bytes]:
-        """In a thread: TLS over an accepted data socket, then its hello, all within
-        ``peer_connect_timeout_s``."""
-        deadline = time.monotonic() + self.config.peer_connect_timeout_s
-        conn.setblocking(True)
-        conn.settimeout(self.config.peer_connect_timeout_s)
-        tls = ctx.wrap_socket(conn, server_side=True)
+    async def _fd_ready(self, sock: socket.socket, write: bool) -> None:
+        ready = self._loop.create_future()
+        fd = sock.fileno()
+        if write:
+            self._loop.add_writer(fd, _settle_none, ready)
+        else:
+            self._loop.add_reader(fd, _settle_none, ready)
         try:
-            buf = b""
-            while len(buf) < DATA_HELLO.size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("no data connection hello in time")
-                tls.settimeout(left)
-                chunk = tls.recv(DATA_HELLO.size - len(buf))
-                if not chunk:
-                    raise ProtocolError("data connection closed during hello")
-                buf += chunk
-        except BaseException:
-            tls.close()
-            raise
-        return tls, buf
+            await ready
+        finally:
+            (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
 
     def send(self, link: PeerLink, msg: Any) -> None:
         """Send a message on the link (dropped silently if the link is gone)."""
@@ -582,7 +569,19 @@ class PeerPlane:
                             raise ProtocolError("data connection closed during hello")
                         buf += chunk
             else:
-                conn, buf = await asyncio.to_thread(self._tls_admit, tls.server, conn)
+                conn = tls.server.wrap_socket(conn, server_side=True,
+                                              do_handshake_on_connect=False)
+                tls_conn = conn
+                async with asyncio.timeout(self.config.peer_connect_timeout_s):
+                    await self._tls_step(tls_conn, tls_conn.do_handshake)
+                    buf = b""
+                    while len(buf) < DATA_HELLO.size:
+                        want = DATA_HELLO.size - len(buf)
+                        chunk = await self._tls_step(
+                            tls_conn, functools.partial(tls_conn.recv, want))
+                        if not chunk:
+                            raise ProtocolError("data connection closed during hello")
+                        buf += chunk
             token = parse_data_hello(buf)
             link = self._by_token.get(token)
             if link is None and token in self._handshake_done:
@@ -655,6 +654,11 @@ def _listen(host: str, port: int, setting: str) -> socket.socket:
     listener.listen(128)
     listener.setblocking(False)
     return listener
+
+
+def _settle_none(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _host_port(addr: Any) -> str:
