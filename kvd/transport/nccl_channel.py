@@ -322,16 +322,19 @@ class NcclChannel:
             self._fail_inline(run, self._as_error(exc))
 
     def _fail_inline(self, run: _InlineRun, err: KvdError) -> None:
-        """Abort (~0.5 s, so in a thread of its own, not on the loop), then fail the job:
-        once its future is done no kernel of it touches the blocks."""
+        """Abort (~0.5 s, so off the loop: in its default executor, which the loop joins
+        when it closes, as ``NcclLinks`` does for teardown), then fail the job: once its
+        future is done no kernel of it touches the blocks."""
         def fail() -> None:
-            self._fail(err)
-            if run.locked:
-                self._comm_lock.release()
-            run.job.future.set_exception(self.failed or err)
-            self._done()
+            try:
+                self._fail(err)
+            finally:
+                if run.locked:
+                    self._comm_lock.release()
+                run.job.future.set_exception(self.failed or err)
+                self._done()
 
-        threading.Thread(target=fail, name=f"{self.name}-abort", daemon=True).start()
+        run.loop.run_in_executor(None, fail)
 
     def _init(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
         try:
