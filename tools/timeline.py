@@ -1,10 +1,11 @@
 """Where a transfer's time goes: timeline marks from two daemons and this client.
 
 Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
-[--block-bytes N] [--repeat N] [--contiguous] [--daemon-flag F] [--json]``
+[--block-bytes N] [--repeat N] [--contiguous] [--local] [--daemon-flag F] [--json]``
 
 Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
 ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
+or with ``--local`` one daemon that sees both GPUs, the local transport of case (d)),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
 and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
 (``Flow.once`` of benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned``
@@ -72,6 +73,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=40)
     ap.add_argument("--contiguous", action="store_true",
                     help="move blocks 0..N-1 (one run: no staging) instead of every other")
+    ap.add_argument("--local", action="store_true",
+                    help="one daemon, both GPUs: the local transport (case (d)); "
+                    "needs --device cuda")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     ap.add_argument("--daemon-flag", action="append", default=[],
                     help="an extra flag for both daemons, e.g. --daemon-flag=--nccl-eager=false")
@@ -81,16 +85,23 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="kvd-timeline-daemons-", dir="/tmp")
     EXTRA_FLAGS.extend(["--timeline-dir", tdir])
     cuda = args.device == "cuda"
+    if args.local and not cuda:
+        ap.error("--local copies between two GPUs of one daemon: it needs --device cuda")
     if not cuda:
         EXTRA_FLAGS.extend(["--gpu-staging-bytes", "0"])
     timeline.start(tdir)
     procs = []
     try:
-        a, a_sock, _ = start_daemon(root, "a", "0" if cuda else "")
-        procs.append(a)
-        b, b_sock, b_addr = start_daemon(root, "b", "1" if cuda else "")
-        procs.append(b)
-        flow = Flow(a_sock, b_sock, b_addr)
+        if args.local:
+            a, a_sock, _ = start_daemon(root, "a", "0,1")
+            procs.append(a)
+            flow = Flow(a_sock, a_sock, None)
+        else:
+            a, a_sock, _ = start_daemon(root, "a", "0" if cuda else "")
+            procs.append(a)
+            b, b_sock, b_addr = start_daemon(root, "b", "1" if cuda else "")
+            procs.append(b)
+            flow = Flow(a_sock, b_sock, b_addr)
         shape = ((1 if args.contiguous else 2) * args.blocks, args.block_bytes)
 
         def region(dev: str) -> list[torch.Tensor]:
@@ -112,10 +123,12 @@ def main() -> int:
         for proc in procs:
             stop_daemon(proc)
     timeline.stop()
-    per = offsets(tdir, {procs[0].pid: "A", procs[1].pid: "B", os.getpid(): "X"}, keys)
+    roles = {p.pid: role for p, role in zip(procs, "AB", strict=False)}
+    per = offsets(tdir, {**roles, os.getpid(): "X"}, keys)
     rows = sorted(((statistics.median(v), name, len(v)) for name, v in per.items()
                    if len(v) > args.repeat // 2))
-    print(f"put -> waiting get, {args.device}, {args.tensors} tensor(s) x {args.blocks} "
+    where = " (one daemon)" if args.local else ""
+    print(f"put -> waiting get{where}, {args.device}, {args.tensors} tensor(s) x {args.blocks} "
           f"blocks of {args.block_bytes} B: median {statistics.median(totals):.0f} us over "
           f"{args.repeat}; mark offsets from the put's start (median us):")
     for med, name, n in rows:

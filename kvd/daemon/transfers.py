@@ -40,6 +40,7 @@ import torch
 
 from kvd import timeline
 from kvd.daemon.engine import Arrival, Engine
+from kvd.daemon.futures import on_loop
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
 from kvd.errors import (
@@ -228,7 +229,7 @@ class PeerTransfers:
             job = out.nccl_job or out.tcp_job  # started when the ACCEPT came (_on_accept)
             if job is None:
                 raise ProtocolError(f"{link.address} accepted, but no transport started")
-            afut = asyncio.wrap_future(job.future)
+            afut = on_loop(job.future)
             # the regions are held since the job was queued (_send_started)
             try:
                 await asyncio.shield(afut)
@@ -376,13 +377,13 @@ class PeerTransfers:
         job = out.nccl_job
         if job is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)),
+                await asyncio.wait_for(asyncio.shield(on_loop(job.future)),
                                        max(1.0, out.deadline - self._loop.time()) + 1.0)
         out.nccl_job, out.eager_channel, out.no_eager = None, 0, True
 
     def _send_started(self, out: _Outgoing, fut: concurrent.futures.Future[int]) -> None:
         """A send job now reads the client's regions: they stay mapped until it ends."""
-        self.engine.hold_regions(out.regions, asyncio.wrap_future(fut))
+        self.engine.hold_regions(out.regions, on_loop(fut))
 
     async def _wait_started(self, out: _Outgoing) -> None:
         """A send the ACCEPT started must end before the pusher answers: no byte may be
@@ -396,7 +397,7 @@ class PeerTransfers:
                     continue
                 job.stop.set()
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), 60.0)
+                await asyncio.wait_for(asyncio.shield(on_loop(job.future)), 60.0)
 
     def _give_up(self, out: _Outgoing) -> None:
         self.plane.send(out.link, XferCancel(transfer_id=out.transfer_id))
@@ -703,7 +704,7 @@ class PeerTransfers:
             return False
         incoming = _Incoming(tid, offer.key, link, arrival, job)
         # The job may start writing before _receive runs: hold the regions from now on.
-        self.engine.hold_regions(incoming.regions, asyncio.wrap_future(job.future))
+        self.engine.hold_regions(incoming.regions, on_loop(job.future))
         self._incoming[(id(link), tid)] = incoming
         self.plane.send(link, accept)
         self._spawn(self._receive(incoming, pull))
@@ -761,7 +762,7 @@ class PeerTransfers:
     async def _receive(self, incoming: _Incoming, pull: _PullWait | None) -> None:
         tid, link = incoming.transfer_id, incoming.link
         offered = time.monotonic()
-        afut = asyncio.wrap_future(incoming.job.future)
+        afut = on_loop(incoming.job.future)
         outcome = "failed"
         try:
             nbytes = await asyncio.shield(afut)  # regions held since the job was queued

@@ -1,0 +1,52 @@
+"""Loop futures for work that other threads (or the loop itself) finish.
+
+``asyncio.wrap_future`` hands every result to the loop through ``call_soon_threadsafe``,
+a write to the loop's wake-up fd and one more turn of the loop, even when the result is
+set on the loop's own thread. NCCL jobs that run inline (``NcclChannel``) finish there,
+and each is awaited twice (its transfer, the regions it holds): ``on_loop`` copies the
+result at once in that case, and goes through the loop otherwise, as ``wrap_future``
+does. Cancelling the loop future cancels the concurrent one, as ``wrap_future`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def on_loop(cfut: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """An asyncio future of the running loop that settles as ``cfut`` does."""
+    loop = asyncio.get_running_loop()
+    afut: asyncio.Future[T] = loop.create_future()
+    loop_thread = threading.get_ident()
+
+    def settled(src: concurrent.futures.Future[T]) -> None:
+        if threading.get_ident() == loop_thread:
+            _copy(src, afut)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(_copy, src, afut)
+
+    def cancelled(dest: asyncio.Future[T]) -> None:
+        if dest.cancelled():
+            cfut.cancel()
+
+    afut.add_done_callback(cancelled)
+    cfut.add_done_callback(settled)
+    return afut
+
+
+def _copy(src: concurrent.futures.Future[T], dest: asyncio.Future[T]) -> None:
+    if dest.done():
+        return
+    if src.cancelled():
+        dest.cancel()
+        return
+    exc = src.exception()
+    if exc is not None:
+        dest.set_exception(exc)
+    else:
+        dest.set_result(src.result())

@@ -1,0 +1,80 @@
+"""kvd.daemon.futures.on_loop: a loop future for a concurrent one, settled at once when the
+concurrent one is settled on the loop's own thread (inline NCCL jobs), through the loop
+otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import pytest
+
+from kvd.daemon.futures import on_loop
+from kvd.errors import TransferFailed
+
+
+def test_settled_on_the_loop_thread_is_done_at_once() -> None:
+    async def main() -> None:
+        cfut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        afut = on_loop(cfut)
+        cfut.set_result(7)
+        assert afut.done()  # no turn of the loop in between (wrap_future needs one)
+        assert await afut == 7
+
+    asyncio.run(main())
+
+
+def test_settled_on_another_thread_arrives_through_the_loop() -> None:
+    async def main() -> None:
+        cfut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        afut = on_loop(cfut)
+        thread = threading.Thread(target=cfut.set_exception,
+                                  args=(TransferFailed("lost on the way"),))
+        thread.start()
+        with pytest.raises(TransferFailed, match="lost on the way"):
+            await asyncio.wait_for(afut, 5)
+        thread.join()
+
+    asyncio.run(main())
+
+
+def test_cancelling_either_side_cancels_the_other() -> None:
+    async def main() -> None:
+        cfut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        afut = on_loop(cfut)
+        afut.cancel()
+        await asyncio.sleep(0)
+        assert cfut.cancelled()
+
+        cfut2: concurrent.futures.Future[int] = concurrent.futures.Future()
+        afut2 = on_loop(cfut2)
+        assert cfut2.cancel()
+        assert afut2.cancelled()
+
+    asyncio.run(main())
+
+
+def test_already_settled_and_late_results_after_the_loop_closed() -> None:
+    async def main() -> concurrent.futures.Future[int]:
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(3)
+        assert await on_loop(done) == 3
+        pending: concurrent.futures.Future[int] = concurrent.futures.Future()
+        on_loop(pending)
+        return pending
+
+    pending = asyncio.run(main())
+    # The loop is closed: a result from another thread is dropped, not raised there.
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            pending.set_result(1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    thread.join()
+    assert not errors
