@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvd.errors import BadRequest, LayoutMismatch
@@ -174,7 +175,9 @@ class Region:
             )
         if writing and len(set(blocks)) != len(blocks):
             raise BadRequest("destination blocks repeat a block id")
-        return torch.tensor(blocks, dtype=torch.int64)
+        # Through numpy: a third of torch.tensor's time from a list (256 ids: 5 against
+        # 16 us), and this runs on every request's critical path.
+        return torch.from_numpy(np.array(blocks, dtype=np.int64))
 
 
 def _build_tensors(

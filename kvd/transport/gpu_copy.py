@@ -111,7 +111,8 @@ class BlockMap:
         facts = _facts_of(tensors)
         described = facts.rows_on(device)
         self.rows, self.k = described.rows, described.k
-        self._host = torch.tensor(ids, dtype=torch.int64)  # alive while its upload is queued
+        # Alive while its upload is queued; made through numpy, as Region.block_index.
+        self._host = torch.from_numpy(np.array(ids, dtype=np.int64))
         # Uploaded on whatever stream is current (a map may be made ahead, on the loop's
         # thread, while the transfer's offer is out); a copy on another stream waits for
         # ``ready``, which also follows the rows' upload.
