@@ -334,7 +334,10 @@ class NcclChannel:
                 run.job.future.set_exception(self.failed or err)
                 self._done()
 
-        run.loop.run_in_executor(None, fail)
+        try:
+            run.loop.run_in_executor(None, fail)
+        except RuntimeError:  # the loop or its executor is shutting down: fail it here
+            fail()
 
     def _init(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
         try:
