@@ -1,7 +1,8 @@
 """Where a transfer's time goes: timeline marks from two daemons and this client.
 
 Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
-[--block-bytes N] [--repeat N] [--contiguous] [--local] [--daemon-flag F] [--json]``
+[--block-bytes N] [--repeat N] [--contiguous] [--local | --pull] [--daemon-flag F]
+[--json]``
 
 Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
 ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
@@ -25,6 +26,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from typing import Any
 
 import torch
 
@@ -37,9 +40,10 @@ from kvd import timeline
 from kvd.client.shm import shared_zeros
 
 
-def offsets(tdir: str, roles: dict[int, str], keys: list[str]) -> dict[str, list[float]]:
+def offsets(tdir: str, roles: dict[int, str], keys: list[str], start_mark: str = "put.start",
+            ) -> dict[str, list[float]]:
     """Per mark (role:name, numbered when it recurs within a transfer): its offsets in
-    microseconds from the start of each timed transfer."""
+    microseconds from the start of each timed transfer (this client's ``start_mark``)."""
     marks = []
     for path in glob.glob(os.path.join(tdir, "*.json")):
         with open(path) as f:
@@ -47,12 +51,12 @@ def offsets(tdir: str, roles: dict[int, str], keys: list[str]) -> dict[str, list
         role = roles.get(data["pid"], str(data["pid"]))
         marks += [(t, f"{role}:{name}") for t, name, _thread in data["marks"]]
     marks.sort()
-    timed = {f"X:put.start {k}" for k in keys}
+    timed = {f"X:{start_mark} {k}" for k in keys}
     per: dict[str, list[float]] = collections.defaultdict(list)
     start: float | None = None
     seen: collections.Counter[str] = collections.Counter()
     for t, name in marks:
-        if name.startswith("X:put.start"):
+        if name.startswith(f"X:{start_mark} "):
             start = t if name in timed else None
             seen.clear()
             continue
@@ -62,6 +66,28 @@ def offsets(tdir: str, roles: dict[int, str], keys: list[str]) -> dict[str, list
         label = name if seen[name] == 1 else f"{name} #{seen[name]}"
         per[label].append((t - start) * 1e6)
     return per
+
+
+def pull_once(flow: Flow, r_src: Any, ids: list[int], r_dst: Any, a_addr: str) -> float:
+    """A lends blocks under a fresh key; B pulls them (the vLLM connector's default flow).
+    Returns the seconds of the pull, which marks ``pull.start <key>``, ``pull.returned``
+    and, once A's lend has ended, ``lend.returned``."""
+    flow.n += 1
+    key = f"k{flow.n}"
+    lent = flow.tx.lend(key, r_src, ids, ttl_s=60)
+    deadline = time.monotonic() + 10
+    while flow.tx.stats()["keys"] < 1:  # the lend is in (its reply comes at its end)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"daemon A never held {key}")
+    t0 = time.perf_counter()
+    timeline.mark(f"pull.start {key}")
+    got = flow.rx.pull(key, a_addr, r_dst, ids, timeout_s=60)
+    timeline.mark("pull.returned")
+    took = time.perf_counter() - t0
+    if lent.wait(60) != got:
+        raise RuntimeError(f"lent {key}, but the pull moved {got} bytes")
+    timeline.mark("lend.returned")
+    return took
 
 
 def main() -> int:
@@ -76,6 +102,9 @@ def main() -> int:
     ap.add_argument("--local", action="store_true",
                     help="one daemon, both GPUs: the local transport (case (d)); "
                     "needs --device cuda")
+    ap.add_argument("--pull", action="store_true",
+                    help="time a pull from B of blocks A lent (the vLLM connector's flow) "
+                    "instead of a put into a waiting get")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     ap.add_argument("--daemon-flag", action="append", default=[],
                     help="an extra flag for both daemons, e.g. --daemon-flag=--nccl-eager=false")
@@ -87,6 +116,8 @@ def main() -> int:
     cuda = args.device == "cuda"
     if args.local and not cuda:
         ap.error("--local copies between two GPUs of one daemon: it needs --device cuda")
+    if args.local and args.pull:
+        ap.error("--pull moves blocks between two daemons: not with --local")
     if not cuda:
         EXTRA_FLAGS.extend(["--gpu-staging-bytes", "0"])
     timeline.start(tdir)
@@ -97,7 +128,7 @@ def main() -> int:
             procs.append(a)
             flow = Flow(a_sock, a_sock, None)
         else:
-            a, a_sock, _ = start_daemon(root, "a", "0" if cuda else "")
+            a, a_sock, a_addr = start_daemon(root, "a", "0" if cuda else "")
             procs.append(a)
             b, b_sock, b_addr = start_daemon(root, "b", "1" if cuda else "")
             procs.append(b)
@@ -115,22 +146,26 @@ def main() -> int:
             torch.cuda.synchronize()
         r_src, r_dst = flow.tx.register("src", src), flow.rx.register("dst", dst)
         ids = list(range(args.blocks)) if args.contiguous else list(range(0, 2 * args.blocks, 2))
-        flow.once(r_src, ids, r_dst, ids)  # warm-up: links, channels
+        once = (lambda: pull_once(flow, r_src, ids, r_dst, a_addr)) if args.pull else (
+            lambda: flow.once(r_src, ids, r_dst, ids))
+        once()  # warm-up: links, channels
         keys = [f"k{flow.n + 1 + i}" for i in range(args.repeat)]  # the keys once() uses
-        totals = [flow.once(r_src, ids, r_dst, ids) * 1e6 for _ in keys]
+        totals = [once() * 1e6 for _ in keys]
         flow.close()
     finally:
         for proc in procs:
             stop_daemon(proc)
     timeline.stop()
     roles = {p.pid: role for p, role in zip(procs, "AB", strict=False)}
-    per = offsets(tdir, {**roles, os.getpid(): "X"}, keys)
+    per = offsets(tdir, {**roles, os.getpid(): "X"}, keys,
+                  "pull.start" if args.pull else "put.start")
     rows = sorted(((statistics.median(v), name, len(v)) for name, v in per.items()
                    if len(v) > args.repeat // 2))
-    where = " (one daemon)" if args.local else ""
-    print(f"put -> waiting get{where}, {args.device}, {args.tensors} tensor(s) x {args.blocks} "
+    what = ("lend on A, pull from B" if args.pull
+            else "put -> waiting get" + (" (one daemon)" if args.local else ""))
+    print(f"{what}, {args.device}, {args.tensors} tensor(s) x {args.blocks} "
           f"blocks of {args.block_bytes} B: median {statistics.median(totals):.0f} us over "
-          f"{args.repeat}; mark offsets from the put's start (median us):")
+          f"{args.repeat}; mark offsets from its start (median us):")
     for med, name, n in rows:
         print(f"  {med:9.0f}  {name}" + ("" if n == args.repeat else f"  (in {n})"))
     if args.json:
