@@ -10,10 +10,11 @@ or with ``--local`` one daemon that sees both GPUs, the local transport of case 
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
 and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
 (``Flow.once`` of benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned``
-and ``put.returned`` in this client). Then it prints, for every mark seen in most transfers,
-its median offset from the put's start: ``A:`` and ``B:`` are the daemons, ``X:`` this
-client. A diagnostic, not a benchmark: it prints no ratio, and recording marks costs a
-little time itself.
+and ``put.returned`` in this client), or with ``--pull`` pulls from B of blocks A lent
+(``pull_once``: ``pull.start``, ``pull.returned``, ``lend.returned``). Then it prints, for
+every mark seen in most transfers, its median offset from the transfer's start: ``A:`` and
+``B:`` are the daemons, ``X:`` this client. A diagnostic, not a benchmark: it prints no
+ratio, and recording marks costs a little time itself.
 """
 
 from __future__ import annotations
