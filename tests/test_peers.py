@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -703,3 +705,29 @@ def test_timeline_marks_follow_a_transfer_through_both_daemons(tmp_path: Path) -
     received = next(t for t, w, n in marks if (w, n) == ("b", "transfer.received"))
     assert any(t > received for t, w, n in marks if (w, n) == ("b", "local.reply.done"))
     assert [n for _t, w, n in marks if w == "a"].count("local.request.put") == 1
+    # B answers the waiting get before it confirms to A (the get's client is what waits).
+    on_b = [n for _t, w, n in marks if w == "b"]
+    after = on_b[on_b.index("transfer.received"):]
+    assert after.index("local.reply.done") < after.index("peer.send.xfer_done"), on_b
+
+
+@pytest.mark.parametrize("mode", [[], ["--pull"]])
+def test_timeline_tool_runs_both_flows(mode: list[str]) -> None:
+    """tools/timeline.py, as .ci/gpu runs it on the GPU host (there with --device cuda):
+    a put into a waiting get, or a pull of lent blocks, each step of it in the output."""
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "timeline.py")
+    out = subprocess.run([sys.executable, tool, "--repeat", "5", "--tensors", "2", "--blocks",
+                          "3", "--block-bytes", "4096", "--json", *mode],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["total_median_us"] > 0
+    marks = found["marks_median_us"]
+    expected = (["B:local.request.pull", "A:peer.recv.pull_request", "B:transfer.received",
+                 "X:pull.returned", "X:lend.returned"] if mode else
+                ["A:local.request.put", "B:peer.recv.offer", "B:transfer.received",
+                 "X:get.returned", "X:put.returned"])
+    for name in expected:
+        assert name in marks, (name, sorted(marks))
+    assert marks[expected[1]] < marks[expected[2]] < marks[expected[3]]
