@@ -439,7 +439,23 @@ class NcclChannel:
     # only then settle: nothing goes on the NCCL stream in between.
 
     def _steps(self, job: NcclJob) -> Generator[Any, None, int]:
-        return self._send_steps(job) if self.direction == "send" else self._recv_steps(job)
+        comm, chunks, size = self._plan(job)
+        # A receive nobody wants any more drops its bytes (blocks None); a sender that gave
+        # up has none already (it sends zeros).
+        blocks = None if self.direction == "recv" and job.abandoned else job.blocks
+        direct = self._prepare(blocks, chunks, size)
+        timeline.mark(f"nccl.{self.direction}.prepared")
+        bufs = _only_direct(direct)
+        if bufs is not None:  # one grouped call
+            self._issue_direct(comm, job, bufs)
+            yield SETTLE
+            timeline.mark("nccl.settled")
+            yield gpu_copy.recorded(self._comm_stream)
+        elif self.direction == "send":
+            yield from self._send_staged(job, comm, chunks, blocks, direct)
+        else:
+            yield from self._recv_staged(job, comm, chunks, blocks, direct)
+        return sum(c.nbytes for c in chunks)
 
     def _run_steps(self, job: NcclJob) -> int:
         comm = self._comm
@@ -457,19 +473,9 @@ class NcclChannel:
         except StopIteration as stop:
             return int(stop.value)
 
-    def _send_steps(self, job: NcclJob) -> Generator[Any, None, int]:
-        comm, chunks, size = self._plan(job)
-        blocks = job.blocks
-        direct = self._prepare(blocks, chunks, size)
-        timeline.mark("nccl.send.prepared")
-        nbytes = sum(c.nbytes for c in chunks)
-        bufs = _only_direct(direct)
-        if bufs is not None:  # one grouped call
-            self._issue_direct(comm, job, bufs)
-            yield SETTLE
-            timeline.mark("nccl.settled")
-            yield gpu_copy.recorded(self._comm_stream)
-            return nbytes
+    def _send_staged(self, job: NcclJob, comm: Communicator, chunks: tuple[Chunk, ...],
+                     blocks: BlockSet | None, direct: Sequence[torch.Tensor | None],
+                     ) -> Generator[Any, None, None]:
         freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
         buf = self._load(blocks, chunks[0], direct[0], 0, None) if chunks else None
@@ -486,21 +492,10 @@ class NcclChannel:
             timeline.mark("nccl.settled")
             freed[b] = gpu_copy.recorded(self._comm_stream)
         yield gpu_copy.recorded(self._comm_stream)
-        return nbytes
 
-    def _recv_steps(self, job: NcclJob) -> Generator[Any, None, int]:
-        comm, chunks, size = self._plan(job)
-        blocks = None if job.abandoned else job.blocks  # None: drop the bytes
-        direct = self._prepare(blocks, chunks, size)
-        timeline.mark("nccl.recv.prepared")
-        nbytes = sum(c.nbytes for c in chunks)
-        bufs = _only_direct(direct)
-        if bufs is not None:  # one grouped call
-            self._issue_direct(comm, job, bufs)
-            yield SETTLE
-            timeline.mark("nccl.settled")
-            yield gpu_copy.recorded(self._comm_stream)
-            return nbytes
+    def _recv_staged(self, job: NcclJob, comm: Communicator, chunks: tuple[Chunk, ...],
+                     blocks: BlockSet | None, direct: Sequence[torch.Tensor | None],
+                     ) -> Generator[Any, None, None]:
         stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         landed: tuple[Chunk, torch.Tensor, torch.cuda.Event, int] | None = None
 
@@ -538,7 +533,6 @@ class NcclChannel:
             scatter(*landed)
         self._copy_stream.wait_stream(self._comm_stream)
         yield gpu_copy.recorded(self._copy_stream)
-        return nbytes
 
     def _release(self) -> None:
         comm = self._comm
