@@ -273,14 +273,14 @@ def _log_level(value: str) -> str:
     return level
 
 
-NCCL_WARM_UP = ("off", "matching", "all")
-
-
-def _nccl_warm_up(value: str) -> str:
-    choice = value.strip().lower()
-    if choice not in NCCL_WARM_UP:
-        raise _Invalid(f"must be one of {', '.join(NCCL_WARM_UP)}, got {value!r}")
-    return choice
+def _one_of(*choices: str) -> Check:
+    """A word from ``choices``, case-insensitive."""
+    def check(value: str) -> str:
+        choice = value.strip().lower()
+        if choice not in choices:
+            raise _Invalid(f"must be one of {', '.join(choices)}, got {value!r}")
+        return choice
+    return check
 
 
 def _socket_path(value: str) -> str:
@@ -369,7 +369,7 @@ class Config:
     # When a peer link comes up, make the channels from its GPUs to ours now (NCCL init and
     # connection setup, ~0.5-0.7 s) instead of in its first transfer: "matching" pairs our
     # cuda:N with its cuda:N, "all" every pair (within nccl_max_channels), "off" none.
-    nccl_warm_up: str = _opt("matching", _STR, _nccl_warm_up)
+    nccl_warm_up: str = _opt("matching", _STR, _one_of("off", "matching", "all"))
     # Send GPU blocks over NCCL together with their OFFER when a channel to the peer exists
     # (the receiver always posts the matching receive): no ACCEPT round trip before the bytes.
     nccl_eager: bool = _opt(True, _BOOL)
@@ -378,6 +378,11 @@ class Config:
     # two thread hand-offs fewer. Off: every job goes through the channel's thread.
     nccl_inline: bool = _opt(True, _BOOL)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet
+    # Keep the event loop polling without sleeping for busy_poll_window_s after each
+    # message (daemon/busy_poll.py): no wake-up per message, and a hot core. "auto": on
+    # when the daemon sees a GPU (a node with cores to spare), off otherwise.
+    busy_poll: str = _opt("auto", _STR, _one_of("auto", "on", "off"))
+    busy_poll_window_s: float = _opt(0.02, _SECONDS, _at_least(0))
     # Mutual TLS on the peer plane (kvd keygen makes the certificate; see daemon/auth.py).
     tls_cert_file: str = _opt("", _STR)
     tls_key_file: str = _opt("", _STR)

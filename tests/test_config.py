@@ -96,6 +96,8 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_eager": True,
         "nccl_inline": True,
         "gpu_staging_bytes": 2**30,
+        "busy_poll": "auto",
+        "busy_poll_window_s": 0.02,
         "tls_cert_file": "",
         "tls_key_file": "",
         "tls_allowed_certs_file": "",

@@ -27,6 +27,7 @@ import torch
 
 from kvd import timeline
 from kvd.config import Config
+from kvd.daemon.busy_poll import BusyPoll
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
 from kvd.errors import (
@@ -147,7 +148,8 @@ class _Delivered:
 class Engine:
     def __init__(self, config: Config, pool: HostPool, worker: local.CopyWorker,
                  metrics: Metrics | None = None,
-                 gpu_pools: dict[str, HostPool] | None = None) -> None:
+                 gpu_pools: dict[str, HostPool] | None = None,
+                 busy_poll_window_s: float = 0.0) -> None:
         self.config = config
         self.gpu_pools = gpu_pools or {}  # "cuda:N" -> staging for arrivals nobody awaits
         self.metrics = metrics or Metrics()
@@ -159,6 +161,8 @@ class Engine:
         self.counters = Counters()
         self.draining = False
         self._loop = asyncio.get_running_loop()
+        # Messages touch it; work handed to threads pauses it (daemon/busy_poll.py).
+        self.busy_poll = BusyPoll(self._loop, busy_poll_window_s)
         self._region_copies: dict[int, set[asyncio.Future[Any]]] = {}
         self.self_names = {"", "local", config.node_id}
         self.remote: Any = None  # the peer transfers, when the daemon has a peer plane
@@ -217,6 +221,7 @@ class Engine:
             self._record_copy("done", nbytes, 0.0, time.monotonic() - submitted)
             return result
         cfut = self.worker.submit(_timed, fn, *args)
+        self.busy_poll.thread_work(cfut)
         afut = asyncio.wrap_future(cfut)
         self._copies_in_flight[id(afut)] = nbytes
         outcome, started, ended = "failed", None, None
@@ -741,6 +746,8 @@ class Engine:
             "expired_keys": self.counters.expired_keys,
             "gpu_staging": gpu_staging,
             "gpu_spills": self.counters.gpu_spills,
+            "busy_poll": {"window_s": self.busy_poll.window_s,
+                          "turns": self.busy_poll.turns},
             "time": time.time(),
         }
 

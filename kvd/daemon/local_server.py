@@ -205,6 +205,7 @@ class LocalServer:
         self._send(conn, ErrorReply(req_id=req_id, code=err.code, message=err.message))
 
     def on_message(self, conn: _Connection, payload: bytes | Oversized) -> None:
+        self.engine.busy_poll.touch()
         if isinstance(payload, Oversized):
             self._bad(conn, "too_large", salvage_req_id(payload.payload), ProtocolError(
                 f"message of {payload.nbytes} bytes exceeds max_message_bytes "

@@ -139,7 +139,8 @@ class Daemon:
                     device=dev)
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
-        self.engine = Engine(self.config, pool, worker, self.metrics, gpu_pools)
+        self.engine = Engine(self.config, pool, worker, self.metrics, gpu_pools,
+                             await asyncio.to_thread(self._busy_poll_window_s))
         transfers: list[PeerTransfers] = []
         self.peers = PeerPlane(
             self.config, self.epoch,
@@ -157,6 +158,17 @@ class Daemon:
         stack.push_async_callback(self.local.close)
         await self.local.bind()
         self.peers.bind()
+
+    def _busy_poll_window_s(self) -> float:
+        """How long the loop spins after a message (daemon/busy_poll.py); 0: never."""
+        mode = self.config.busy_poll
+        if mode == "auto":
+            import torch
+
+            mode = "on" if torch.cuda.is_available() else "off"
+        window = self.config.busy_poll_window_s if mode == "on" else 0.0
+        log.info("busy poll %s", f"{window * 1e3:g} ms after each message" if window else "off")
+        return window
 
     def _nccl_gpus(self) -> list[str]:
         """The GPUs NCCL channels may use: all visible ones, when NCCL is there and wanted."""

@@ -316,7 +316,7 @@ class PeerTransfers:
                 self.plane.send(out.link, msgspec.structs.replace(offer, eager=True))
                 assert out.tcp_channel is not None
                 out.eager_job = SendJob(out.transfer_id, out.source.views(), eager=True)
-                self._send_started(out, out.tcp_channel.submit(out.eager_job))
+                self._send_started(out, self._tcp_send(out.tcp_channel, out.eager_job))
                 eager = False  # a retry after BUSY waits for its ACCEPT
             else:
                 self.plane.send(out.link, offer)
@@ -381,6 +381,11 @@ class PeerTransfers:
                                        max(1.0, out.deadline - self._loop.time()) + 1.0)
         out.nccl_job, out.eager_channel, out.no_eager = None, 0, True
 
+    def _tcp_send(self, channel: SendChannel, job: SendJob) -> concurrent.futures.Future[int]:
+        fut = channel.submit(job)
+        self.engine.busy_poll.thread_work(fut)  # the data connection's thread sends it
+        return fut
+
     def _send_started(self, out: _Outgoing, fut: concurrent.futures.Future[int]) -> None:
         """A send job now reads the client's regions: they stay mapped until it ends."""
         self.engine.hold_regions(out.regions, on_loop(fut))
@@ -428,7 +433,7 @@ class PeerTransfers:
                       time.monotonic() + max(0.0, deadline - self._loop.time()),
                       wire_bytes(layout, num_blocks), chunk_bytes,
                       ready_events=ready_events or [])
-        channel.submit(job)
+        self._submit_nccl(channel, job)
         return job
 
     def _on_accept(self, link: PeerLink, msg: Accept, out: _Outgoing | None) -> Any:
@@ -444,7 +449,7 @@ class PeerTransfers:
                 out.tcp_job = out.eager_job
                 return msg
             out.tcp_job = SendJob(msg.transfer_id, out.source.views())
-            self._send_started(out, out.tcp_channel.submit(out.tcp_job))
+            self._send_started(out, self._tcp_send(out.tcp_channel, out.tcp_job))
             return msg
         if out is not None and out.eager_channel:  # the bytes were queued with the offer
             if msg.channel != out.eager_channel:
@@ -524,6 +529,7 @@ class PeerTransfers:
     # ------------------------------------------------------------ messages
 
     def on_message(self, link: PeerLink, msg: PeerMessage) -> None:
+        self.engine.busy_poll.touch()
         if isinstance(msg, Offer):
             self._on_offer(link, msg)
         elif isinstance(msg, PullRequest):
@@ -639,8 +645,13 @@ class PeerTransfers:
         job = NcclJob(offer.transfer_id, blocks, tuple(offer.layout), offer.num_blocks,
                       time.monotonic() + self._receive_timeout(offer.nbytes), offer.nbytes,
                       chunk_bytes, abandoned=blocks is None)
-        channel.submit(job)
+        self._submit_nccl(channel, job)
         return job
+
+    def _submit_nccl(self, channel: NcclChannel, job: NcclJob) -> None:
+        channel.submit(job)
+        if not job.inline:  # the channel's thread runs it
+            self.engine.busy_poll.thread_work(job.future)
 
     def _answer_offer(self, link: PeerLink, offer: Offer,
                       eager_nccl: NcclChannel | None = None) -> bool:
@@ -732,6 +743,7 @@ class PeerTransfers:
             assert link.recv_channel is not None
             tcp_job = RecvJob(tid, arrival.wire_views(), offer.nbytes, eager=offer.eager)
             link.recv_channel.expect(tcp_job)
+            self.engine.busy_poll.thread_work(tcp_job.future)
             return tcp_job, Accept(transfer_id=tid)
         if self.nccl is None or not sender_nccl:
             raise BadRequest(f"the destination blocks are on {dest}, and {link.address} has "

@@ -70,6 +70,7 @@ class NcclJob:
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     started_at: float = 0.0
     abandoned: bool = False  # receiver: drop the bytes instead of storing them
+    inline: bool = False  # run from the event loop (_start_inline), not the channel's thread
 
 
 @dataclass(eq=False)
@@ -262,6 +263,7 @@ class NcclChannel:
         with self._lock:
             self._busy += 1
         self.jobs_inline += 1
+        job.inline = True
         job.started_at = time.monotonic()
         timeline.mark(f"nccl.{self.direction}.start")
         nbytes = sum(c.nbytes for c in chunks)
