@@ -201,6 +201,7 @@ def checked_times(flow: Flow, src: list[torch.Tensor], src_ids: list[int],
                 torch.uint8)):
             raise RuntimeError("destination differs from the source")
     before = (scrape(flow.tx), scrape(flow.rx))
+    turns = [c.stats()["busy_poll"]["turns"] for c in (flow.tx, flow.rx)]
     times, acked = [], []
     for _ in range(repeat):
         times.append(flow.once(r_src, src_ids, r_dst, dst_ids))
@@ -210,6 +211,13 @@ def checked_times(flow: Flow, src: list[torch.Tensor], src_ids: list[int],
         PHASE_LOG[case] = {
             **{f"tx_{k}": v for k, v in phase_means(before[0], after[0]).items()},
             **{f"rx_{k}": v for k, v in phase_means(before[1], after[1]).items()}}
+        # How much each daemon's loop spun (busy_poll), and whether work it handed to a
+        # thread is still out (which stops the spinning until it returns).
+        for side, c, t0 in (("tx", flow.tx, turns[0]), ("rx", flow.rx, turns[1])):
+            spin = c.stats()["busy_poll"]
+            PHASE_LOG[case][f"{side}_busy_poll_turns_per_transfer"] = round(
+                (spin["turns"] - t0) / repeat)
+            PHASE_LOG[case][f"{side}_busy_poll_threads_working"] = spin["threads_working"]
     flow.tx.unregister(r_src)
     flow.rx.unregister(r_dst)
     return times, acked
@@ -349,7 +357,8 @@ def main() -> int:
           f"{res['c_kvd_p90_us']:.0f}; acked {res['c_acked_median_us']:.0f}), raw NCCL "
           f"one-way {raw_lat:.0f} us, extra {kvd_lat - raw_lat:.0f} us")
     print("kvd's own per-transfer phases (mean us; queue_wait: request to first byte, wire: "
-          "first byte to the end; tx = sending daemon, rx = receiving daemon):")
+          "first byte to the end; tx = sending daemon, rx = receiving daemon; busy_poll: "
+          "its loop's spinning turns per transfer, and thread work still out at the end):")
     for case, phases in sorted(PHASE_LOG.items()):
         print(f"  ({case}) " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(phases.items())))
         res.update({f"{case}_phase_{k}": v for k, v in phases.items()})

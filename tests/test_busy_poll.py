@@ -97,7 +97,7 @@ def test_spinning_daemons_move_every_byte_over_tcp(spinning_pair: list[Node]) ->
             ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(round_))
             key = f"spin-{round_}"
             result: dict[str, int] = {}
-            t = threading.Thread(target=lambda k=key: result.setdefault(
+            t = threading.Thread(target=lambda k=key, out=result: out.setdefault(
                 "n", waiter.get(k, r_dst, list(range(blocks)), timeout_s=10)))
             t.start()
             wait_until(lambda: b.client.stats()["waiting_gets"] == 1)
@@ -110,6 +110,7 @@ def test_spinning_daemons_move_every_byte_over_tcp(spinning_pair: list[Node]) ->
     for node in (a, b):
         spin = node.client.stats()["busy_poll"]
         assert spin["window_s"] == 0.05 and spin["turns"] > 0
+        assert spin["threads_working"] == 0  # every send / receive thread's work came back
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto is on where there is a GPU")
@@ -117,6 +118,7 @@ def test_auto_is_off_without_a_gpu(sock_dir: str) -> None:
     node = Node(sock_dir, "cpu-only")
     try:
         node.client.stats()
-        assert node.client.stats()["busy_poll"] == {"window_s": 0.0, "turns": 0}
+        assert node.client.stats()["busy_poll"] == {"window_s": 0.0, "turns": 0,
+                                                    "threads_working": 0}
     finally:
         assert node.stop() == 0

@@ -59,6 +59,10 @@ class BusyPoll:
         self._threads.add(fut)
         fut.add_done_callback(self._threads.discard)
 
+    def stats(self) -> dict[str, Any]:
+        return {"window_s": self.window_s, "turns": self.turns,
+                "threads_working": len(self._threads)}
+
     def _turn(self) -> None:
         if self._threads or self._loop.time() >= self._until:
             self._spinning = False  # the next touch starts again

@@ -746,8 +746,7 @@ class Engine:
             "expired_keys": self.counters.expired_keys,
             "gpu_staging": gpu_staging,
             "gpu_spills": self.counters.gpu_spills,
-            "busy_poll": {"window_s": self.busy_poll.window_s,
-                          "turns": self.busy_poll.turns},
+            "busy_poll": self.busy_poll.stats(),
             "time": time.time(),
         }
 

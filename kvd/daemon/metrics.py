@@ -105,6 +105,10 @@ class _StateCollector(Collector):
             ("kvd_peers_connected", len(peers.links) if peers else 0, "Peer daemons linked."),
         ):
             yield GaugeMetricFamily(name, text, value=value)
+        spins = CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
+                                    "polled without sleeping (busy_poll).")
+        spins.add_metric([], engine.busy_poll.turns)
+        yield spins
         expiries = CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.")
         expiries.add_metric([], engine.counters.expired_keys)
         yield expiries
