@@ -138,8 +138,12 @@ def main() -> int:
 
         def region(dev: str) -> list[torch.Tensor]:
             if cuda:
-                return [torch.full(shape, i + 1, dtype=torch.uint8, device=dev)
-                        for i in range(args.tensors)]
+                # Random bytes, as the benchmark moves: with constant ones (used until
+                # 2026-11-30) the 1 GiB case's wire took ~2.9 ms here against ~3.6 ms in
+                # the benchmark, and whether the data matters is not known yet.
+                gen = torch.Generator(device=dev).manual_seed(1)
+                return [torch.randint(0, 256, shape, dtype=torch.uint8, device=dev,
+                                      generator=gen) for _ in range(args.tensors)]
             return [shared_zeros(shape, torch.uint8).fill_(i + 1) for i in range(args.tensors)]
 
         src, dst = region("cuda:0"), region("cuda:1")
