@@ -19,6 +19,12 @@ from tests.conftest import wait_until
 from tests.test_peers import BLOCK, Node, random_region
 
 
+async def no_turns_for(busy: BusyPoll, seconds: float) -> None:
+    turns = busy.turns
+    await asyncio.sleep(seconds)
+    assert busy.turns == turns
+
+
 def test_spins_for_the_window_after_a_touch_then_sleeps() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -33,9 +39,7 @@ def test_spins_for_the_window_after_a_touch_then_sleeps() -> None:
         busy.touch()
         await asyncio.sleep(0.3)
         assert not busy.spinning and busy.turns > 0
-        turns = busy.turns
-        await asyncio.sleep(0.05)
-        assert busy.turns == turns  # idle: no turns after the window
+        await no_turns_for(busy, 0.05)  # idle after the window
         busy.touch()
         assert busy.spinning
 
@@ -59,9 +63,7 @@ def test_work_handed_to_a_thread_pauses_the_spinning() -> None:
         busy.thread_work(more)
         await asyncio.sleep(0.01)
         assert not busy.spinning
-        turns = busy.turns
-        await asyncio.sleep(0.01)
-        assert busy.turns == turns
+        await no_turns_for(busy, 0.01)
         more.cancel()  # cancelled work counts as finished too
         busy.touch()
         assert busy.spinning

@@ -45,7 +45,7 @@ class BusyPoll:
 
     def touch(self) -> None:
         """Work arrived: spin until ``window_s`` from now (unless a thread is working)."""
-        if self.window_s <= 0:
+        if not self.enabled:
             return
         self._until = self._loop.time() + self.window_s
         if not self._spinning and not self._threads:
@@ -54,7 +54,7 @@ class BusyPoll:
 
     def thread_work(self, fut: concurrent.futures.Future[Any]) -> None:
         """Work handed to a thread: no spinning until ``fut`` is done."""
-        if self.window_s <= 0 or fut.done():
+        if not self.enabled or fut.done():
             return
         self._threads.add(fut)
         fut.add_done_callback(self._threads.discard)

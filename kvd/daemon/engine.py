@@ -28,6 +28,7 @@ import torch
 from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.busy_poll import BusyPoll
+from kvd.daemon.futures import on_loop
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
 from kvd.errors import (
@@ -222,7 +223,7 @@ class Engine:
             return result
         cfut = self.worker.submit(_timed, fn, *args)
         self.busy_poll.thread_work(cfut)
-        afut = asyncio.wrap_future(cfut)
+        afut = on_loop(cfut)
         self._copies_in_flight[id(afut)] = nbytes
         outcome, started, ended = "failed", None, None
         self.hold_regions(regions, afut)

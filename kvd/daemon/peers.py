@@ -370,6 +370,12 @@ class PeerPlane:
             except ssl.SSLWantWriteError:
                 await self._fd_ready(sock, write=True)
 
+    async def _recv_some(self, sock: socket.socket, n: int) -> bytes:
+        """Up to ``n`` bytes from a non-blocking socket, through TLS if it is wrapped."""
+        if isinstance(sock, ssl.SSLSocket):
+            return await self._tls_step(sock, functools.partial(sock.recv, n))
+        return await self._loop.sock_recv(sock, n)
+
     async def _fd_ready(self, sock: socket.socket, write: bool) -> None:
         ready = self._loop.create_future()
         fd = sock.fileno()
@@ -560,28 +566,18 @@ class PeerPlane:
         conn.setblocking(False)
         tls = self._data_tls()
         try:
-            if tls is None:
-                async with asyncio.timeout(self.config.peer_connect_timeout_s):
-                    buf = b""
-                    while len(buf) < DATA_HELLO.size:
-                        chunk = await self._loop.sock_recv(conn, DATA_HELLO.size - len(buf))
-                        if not chunk:
-                            raise ProtocolError("data connection closed during hello")
-                        buf += chunk
-            else:
+            if tls is not None:
                 conn = tls.server.wrap_socket(conn, server_side=True,
                                               do_handshake_on_connect=False)
-                tls_conn = conn
-                async with asyncio.timeout(self.config.peer_connect_timeout_s):
-                    await self._tls_step(tls_conn, tls_conn.do_handshake)
-                    buf = b""
-                    while len(buf) < DATA_HELLO.size:
-                        want = DATA_HELLO.size - len(buf)
-                        chunk = await self._tls_step(
-                            tls_conn, functools.partial(tls_conn.recv, want))
-                        if not chunk:
-                            raise ProtocolError("data connection closed during hello")
-                        buf += chunk
+            async with asyncio.timeout(self.config.peer_connect_timeout_s):
+                if isinstance(conn, ssl.SSLSocket):
+                    await self._tls_step(conn, conn.do_handshake)
+                buf = b""
+                while len(buf) < DATA_HELLO.size:
+                    chunk = await self._recv_some(conn, DATA_HELLO.size - len(buf))
+                    if not chunk:
+                        raise ProtocolError("data connection closed during hello")
+                    buf += chunk
             token = parse_data_hello(buf)
             link = self._by_token.get(token)
             if link is None and token in self._handshake_done:
