@@ -435,14 +435,8 @@ class Engine:
         ours = BlockSet(region.tensors, idx.tolist())
         waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours)
         self.store.add_waiter(key, waiter)
-        device = region.tensors[0].device if region.tensors else None
-        if device is not None and device.type == "cuda":
-            # The copy kernel's map of our blocks, made while we wait rather than after
-            # the bytes' offer came (its upload is ~0.1-0.3 ms on the critical path), and
-            # the views an NCCL receive takes straight into them, for the usual chunk size.
-            ours.block_map(device)
-            ours.direct_chunks(plan_chunks(region.layout, len(idx),
-                                           self.config.nccl_chunk_bytes), device)
+        # Made while we wait rather than after the bytes' offer came.
+        self._prepare_gpu_blocks(ours, region.layout)
         try:
             async with asyncio.timeout(timeout_s):
                 result = await waiter.future
@@ -556,12 +550,16 @@ class Engine:
         expires_at = self._ttl_deadline(ttl_s)
         self.store.reserve(key)
         _, nbytes = packed_offsets(region.layout, len(idx))
+        slice_ = BlockSet(region.tensors, idx.tolist())
         item = Item(
             key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes, owner=session,
             expires_at=expires_at, consume_once=consume_once, region=region, region_idx=idx,
-            on_free=on_free,
+            blocks=slice_, on_free=on_free,
         )
         self._add_item(item)
+        # A peer's pull will send these blocks (the vLLM connector's flow: prefill lends,
+        # decode pulls): what its send needs of them is found now, not after the pull came.
+        self._prepare_gpu_blocks(slice_, region.layout)
         return item
 
     async def lend(
@@ -671,11 +669,23 @@ class Engine:
             (arrival.pool or self.pool).free(arrival.pool_block)
             arrival.pool_block = None
 
+    def _prepare_gpu_blocks(self, blocks: BlockSet, layout: Layout) -> None:
+        """What an NCCL transfer of GPU ``blocks`` needs of them, found ahead of it: the
+        copy kernel's map (its upload is ~0.1-0.3 ms, on the critical path when made at
+        the transfer's start) and the views a send or receive takes straight from or into
+        them, for the usual chunk size."""
+        device = blocks.tensors[0].device if blocks.tensors else None
+        if device is None or device.type != "cuda":
+            return
+        direct = blocks.direct_chunks(plan_chunks(layout, len(blocks.ids),
+                                                  self.config.nccl_chunk_bytes), device)
+        if any(view is None for view in direct):  # some chunk goes through staging
+            blocks.block_map(device)
+
     def source_blocks(self, item: Item) -> BlockSet:
         """The bytes of a stored or published item, wire order (the caller holds a read)."""
-        if item.region is not None:
-            assert item.region_idx is not None
-            return BlockSet(item.region.tensors, item.region_idx.tolist())
+        if item.blocks is not None:
+            return item.blocks
         assert item.pool_block is not None
         pool = item.pool or self.pool
         return BlockSet.packed(pool.view(item.pool_block), item.layout, item.num_blocks)

@@ -39,6 +39,7 @@ class Item:
     pool: HostPool | None = None  # which pool holds pool_block (None: the host pool)
     region: Region | None = None  # published: read in place
     region_idx: torch.Tensor | None = None
+    blocks: BlockSet | None = None  # published: the slice as a transfer reads it, made once
     readers: int = 0
     removed: bool = False
     bytes_read: int = 0  # by reads that completed (a lent item reports it to its owner)
