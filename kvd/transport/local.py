@@ -1,11 +1,12 @@
 """The local transport: both ends on this daemon, bytes moved by a copy worker thread.
 
-The event loop never copies: it hands a job to a ``CopyWorker`` and awaits the returned
-future. Jobs are the three moves a node needs: gather blocks of a region into a packed
-buffer (offload, put into the pool), scatter a packed buffer into blocks (get from the
-pool), and copy blocks from one region to another (put to a waiting get, get of a
-published key). Packed buffers are tensor-major with aligned sections, see
-``memory.regions.packed_offsets``.
+The event loop never copies host memory: it hands a job to a ``CopyWorker`` and awaits
+the returned future. A copy between GPU regions is kernel launches and stream waits, so
+the loop queues it itself (``copy_gpu_blocks_queued``) and polls the events it returns.
+Jobs are the three moves a node needs: gather blocks of a region into a packed buffer
+(offload, put into the pool), scatter a packed buffer into blocks (get from the pool), and
+copy blocks from one region to another (put to a waiting get, get of a published key).
+Packed buffers are tensor-major with aligned sections, see ``memory.regions.packed_offsets``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,32 @@ def scatter(
     return total
 
 
+def copy_gpu_blocks_queued(
+    src: Sequence[torch.Tensor],
+    src_idx: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    dst_idx: torch.Tensor,
+    dst_blocks: BlockSet | None = None,
+) -> tuple[int, list[torch.cuda.Event]] | None:
+    """``copy_blocks`` between GPU regions, queued without waiting for it: the bytes, and
+    one event per destination GPU recorded after the writes on its current stream (the
+    caller waits for them before it answers). None, with nothing queued, where only the
+    worker's paths apply (host memory, or blocks the copy kernel cannot describe). Every
+    step is a kernel launch or a stream wait, so the event loop may run it."""
+    if not (src and dst and src[0].is_cuda and dst[0].is_cuda):
+        return None
+    if src[0].device != dst[0].device:
+        nbytes = copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist(),
+                                  dst_blocks=dst_blocks, finish=False)
+    else:
+        done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist(), dst_blocks)
+        if done is None:
+            return None
+        nbytes = done
+    return nbytes, [gpu_copy.recorded(torch.cuda.current_stream(device))
+                    for device in {t.device for t in dst}]
+
+
 def copy_blocks(
     src: Sequence[torch.Tensor],
     src_idx: torch.Tensor,
@@ -168,7 +195,7 @@ class _CrossStreams:
 def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
                      dst: Sequence[torch.Tensor], dst_ids: list[int],
                      chunk_bytes: int | None = None, peer_stores: bool | None = None,
-                     dst_blocks: BlockSet | None = None) -> int:
+                     dst_blocks: BlockSet | None = None, finish: bool = True) -> int:
     """Blocks between two GPUs of this node, chunk by chunk, pipelined so that chunk k
     crosses NVLink while k+1 is gathered and k-1 scattered.
 
@@ -180,7 +207,13 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
     the staging on either side. (The client's own memory on the destination is mapped by
     legacy CUDA IPC, which the source GPU cannot store into: hence the staging.) The work
     starts after what the devices' current streams hold (the clients' ready events) and
-    the current streams wait for it at the end."""
+    the current streams wait for it at the end; ``finish``: and this thread waits for
+    them (``_finish_writes``), else the caller does.
+
+    The staging buffers are freed on return, possibly before the GPU is done with them:
+    they were allocated on the current streams, which wait for every stream that uses
+    them, and a copy's streams start after the current ones, so whatever reuses the
+    memory next runs after it."""
     # The plan needs bytes per block only; the copies keep each tensor's own dtype.
     layout = tuple(LayoutEntry(math.prod(t.shape[1:]) * t.element_size(), "uint8")
                    for t in src)
@@ -266,7 +299,8 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
         src_now.wait_stream(s)
     for s in (streams.land, streams.scatter):
         dst_now.wait_stream(s)
-    _finish_writes(*dst)
+    if finish:
+        _finish_writes(*dst)
     return sum(c.nbytes for c in chunks)
 
 
