@@ -71,8 +71,8 @@ def message_sizes(node_id: str, epoch: int) -> dict[str, int]:
     return {
         "ping": len(encode(Ping(req_id=rid))),
         "pong": len(encode(Pong(req_id=rid, node_id=node_id, epoch=epoch, draining=False))),
-        "offload": len(encode(Offload(req_id=rid, key=key, region_id=1, blocks=[0]))),
-        "get": len(encode(Get(req_id=rid, key=key, region_id=1, blocks=[0], timeout_s=5.0))),
+        "offload": len(encode(Offload(req_id=rid, key=key, region_id=1, blocks=bytes(4)))),
+        "get": len(encode(Get(req_id=rid, key=key, region_id=1, blocks=bytes(4), timeout_s=5.0))),
         "delete": len(encode(Delete(req_id=rid, key=key))),
         "done_bytes": len(encode(Done(req_id=rid, nbytes=BLOCK_BYTES))),
         "done_empty": len(encode(Done(req_id=rid, nbytes=0))),

@@ -93,22 +93,23 @@ async def bad_count(r: RawClient, reason: str) -> int:
         (b"", 0, "malformed"),
         (pack({"op": "ping", "req_id": 5})[:-1], 0, "malformed"),  # truncated
         (pack({"op": "frobnicate", "req_id": 6}), 6, "Invalid value 'frobnicate'"),
-        (pack({"op": "get", "req_id": 7, "key": 3, "region_id": 1, "blocks": [0],
+        (pack({"op": "get", "req_id": 7, "key": 3, "region_id": 1, "blocks": b"\0\0\0\0",
                "timeout_s": 1}), 7, "Expected `str`"),
-        (pack({"op": "get", "req_id": 8, "key": "k", "region_id": 1, "blocks": [-1],
-               "timeout_s": 1}), 8, ">= 0"),
-        (pack({"op": "get", "req_id": 9, "key": "k", "region_id": 1, "blocks": [0],
+        # Block ids travel packed (4 bytes each); a list of ints is the old format.
+        (pack({"op": "get", "req_id": 8, "key": "k", "region_id": 1, "blocks": [0],
+               "timeout_s": 1}), 8, "Expected `bytes`, got `array`"),
+        (pack({"op": "get", "req_id": 9, "key": "k", "region_id": 1, "blocks": b"\0\0\0\0",
                "timeout_s": 1e300}), 9, "<= 10000000"),
         (pack({"op": "offload", "req_id": 10, "key": "k", "region_id": 1,
-               "blocks": [2**63]}), 10, "<="),
-        (pack({"op": "get", "req_id": 11, "key": "x" * 5000, "region_id": 1, "blocks": [0],
+               "blocks": b"\0\0\0\0\0\0"}), 10, "not a whole number of 4-byte block ids"),
+        (pack({"op": "get", "req_id": 11, "key": "x" * 5000, "region_id": 1, "blocks": b"\0\0\0\0",
                "timeout_s": 1}), 11, "length <= 1024"),
         (pack({"op": "ping", "req_id": 12, "extra": 1}), 12, "unknown field"),
         (pack([1, 2, 3]), 0, "Expected `object`"),
         (pack({"op": "ping", "req_id": "one"}), 0, "Expected `int`"),
     ],
-    ids=["random", "empty", "truncated", "unknown-op", "wrong-type", "negative-block",
-         "huge-timeout", "huge-block", "huge-key", "extra-field", "not-a-map", "bad-req-id"],
+    ids=["random", "empty", "truncated", "unknown-op", "wrong-type", "blocks-as-list",
+         "huge-timeout", "ragged-blocks", "huge-key", "extra-field", "not-a-map", "bad-req-id"],
 )
 async def test_malformed_messages(
     daemon: RunningDaemon, raw: RawClient, payload: bytes, req_id: int, needle: str
@@ -226,6 +227,16 @@ async def test_semantic_errors_keep_serving(daemon: RunningDaemon) -> None:
             (c.offload("k", ra, []), kvd.BadRequest, "no blocks"),
             (c.offload("k", 999, [0]), kvd.BadRequest, "unknown region"),
             (c.get("k", ra, [0, 0], timeout_s=0), kvd.BadRequest, "repeat"),
+            (c.get("k", ra, [3, 1, 3], timeout_s=0), kvd.BadRequest, "repeat"),
+            # Checked by the client library before they are packed (4 bytes each).
+            (c.offload("k", ra, [-1]), kvd.BadRequest, r"in \[0, 4294967295\]"),
+            (c.offload("k", ra, [0, 2**32]), kvd.BadRequest, r"in \[0, 4294967295\]"),
+            (c.offload("k", ra, [0, 2**70]), kvd.BadRequest, "integers"),
+            (c.offload("k", ra, [1.5]),  # type: ignore[list-item]
+             kvd.BadRequest, "integers, got 1-d float64"),
+            (c.offload("k", ra, [True]), kvd.BadRequest, "integers, got 1-d bool"),
+            (c.offload("k", ra, [[0, 1]]),  # type: ignore[list-item]
+             kvd.BadRequest, "flat sequence"),
             (c.get("nope", ra, [0], timeout_s=0), kvd.UnknownKey, "nope"),
             (c.delete("nope"), kvd.UnknownKey, "nope"),
             (c.offload("k", ra, [0], ttl_s=10**6), kvd.BadRequest, "ttl_s"),

@@ -43,6 +43,28 @@ def test_sync_client_round_trip(process_daemon: ProcessDaemon) -> None:
         assert a.ping() > 0
 
 
+def test_block_ids_in_every_accepted_form(thread_daemon: ThreadDaemon) -> None:
+    """Block ids travel packed (4 bytes each): a list, a tuple, a range, a generator, a
+    numpy array of any integer dtype and a torch tensor name the same blocks."""
+    import numpy as np
+
+    with KvdClient(thread_daemon.socket_path) as c:
+        src, dst = fill_random((300, 64), 3), shared_zeros((300, 64), torch.uint8)
+        r_src, r_dst = c.register("src", [src]), c.register("dst", [dst])
+        wanted = [299, 0, 7, 256, 8, 9]
+        forms = [wanted, tuple(wanted), (b for b in wanted), np.array(wanted, np.uint16),
+                 np.array(wanted, np.int64), torch.tensor(wanted, dtype=torch.int32)]
+        for i, ids in enumerate(forms):
+            dst.zero_()
+            c.offload(f"k{i}", r_src, ids)
+            c.get(f"k{i}", r_dst, range(10, 16), timeout_s=2)
+            assert torch.equal(dst[10:16], src[wanted]), type(ids)
+            assert not dst[:10].any() and not dst[16:].any()
+        c.offload("r", r_src, range(250, 300, 10))
+        c.get("r", r_dst, [0, 1, 2, 3, 4], timeout_s=2)
+        assert torch.equal(dst[:5], src[250:300:10])
+
+
 def test_sync_client_transfer_stash(thread_daemon: ThreadDaemon) -> None:
     # Replies for other requests that arrive while waiting are kept for their owners.
     with KvdClient(thread_daemon.socket_path) as c:

@@ -44,6 +44,7 @@ from kvd.errors import (
 )
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import (
+    IdArray,
     Layout,
     Region,
     RegionTable,
@@ -186,7 +187,7 @@ class Engine:
             raise Draining("daemon is draining: no new work accepted")
 
     def _source(
-        self, session: int, region_id: int, blocks: Sequence[int]
+        self, session: int, region_id: int, blocks: IdArray
     ) -> tuple[Region, torch.Tensor]:
         """New work reading ``blocks`` of one of the session's regions."""
         self._check_accepting()
@@ -194,7 +195,7 @@ class Engine:
         return region, region.block_index(blocks, writing=False)
 
     def _destination(
-        self, session: int, region_id: int, blocks: Sequence[int], timeout_s: float
+        self, session: int, region_id: int, blocks: IdArray, timeout_s: float
     ) -> tuple[Region, torch.Tensor]:
         """New work writing into ``blocks`` of one of the session's regions."""
         self._check_accepting()
@@ -498,7 +499,7 @@ class Engine:
                  region.name, reason)
 
     async def offload(
-        self, session: int, key: str, region_id: int, blocks: Sequence[int],
+        self, session: int, key: str, region_id: int, blocks: IdArray,
         ttl_s: float | None,
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
@@ -510,7 +511,7 @@ class Engine:
         return item.nbytes
 
     async def get(
-        self, session: int, req_id: int, key: str, region_id: int, blocks: Sequence[int],
+        self, session: int, req_id: int, key: str, region_id: int, blocks: IdArray,
         timeout_s: float,
     ) -> int:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
@@ -570,7 +571,7 @@ class Engine:
             item.release()
 
     async def put(
-        self, session: int, key: str, region_id: int, blocks: Sequence[int], to: str,
+        self, session: int, key: str, region_id: int, blocks: IdArray, to: str,
         ttl_s: float | None, timeout_s: float,
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
@@ -613,7 +614,7 @@ class Engine:
         return nbytes
 
     async def pull(
-        self, session: int, key: str, src: str, region_id: int, blocks: Sequence[int],
+        self, session: int, key: str, src: str, region_id: int, blocks: IdArray,
         timeout_s: float,
     ) -> int:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
@@ -624,13 +625,13 @@ class Engine:
         return await self.remote.pull(key, src, region, idx, timeout_s)
 
     def publish(
-        self, session: int, key: str, region_id: int, blocks: Sequence[int],
+        self, session: int, key: str, region_id: int, blocks: IdArray,
         ttl_s: float | None,
     ) -> int:
         return self._publish(session, key, region_id, blocks, ttl_s).nbytes
 
     def _publish(
-        self, session: int, key: str, region_id: int, blocks: Sequence[int],
+        self, session: int, key: str, region_id: int, blocks: IdArray,
         ttl_s: float | None, consume_once: bool = False,
         on_free: Callable[[Item], None] | None = None,
     ) -> Item:
@@ -652,7 +653,7 @@ class Engine:
         return item
 
     async def lend(
-        self, session: int, key: str, region_id: int, blocks: Sequence[int], ttl_s: float,
+        self, session: int, key: str, region_id: int, blocks: IdArray, ttl_s: float,
     ) -> int:
         """Publish for one reader; returns, once no copy reads the blocks any more, the
         bytes that reader took (0: nobody took them before the TTL or a cancel). Until then

@@ -271,11 +271,11 @@ class LocalServer:
                 case Register():
                     self._spawn(s, msg.req_id, op, self._register(s, msg))
                 case Publish():
-                    n = e.publish(s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s)
+                    n = e.publish(s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s)
                     self._done(s, msg.req_id, n)
                 case Lend():
                     self._spawn(s, msg.req_id, op, e.lend(
-                        s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s))
+                        s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))
                 case Unpublish():
                     e.unpublish(s.sid, msg.key)
                     self._done(s, msg.req_id)
@@ -287,17 +287,17 @@ class LocalServer:
                     self.start_close(s, "client said bye", unlink_files=False)
                 case Get():
                     self._spawn(s, msg.req_id, op, e.get(
-                        s.sid, msg.req_id, msg.key, msg.region_id, msg.blocks, msg.timeout_s))
+                        s.sid, msg.req_id, msg.key, msg.region_id, msg.ids, msg.timeout_s))
                 case Put():
                     self._spawn(s, msg.req_id, op, e.put(
-                        s.sid, msg.key, msg.region_id, msg.blocks, msg.to, msg.ttl_s,
+                        s.sid, msg.key, msg.region_id, msg.ids, msg.to, msg.ttl_s,
                         msg.timeout_s))
                 case Pull():
                     self._spawn(s, msg.req_id, op, e.pull(
-                        s.sid, msg.key, msg.src, msg.region_id, msg.blocks, msg.timeout_s))
+                        s.sid, msg.key, msg.src, msg.region_id, msg.ids, msg.timeout_s))
                 case Offload():
                     self._spawn(s, msg.req_id, op, e.offload(
-                        s.sid, msg.key, msg.region_id, msg.blocks, msg.ttl_s))
+                        s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))
                 case Unregister():
                     self._spawn(s, msg.req_id, op, e.unregister(s.sid, msg.region_id))
                 case Drain():
