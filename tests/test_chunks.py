@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from typing import cast
 
+import numpy as np
 import pytest
 import torch
 
-from kvd.memory.regions import LayoutEntry
+from kvd.memory.regions import IdArray, LayoutEntry
 from kvd.protocol import DType
 from kvd.transport.chunks import BlockSet, plan_chunks
 
 KIB = 1024
+
+
+def ids_of(ids: list[int]) -> IdArray:
+    return np.array(ids, dtype=np.int64)
 
 
 def layout_of(tensors: list[torch.Tensor]) -> tuple[LayoutEntry, ...]:
@@ -53,7 +58,7 @@ def test_blocks_through_staging_arrive_byte_exact(chunk_kib: int) -> None:
     dst = [torch.zeros_like(t) for t in src]
     src_ids = [5, 6, 7, 8, 1, 30, 2, 3]  # one run, then scattered
     dst_ids = [0, 1, 2, 3, 20, 21, 9, 31]
-    sender, receiver = BlockSet(src, src_ids), BlockSet(dst, dst_ids)
+    sender, receiver = BlockSet(src, ids_of(src_ids)), BlockSet(dst, ids_of(dst_ids))
     chunks = plan_chunks(layout_of(src), len(src_ids), chunk_kib * KIB)
     staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8)
     for chunk in chunks:
@@ -70,7 +75,7 @@ def test_packed_buffers_and_direct_chunks() -> None:
     buf = torch.zeros(16 * 1024 + 64, dtype=torch.uint8)
     packed = BlockSet.packed(buf, layout, 16)
     chunks = plan_chunks(layout, 16, 4 * KIB)
-    source = BlockSet(src, list(range(16)))
+    source = BlockSet(src, ids_of(list(range(16))))
     staging = torch.empty(4 * KIB, dtype=torch.uint8)
     for chunk in chunks:
         direct = source.direct(chunk, torch.device("cpu"))
@@ -78,12 +83,12 @@ def test_packed_buffers_and_direct_chunks() -> None:
         assert direct.data_ptr() == src[0][chunk.segments[0].start].data_ptr()
         packed.store(chunk, source.load(chunk, staging))
     assert torch.equal(buf[: 16 * 1024].view(torch.int32).view(16, 256), src[0])
-    assert BlockSet(src, [0, 2]).direct(plan_chunks(layout, 2, 8 * KIB)[0],
+    assert BlockSet(src, ids_of([0, 2])).direct(plan_chunks(layout, 2, 8 * KIB)[0],
                                         torch.device("cpu")) is None
     # Ends one run apart, a break inside: not a run. Then each half of [4..7, 0..3] is.
     whole = plan_chunks(layout, 4, 16 * KIB)[0]
-    assert BlockSet(src, [0, 2, 1, 3]).direct(whole, torch.device("cpu")) is None
-    halves = BlockSet(src, [4, 5, 6, 7, 0, 1, 2, 3])
+    assert BlockSet(src, ids_of([0, 2, 1, 3])).direct(whole, torch.device("cpu")) is None
+    halves = BlockSet(src, ids_of([4, 5, 6, 7, 0, 1, 2, 3]))
     for chunk, first in zip(plan_chunks(layout, 8, 4 * KIB), (4, 0), strict=True):
         direct = halves.direct(chunk, torch.device("cpu"))
         assert direct is not None and direct.data_ptr() == src[0][first].data_ptr()
@@ -95,16 +100,16 @@ def test_runs_are_found_in_short_and_long_segments(n: int) -> None:
     chunks = plan_chunks(layout_of(src), 2 * n, n * 64)  # n blocks per chunk
     cpu = torch.device("cpu")
     ids = list(range(n, 2 * n)) + list(range(n))  # two runs, one per chunk
-    blocks = BlockSet(src, ids)
+    blocks = BlockSet(src, ids_of(ids))
     found = blocks.direct_chunks(chunks, cpu)
     assert [d.data_ptr() if d is not None else None for d in found] == [
         src[0][n].data_ptr(), src[0][0].data_ptr()]
     assert blocks.direct_chunks(chunks, cpu) is found  # remembered per plan
     broken = ids.copy()  # the same ends, a swap inside each chunk: no run
     broken[1], broken[2], broken[n + 1], broken[n + 2] = ids[2], ids[1], ids[n + 2], ids[n + 1]
-    assert BlockSet(src, broken).direct_chunks(chunks, cpu) == [None, None]
+    assert BlockSet(src, ids_of(broken)).direct_chunks(chunks, cpu) == [None, None]
     whole = plan_chunks(layout_of(src), 2 * n, 2 * n * 64)
-    assert BlockSet(src, list(range(2 * n))).direct_chunks(whole, cpu)[0] is not None
+    assert BlockSet(src, ids_of(list(range(2 * n)))).direct_chunks(whole, cpu)[0] is not None
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -121,7 +126,7 @@ def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> Non
     if not mixed:
         tensors = [tensors[0], torch.empty(16, 2 * PIECE_BYTES, dtype=torch.uint8)[::2]]
     ids = [5, 0, 7]
-    found = BlockMap(tensors, ids, torch.device("cpu"))
+    found = BlockMap(tensors, ids_of(ids), torch.device("cpu"))
     k = 1 if mixed else 2  # blocks that do not split alike are not split at all
     assert found.k == k and found.pieces() == len(tensors) * len(ids) * k
     rows = found.rows.tolist()
@@ -141,7 +146,7 @@ def test_block_map_describes_every_block_piece_in_wire_order(mixed: bool) -> Non
                             n * before[t] + (p * k + j) * piece[t], piece[t]))
     assert got == expected
     # The rows are the region's, made once; a transfer brings only its ids.
-    again = BlockMap(tensors, [1, 2], torch.device("cpu"))
+    again = BlockMap(tensors, ids_of([1, 2]), torch.device("cpu"))
     assert again.rows is found.rows and again.ids.tolist() == [1, 2]
     assert found.piece_range(1, 1, 3) == ((len(ids) + 1) * k, (len(ids) + 3) * k)
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -439,7 +440,7 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
     dst = [torch.zeros_like(t) for t in src]
     chunks = plan_chunks(layout, 50, 1 << 20)
     staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device="cuda:1")
-    reader, writer = BlockSet(src, ids_in), BlockSet(dst, ids_out)
+    reader, writer = BlockSet(src, np.array(ids_in)), BlockSet(dst, np.array(ids_out))
     for chunk in chunks:
         writer.store(chunk, reader.load(chunk, staging))
     torch.cuda.synchronize()
@@ -483,7 +484,8 @@ def test_local_copies_between_regions_of_one_node(pair: tuple[str, str, bool]) -
         if peer:
             nbytes = local.copy_blocks(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
         else:
-            nbytes = local.copy_across_gpus(src, src_ids, dst, dst_ids, peer_stores=False)
+            nbytes = local.copy_across_gpus(src, np.array(src_ids), dst, np.array(dst_ids),
+                                            peer_stores=False)
     finally:
         local.CROSS_GPU_CHUNK_BYTES = old
     torch.cuda.synchronize()

@@ -524,7 +524,7 @@ class Engine:
             return await self._read_item_into(item, region, idx)
         if timeout_s == 0:
             raise UnknownKey(f"no key {key!r}")
-        ours = BlockSet(region.tensors, idx.tolist())
+        ours = BlockSet(region.tensors, idx.numpy())
         waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours)
         self.store.add_waiter(key, waiter)
         # Made while we wait rather than after the bytes' offer came.
@@ -640,7 +640,7 @@ class Engine:
         expires_at = self._ttl_deadline(ttl_s)
         self.store.reserve(key)
         _, nbytes = packed_offsets(region.layout, len(idx))
-        slice_ = BlockSet(region.tensors, idx.tolist())
+        slice_ = BlockSet(region.tensors, idx.numpy())
         item = Item(
             key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes, owner=session,
             expires_at=expires_at, consume_once=consume_once, region=region, region_idx=idx,
@@ -734,7 +734,7 @@ class Engine:
     def arrival_into(self, key: str, region: Region, idx: torch.Tensor) -> Arrival:
         """Bytes a pull asked for go straight into the puller's blocks."""
         return Arrival(key, region.layout, len(idx), None, BlockSet(region.tensors,
-                                                                    idx.tolist()),
+                                                                    idx.numpy()),
                        region=region)
 
     def arrived(self, arrival: Arrival, nbytes: int) -> None:

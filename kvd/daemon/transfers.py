@@ -192,7 +192,7 @@ class PeerTransfers:
         """A client's put to another daemon."""
         deadline = self._loop.time() + timeout_s
         link = await self.plane.link_to(to, timeout_s)
-        source = _Source(BlockSet(region.tensors, idx.tolist()))
+        source = _Source(BlockSet(region.tensors, idx.numpy()))
         return await self._push(link, _new_id(), key, source, region.layout, len(idx), ttl_s,
                                 deadline, [region])
 

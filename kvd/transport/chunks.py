@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvd.errors import TransferFailed
-from kvd.memory.regions import Layout, packed_offsets
+from kvd.memory.regions import IdArray, Layout, packed_offsets
 from kvd.transport import gpu_copy
 from kvd.transport.gpu_copy import BlockMap
 from kvd.transport.views import block_views, packed_views
@@ -87,16 +87,13 @@ def largest_chunk(chunks: Sequence[Chunk]) -> int:
     return max((c.nbytes for c in chunks), default=0)
 
 
-_SHORT_RUN = 64  # segments of up to this many blocks are checked without numpy
-
-
 @dataclass(eq=False)
 class BlockSet:
     """Blocks ``ids`` of every tensor in ``tensors`` (block dimension first): one end's
     memory for a transfer, in wire order."""
 
     tensors: Sequence[torch.Tensor]
-    ids: list[int]
+    ids: IdArray  # int64; anything else is converted (a list, in tests)
     _ids_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     _maps: dict[torch.device, BlockMap | None] = field(default_factory=dict, repr=False)
     _packed: tuple[torch.Tensor, Layout] | None = field(default=None, repr=False)
@@ -105,6 +102,10 @@ class BlockSet:
     _direct: dict[tuple[int, torch.device], tuple[tuple[Chunk, ...], list[torch.Tensor | None]]
                   ] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        # The daemon's ids come as int64 arrays (Region.block_index): no copy then.
+        self.ids = np.asarray(self.ids, dtype=np.int64)
+
     @classmethod
     def packed(cls, buf: torch.Tensor, layout: Layout, num_blocks: int) -> BlockSet:
         """The sections of a packed uint8 buffer (``memory.regions.packed_offsets``)."""
@@ -112,7 +113,7 @@ class BlockSet:
         tensors = [buf[off : off + e.bytes_per_block * num_blocks].view(num_blocks,
                                                                          e.bytes_per_block)
                    for off, e in zip(offsets, layout, strict=True)]
-        return cls(tensors, list(range(num_blocks)), _packed=(buf, layout))
+        return cls(tensors, np.arange(num_blocks, dtype=np.int64), _packed=(buf, layout))
 
     def views(self) -> list[memoryview]:
         """This memory as memoryviews in wire order, for a socket (host memory only):
@@ -121,12 +122,12 @@ class BlockSet:
             raise TransferFailed("GPU memory cannot be sent over TCP")
         if self._packed is not None:
             return packed_views(self._packed[0], self._packed[1], len(self.ids))
-        return block_views(self.tensors, self.ids)
+        return block_views(self.tensors, self.ids.tolist())
 
     def ids_on(self, device: torch.device) -> torch.Tensor:
         found = self._ids_on.get(device)
         if found is None:
-            found = torch.tensor(self.ids, dtype=torch.long, device=device)
+            found = torch.from_numpy(self.ids).to(device)
             self._ids_on[device] = found
         return found
 
@@ -134,7 +135,8 @@ class BlockSet:
         """The ids are one run (n, n+1, ...); found once."""
         if self._consecutive is None:
             ids = self.ids
-            self._consecutive = bool(ids) and ids == list(range(ids[0], ids[0] + len(ids)))
+            self._consecutive = len(ids) > 0 and int(ids[-1]) - int(ids[0]) == len(ids) - 1 \
+                and bool((np.diff(ids) == 1).all())
         return self._consecutive
 
     def one_run(self) -> bool:
@@ -147,21 +149,15 @@ class BlockSet:
 
     def _run(self, seg: Segment) -> int | None:
         """The first block id if the segment's blocks are consecutive ids, else None."""
-        first = self.ids[seg.start]
-        if self.ids[seg.stop - 1] - first != seg.stop - 1 - seg.start:
+        first = int(self.ids[seg.start])
+        if int(self.ids[seg.stop - 1]) - first != seg.stop - 1 - seg.start:
             return None
         if self.consecutive():
             return first
-        if seg.stop - seg.start <= _SHORT_RUN:
-            # Short: compare in Python. numpy's setup costs ~40-50 us per transfer in a
-            # daemon (cold caches between transfers), ten times its cost in a tight loop.
-            run = self.ids[seg.start : seg.stop] == list(range(first, first + seg.stop
-                                                               - seg.start))
-            return first if run else None
         if self._breaks is None:
             # breaks[p]: how many positions before p do not continue a run. Found once per
-            # transfer with numpy: a Python loop over 1024 ids cost ~0.1 ms per chunk.
-            steps = np.diff(np.asarray(self.ids, dtype=np.int64)) != 1
+            # transfer: then each segment's check is two lookups.
+            steps = np.diff(self.ids) != 1
             self._breaks = np.concatenate(([0], np.cumsum(steps)))
         return first if self._breaks[seg.stop - 1] == self._breaks[seg.start] else None
 

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvd.memory.regions import IdArray
+
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 64 * 1024  # blocks larger than this are split so more SMs share them
@@ -107,12 +109,12 @@ class BlockMap:
     the sender's critical path (2026-11-30: a staged sender's start, see
     docs/architecture.md)."""
 
-    def __init__(self, tensors: Any, ids: list[int], device: torch.device) -> None:
+    def __init__(self, tensors: Any, ids: IdArray, device: torch.device) -> None:
         facts = _facts_of(tensors)
         described = facts.rows_on(device)
         self.rows, self.k = described.rows, described.k
-        # Alive while its upload is queued; made through numpy, as Region.block_index.
-        self._host = torch.from_numpy(np.array(ids, dtype=np.int64))
+        # Alive while its upload is queued (it shares the ids' memory).
+        self._host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
         # Uploaded on whatever stream is current (a map may be made ahead, on the loop's
         # thread, while the transfer's offer is out); a copy on another stream waits for
         # ``ready``, which also follows the rows' upload.

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvd import timeline
-from kvd.memory.regions import Layout, packed_offsets
+from kvd.memory.regions import IdArray, Layout, packed_offsets
 from kvd.protocol import LayoutEntry
 from kvd.transport import gpu_copy
 from kvd.transport.chunks import BlockSet, largest_chunk, plan_chunks
@@ -111,10 +111,10 @@ def copy_gpu_blocks_queued(
     if not (src and dst and src[0].is_cuda and dst[0].is_cuda):
         return None
     if src[0].device != dst[0].device:
-        nbytes = copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist(),
+        nbytes = copy_across_gpus(src, src_idx.numpy(), dst, dst_idx.numpy(),
                                   dst_blocks=dst_blocks, finish=False)
     else:
-        done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist(), dst_blocks)
+        done = _same_gpu_one_launch(src, src_idx.numpy(), dst, dst_idx.numpy(), dst_blocks)
         if done is None:
             return None
         nbytes = done
@@ -134,9 +134,9 @@ def copy_blocks(
     kernel map was made while it waited: not made again)."""
     if src and src[0].is_cuda and dst[0].is_cuda:
         if src[0].device != dst[0].device:
-            return copy_across_gpus(src, src_idx.tolist(), dst, dst_idx.tolist(),
+            return copy_across_gpus(src, src_idx.numpy(), dst, dst_idx.numpy(),
                                     dst_blocks=dst_blocks)
-        done = _same_gpu_one_launch(src, src_idx.tolist(), dst, dst_idx.tolist(), dst_blocks)
+        done = _same_gpu_one_launch(src, src_idx.numpy(), dst, dst_idx.numpy(), dst_blocks)
         if done is not None:
             _finish_writes(*dst)
             return done
@@ -159,8 +159,8 @@ CROSS_GPU_CHUNK_BYTES = 128 * 2**20  # 4 chunks for 512 MiB: the launches keep u
 CROSS_GPU_BUFFERS = 2  # gather chunk k+1 and scatter chunk k-1 while chunk k crosses
 
 
-def _same_gpu_one_launch(src: Sequence[torch.Tensor], src_ids: list[int],
-                         dst: Sequence[torch.Tensor], dst_ids: list[int],
+def _same_gpu_one_launch(src: Sequence[torch.Tensor], src_ids: IdArray,
+                         dst: Sequence[torch.Tensor], dst_ids: IdArray,
                          dst_blocks: BlockSet | None = None) -> int | None:
     """Blocks between two regions of one GPU in one kernel launch (``transport.gpu_copy``),
     or None when the kernel cannot describe this memory."""
@@ -192,8 +192,8 @@ class _CrossStreams:
         return found
 
 
-def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: list[int],
-                     dst: Sequence[torch.Tensor], dst_ids: list[int],
+def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: IdArray,
+                     dst: Sequence[torch.Tensor], dst_ids: IdArray,
                      chunk_bytes: int | None = None, peer_stores: bool | None = None,
                      dst_blocks: BlockSet | None = None, finish: bool = True) -> int:
     """Blocks between two GPUs of this node, chunk by chunk, pipelined so that chunk k
