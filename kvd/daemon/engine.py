@@ -528,7 +528,7 @@ class Engine:
         waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours)
         self.store.add_waiter(key, waiter)
         # Made while we wait rather than after the bytes' offer came.
-        self._prepare_gpu_blocks(ours, region.layout)
+        self.prepare_gpu_blocks(ours, region.layout)
         try:
             async with asyncio.timeout(timeout_s):
                 result = await waiter.future
@@ -649,7 +649,7 @@ class Engine:
         self._add_item(item)
         # A peer's pull will send these blocks (the vLLM connector's flow: prefill lends,
         # decode pulls): what its send needs of them is found now, not after the pull came.
-        self._prepare_gpu_blocks(slice_, region.layout)
+        self.prepare_gpu_blocks(slice_, region.layout)
         return item
 
     async def lend(
@@ -731,11 +731,9 @@ class Engine:
                 self.counters.gpu_spills += 1
         return self.pool, self.pool.alloc(nbytes)
 
-    def arrival_into(self, key: str, region: Region, idx: torch.Tensor) -> Arrival:
+    def arrival_into(self, key: str, region: Region, blocks: BlockSet) -> Arrival:
         """Bytes a pull asked for go straight into the puller's blocks."""
-        return Arrival(key, region.layout, len(idx), None, BlockSet(region.tensors,
-                                                                    idx.numpy()),
-                       region=region)
+        return Arrival(key, region.layout, len(blocks.ids), None, blocks, region=region)
 
     def arrived(self, arrival: Arrival, nbytes: int) -> None:
         self.counters.bytes_in += nbytes
@@ -759,7 +757,7 @@ class Engine:
             (arrival.pool or self.pool).free(arrival.pool_block)
             arrival.pool_block = None
 
-    def _prepare_gpu_blocks(self, blocks: BlockSet, layout: Layout) -> None:
+    def prepare_gpu_blocks(self, blocks: BlockSet, layout: Layout) -> None:
         """What an NCCL transfer of GPU ``blocks`` needs of them, found ahead of it: the
         copy kernel's map (its upload is ~0.1-0.3 ms, on the critical path when made at
         the transfer's start) and the views a send or receive takes straight from or into

@@ -144,6 +144,7 @@ class _PullWait:
     region: Region
     idx: torch.Tensor
     future: asyncio.Future[int]
+    blocks: BlockSet  # the destination, prepared while the request is out
 
 
 @dataclass
@@ -494,11 +495,15 @@ class PeerTransfers:
                    timeout_s: float) -> int:
         link = await self.plane.link_to(src, timeout_s)
         tid = _new_id()
-        wait = _PullWait(key, region, idx, self._loop.create_future())
+        wait = _PullWait(key, region, idx, self._loop.create_future(),
+                         BlockSet(region.tensors, idx.numpy()))
         self._pulls[tid] = wait
         try:
             self.plane.send(link, PullRequest(transfer_id=tid, key=key, dst_dev=CPU_DEVICE,
                                               num_blocks=len(idx), layout=list(region.layout)))
+            # While the request is out (a round trip, and the owner's work): what the
+            # receive needs of the destination, so that it is not made once bytes come.
+            self.engine.prepare_gpu_blocks(wait.blocks, region.layout)
             def lost(_link: PeerLink, err: KvdError) -> None:
                 if not wait.future.done():
                     wait.future.set_exception(err)
@@ -689,7 +694,7 @@ class PeerTransfers:
                 if offer.key != pull.key or layout != pull.region.layout or (
                         offer.num_blocks != len(pull.idx)):
                     raise ProtocolError("offer does not match the pull it answers")
-                arrival = self.engine.arrival_into(pull.key, pull.region, pull.idx)
+                arrival = self.engine.arrival_into(pull.key, pull.region, pull.blocks)
             else:
                 # Bytes already queued on a channel land next to it, if anywhere on a GPU.
                 staging = (str(eager_nccl.device) if eager_nccl is not None
