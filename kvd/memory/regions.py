@@ -40,6 +40,10 @@ from kvd.protocol import (
 
 # Block ids inside the daemon: a 1-D int64 array (what torch indexes with).
 IdArray = np.ndarray[Any, np.dtype[np.int64]]
+# Up to this many ids, checks run in Python on a list: each numpy call on a small array
+# costs several microseconds in a daemon woken between transfers (py-spy on the GPU host
+# put the numpy checks of a one-block transfer at ~30 us).
+FEW_IDS = 64
 
 # Sections of a packed buffer start on this boundary so that every dtype view is aligned.
 PACK_ALIGN_BYTES = 64
@@ -171,16 +175,23 @@ class Region:
         """Validated block ids (int64, as ``protocol._WithBlocks.ids`` gives them) as an
         index tensor sharing their memory. numpy checks them: Python loops over 1024 ids
         cost tens of microseconds on every request's critical path."""
-        if not len(ids):
+        n = len(ids)
+        if not n:
             raise BadRequest("no blocks given")
-        if ids.min() < 0 or ids.max() >= self.num_blocks:
-            bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
+        if n <= FEW_IDS:  # numpy's per-call cost exceeds the work on a few ids
+            listed = ids.tolist()
+            bad = [b for b in listed if b < 0 or b >= self.num_blocks]
+            repeats = writing and len(set(listed)) != n
+        else:
+            bad = (ids[(ids < 0) | (ids >= self.num_blocks)].tolist()
+                   if ids.min() < 0 or ids.max() >= self.num_blocks else [])
+            # Ids in increasing order (the usual case) cannot repeat; others are sorted.
+            repeats = writing and not (np.diff(ids) > 0).all() and len(np.unique(ids)) != n
+        if bad:
             raise BadRequest(
-                f"block {bad} out of range for region {self.name!r} ({self.num_blocks} blocks)"
+                f"block {bad[0]} out of range for region {self.name!r} ({self.num_blocks} blocks)"
             )
-        # Ids in increasing order (the usual case) cannot repeat; others are sorted.
-        if writing and len(ids) > 1 and not (np.diff(ids) > 0).all() \
-                and len(np.unique(ids)) != len(ids):
+        if repeats:
             raise BadRequest("destination blocks repeat a block id")
         return torch.from_numpy(ids)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvd.errors import TransferFailed
-from kvd.memory.regions import IdArray, Layout, packed_offsets
+from kvd.memory.regions import FEW_IDS, IdArray, Layout, packed_offsets
 from kvd.transport import gpu_copy
 from kvd.transport.gpu_copy import BlockMap
 from kvd.transport.views import block_views, packed_views
@@ -134,9 +134,13 @@ class BlockSet:
     def consecutive(self) -> bool:
         """The ids are one run (n, n+1, ...); found once."""
         if self._consecutive is None:
-            ids = self.ids
-            self._consecutive = len(ids) > 0 and int(ids[-1]) - int(ids[0]) == len(ids) - 1 \
-                and bool((np.diff(ids) == 1).all())
+            ids, n = self.ids, len(self.ids)
+            if n <= FEW_IDS:  # see memory.regions.FEW_IDS
+                listed = ids.tolist()
+                self._consecutive = n > 0 and listed == list(range(listed[0], listed[0] + n))
+            else:
+                self._consecutive = int(ids[-1]) - int(ids[0]) == n - 1 \
+                    and bool((np.diff(ids) == 1).all())
         return self._consecutive
 
     def one_run(self) -> bool:
