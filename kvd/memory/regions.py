@@ -173,8 +173,9 @@ class Region:
 
     def block_index(self, ids: IdArray, *, writing: bool) -> torch.Tensor:
         """Validated block ids (int64, as ``protocol._WithBlocks.ids`` gives them) as an
-        index tensor sharing their memory. numpy checks them: Python loops over 1024 ids
-        cost tens of microseconds on every request's critical path."""
+        index tensor sharing their memory. Many ids are checked with numpy (a Python loop
+        over 1024 ids cost tens of microseconds on every request's critical path), a few
+        in Python (``FEW_IDS``)."""
         n = len(ids)
         if not n:
             raise BadRequest("no blocks given")
