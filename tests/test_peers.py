@@ -731,3 +731,30 @@ def test_timeline_tool_runs_both_flows(mode: list[str]) -> None:
     for name in expected:
         assert name in marks, (name, sorted(marks))
     assert marks[expected[1]] < marks[expected[2]] < marks[expected[3]]
+
+
+def test_ab_tool_alternates_trees_and_reports_each_run(tmp_path: Path) -> None:
+    """tools/ab.py, as an A/B on the GPU host runs it: two trees (here the same checkout
+    twice), alternated, each run's figure kept, a failing tree reported and counted."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    broken = tmp_path / "broken"
+    (broken / "kvd").mkdir(parents=True)
+    (broken / "kvd" / "__init__.py").write_text("raise ImportError('a broken tree')\n")
+    (broken / "tools").mkdir()
+    (broken / "tools" / "timeline.py").write_text("import kvd\n")
+    out = subprocess.run(
+        [sys.executable, os.path.join(repo, "tools", "ab.py"), "--tree", f"one={repo}",
+         "--tree", f"two={repo}", "--tree", f"broken={broken}", "--rounds", "2",
+         "--timeline", "t:--repeat 3 --blocks 2 --block-bytes 4096", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # the broken tree
+    order = [line.split()[2] for line in out.stdout.splitlines() if line.startswith("== t ")]
+    assert order == ["one", "two", "broken"] * 2
+    assert out.stdout.count("failed (exit code 1)") == 2
+    with open(tmp_path / "ab.json") as f:
+        found = json.load(f)
+    runs = found["t"]["us"]
+    assert set(runs) == {"one", "two"} and all(len(v) == 2 and min(v) > 0
+                                                  for v in runs.values())
+    assert "a broken tree" in (tmp_path / "ab.log").read_text()
+
