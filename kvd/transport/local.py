@@ -112,7 +112,7 @@ def copy_gpu_blocks_queued(
         return None
     if src[0].device != dst[0].device:
         nbytes = copy_across_gpus(src, src_idx.numpy(), dst, dst_idx.numpy(),
-                                  dst_blocks=dst_blocks, finish=False)
+                                  dst_blocks=dst_blocks)
     else:
         done = _same_gpu_one_launch(src, src_idx.numpy(), dst, dst_idx.numpy(), dst_blocks)
         if done is None:
@@ -129,17 +129,16 @@ def copy_blocks(
     dst_idx: torch.Tensor,
     dst_blocks: BlockSet | None = None,
 ) -> int:
-    """Blocks of one region into blocks of another with the same layout. ``dst_blocks``:
-    the destination's blocks as a ``BlockSet`` already made (a waiting get's, whose copy
-    kernel map was made while it waited: not made again)."""
-    if src and src[0].is_cuda and dst[0].is_cuda:
-        if src[0].device != dst[0].device:
-            return copy_across_gpus(src, src_idx.numpy(), dst, dst_idx.numpy(),
-                                    dst_blocks=dst_blocks)
-        done = _same_gpu_one_launch(src, src_idx.numpy(), dst, dst_idx.numpy(), dst_blocks)
-        if done is not None:
-            _finish_writes(*dst)
-            return done
+    """Blocks of one region into blocks of another with the same layout, done when it
+    returns (the copy worker's path). ``dst_blocks``: the destination's blocks as a
+    ``BlockSet`` already made (a waiting get's, whose copy kernel map was made while it
+    waited: not made again)."""
+    queued = copy_gpu_blocks_queued(src, src_idx, dst, dst_idx, dst_blocks)
+    if queued is not None:
+        nbytes, events = queued
+        for event in events:  # this copy's end on each destination GPU, not the device
+            event.synchronize()
+        return nbytes
     nbytes = 0
     found = runs(src_idx.tolist(), dst_idx.tolist())
     for s, d in zip(src, dst, strict=True):
@@ -195,7 +194,7 @@ class _CrossStreams:
 def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: IdArray,
                      dst: Sequence[torch.Tensor], dst_ids: IdArray,
                      chunk_bytes: int | None = None, peer_stores: bool | None = None,
-                     dst_blocks: BlockSet | None = None, finish: bool = True) -> int:
+                     dst_blocks: BlockSet | None = None) -> int:
     """Blocks between two GPUs of this node, chunk by chunk, pipelined so that chunk k
     crosses NVLink while k+1 is gathered and k-1 scattered.
 
@@ -207,8 +206,8 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: IdArray,
     the staging on either side. (The client's own memory on the destination is mapped by
     legacy CUDA IPC, which the source GPU cannot store into: hence the staging.) The work
     starts after what the devices' current streams hold (the clients' ready events) and
-    the current streams wait for it at the end; ``finish``: and this thread waits for
-    them (``_finish_writes``), else the caller does.
+    the current streams wait for it at the end; the caller waits for those (an event
+    after them, see ``copy_gpu_blocks_queued``), this function does not.
 
     The staging buffers are freed on return, possibly before the GPU is done with them:
     they were allocated on the current streams, which wait for every stream that uses
@@ -299,18 +298,18 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: IdArray,
         src_now.wait_stream(s)
     for s in (streams.land, streams.scatter):
         dst_now.wait_stream(s)
-    if finish:
-        _finish_writes(*dst)
     return sum(c.nbytes for c in chunks)
 
 
 def _finish_writes(*written: torch.Tensor) -> None:
-    """Copies into GPU memory are asynchronous: wait for them before the daemon answers,
-    because its answer is the client's only signal that the blocks are complete (nothing
-    on the client's streams waits for the daemon's). The wait runs in this worker thread,
-    never on the loop, and per device written; copies are serial in this worker anyway.
-    A daemon-side interprocess event the client waits on would remove it (next steps in
-    docs/architecture.md)."""
+    """Copies between host memory and a GPU are asynchronous: wait for them before the
+    daemon answers, because its answer is the client's only signal that the blocks are
+    complete (nothing on the client's streams waits for the daemon's), and a pool item's
+    host bytes are read by threads that follow no stream. The wait runs in this worker
+    thread, never on the loop, per device written; the worker runs one copy at a time
+    anyway. (Copies between GPU regions skip it: the loop polls an event recorded after
+    them, ``copy_gpu_blocks_queued``.) A daemon-side interprocess event the client waits
+    on would remove it (next steps in docs/architecture.md)."""
     for device in {t.device for t in written if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 
