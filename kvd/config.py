@@ -377,6 +377,10 @@ class Config:
     # channel is idle and its blocks need no staging copy (see NcclChannel._start_inline):
     # two thread hand-offs fewer. Off: every job goes through the channel's thread.
     nccl_inline: bool = _opt(True, _BOOL)
+    # Make each channel's calls on a blocking communicator split from the non-blocking one
+    # (kvd/transport/nccl.py): ~110 us less per NCCL call; its connection is set up at
+    # once, under a watchdog. Off: every call non-blocking, polled until accepted.
+    nccl_blocking_calls: bool = _opt(True, _BOOL)
     gpu_staging_bytes: int = _opt(1 * GiB, _SIZE)  # per GPU: arrivals nobody waits for yet
     # Keep the event loop polling without sleeping for busy_poll_window_s after each
     # message (daemon/busy_poll.py): no wake-up per message, and a hot core. "auto": on

@@ -1,9 +1,12 @@
 """One rank of tests/test_gpu_nccl.py, run as its own process (not a test module).
 
-    python tests/gpu_nccl_rank.py RANK MODE XDIR    # MODE: once | until-killed
+    python tests/gpu_nccl_rank.py RANK MODE XDIR CALLS
+    # MODE: once | until-killed | silent-peer | dead-peer;  CALLS: blocking | nonblocking
 
 Rank 0 writes the NCCL unique id to XDIR/uid, rank 1 reads it. Each rank prints one JSON
 line with what it saw. Files, not multiprocessing queues: gVisor lacks their semaphores.
+silent-peer and dead-peer (blocking calls): rank 1 joins and splits but never makes the
+connection (it sleeps, or exits); rank 0's init must fail within its timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def _write_file(path: str, data: bytes) -> None:
     os.rename(path + ".tmp", path)
 
 
-def main(rank: int, mode: str, xdir: str) -> dict[str, Any]:
+def main(rank: int, mode: str, xdir: str, calls: str) -> dict[str, Any]:
     import torch
 
     from kvd.transport.nccl import Communicator, nccl_version, new_unique_id
@@ -44,11 +47,15 @@ def main(rank: int, mode: str, xdir: str) -> dict[str, Any]:
         _write_file(f"{xdir}/uid", uid)
     else:
         uid = _wait_file(f"{xdir}/uid")
-    t0 = time.perf_counter()
-    comm = Communicator.init(uid, rank, timeout_s=60, name=f"test-{rank}")
-    result: dict[str, Any] = {"rank": rank, "init_s": round(time.perf_counter() - t0, 3),
-                              "nccl": nccl_version()}
     stream = torch.cuda.Stream()
+    blocking = calls == "blocking"
+    if mode in ("silent-peer", "dead-peer"):
+        return _unconnected_peer(Communicator, uid, rank, mode, xdir, stream)
+    t0 = time.perf_counter()
+    comm = Communicator.init(uid, rank, timeout_s=60, name=f"test-{rank}",
+                             blocking_calls=blocking, connect=stream)
+    result: dict[str, Any] = {"rank": rank, "init_s": round(time.perf_counter() - t0, 3),
+                              "nccl": nccl_version(), "blocking": comm.blocking}
     gen = torch.Generator(device=f"cuda:{rank}").manual_seed(11)
     if rank == 0:
         buf = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=rank, generator=gen)
@@ -97,5 +104,31 @@ def main(rank: int, mode: str, xdir: str) -> dict[str, Any]:
     return result
 
 
+def _unconnected_peer(communicator: Any, uid: bytes, rank: int, mode: str, xdir: str,
+                      stream: Any) -> dict[str, Any]:
+    import torch
+
+    if rank == 1:  # joins and splits, never connects
+        communicator.init(uid, 1, timeout_s=60, name="test-1", blocking_calls=True,
+                          connect=None)
+        if mode == "dead-peer":
+            os._exit(0)
+        time.sleep(60)  # until killed
+        return {}
+    started = time.monotonic()
+    error = None
+    try:
+        communicator.init(uid, 0, timeout_s=INIT_TIMEOUT_S, name="test-0",
+                          blocking_calls=True, connect=stream)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    x = torch.ones(1 << 20, device=rank)
+    return {"error": error, "failed_after_s": round(time.monotonic() - started, 3),
+            "gpu_usable": float(x.sum().item()) == float(1 << 20)}
+
+
+INIT_TIMEOUT_S = 5.0
+
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), sys.argv[2], sys.argv[3])), flush=True)
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])),
+          flush=True)

@@ -95,6 +95,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_warm_up": "matching",
         "nccl_eager": True,
         "nccl_inline": True,
+        "nccl_blocking_calls": True,
         "gpu_staging_bytes": 2**30,
         "busy_poll": "auto",
         "busy_poll_window_s": 0.02,

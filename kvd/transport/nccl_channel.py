@@ -92,7 +92,7 @@ class NcclChannel:
 
     def __init__(self, name: str, device: torch.device, direction: str, chunk_bytes: int,
                  on_failed: Callable[[NcclChannel, KvdError], None] | None = None,
-                 inline: bool = True) -> None:
+                 inline: bool = True, blocking_calls: bool = True) -> None:
         if direction not in ("send", "recv"):
             raise ValueError(direction)
         self.name = name
@@ -100,6 +100,7 @@ class NcclChannel:
         self.direction = direction
         self.chunk_bytes = chunk_bytes
         self.inline = inline
+        self.blocking_calls = blocking_calls  # see kvd/transport/nccl.py
         self.last_used = time.monotonic()
         self.failed: KvdError | None = None
         self._on_failed = on_failed
@@ -343,7 +344,9 @@ class NcclChannel:
 
     def _init(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
         try:
-            self._comm = Communicator.init(unique_id, rank, timeout_s, self.name)
+            self._comm = Communicator.init(unique_id, rank, timeout_s, self.name,
+                                           blocking_calls=self.blocking_calls,
+                                           connect=self._comm_stream)
             if self.failed is not None:  # aborted while joining
                 self._comm.abort()
         except KvdError as err:
@@ -435,10 +438,12 @@ class NcclChannel:
     # (all calls accepted by then). The thread runs the steps with blocking polls
     # (_run_steps), the loop with callbacks (_poll_inline): the same work either way.
     #
-    # Both call NCCL without waiting for the call to be accepted, queue the copy-stream
-    # work that does not depend on it (the next chunk's gather, the previous chunk's
-    # scatter) while NCCL launches it from its own thread (~0.1 ms on the H200 host), and
-    # only then settle: nothing goes on the NCCL stream in between.
+    # On a non-blocking communicator both call NCCL without waiting for the call to be
+    # accepted, queue the copy-stream work that does not depend on it (the next chunk's
+    # gather, the previous chunk's scatter) while NCCL launches it from its own thread
+    # (~0.1 ms on the H200 host), and only then settle: nothing goes on the NCCL stream in
+    # between. A blocking one (``nccl_blocking_calls``) has launched when the call returns:
+    # no SETTLE step.
 
     def _steps(self, job: NcclJob) -> Generator[Any, None, int]:
         comm, chunks, size = self._plan(job)
@@ -450,7 +455,8 @@ class NcclChannel:
         bufs = _only_direct(direct)
         if bufs is not None:  # one grouped call
             self._issue_direct(comm, job, bufs)
-            yield SETTLE
+            if not comm.blocking:
+                yield SETTLE
             timeline.mark("nccl.settled")
             yield gpu_copy.recorded(self._comm_stream)
         elif self.direction == "send":
@@ -490,7 +496,8 @@ class NcclChannel:
             if k + 1 < len(chunks):
                 nb = (k + 1) % STAGING_BUFFERS
                 buf = self._load(blocks, chunks[k + 1], direct[k + 1], nb, freed[nb])
-            yield SETTLE
+            if not comm.blocking:
+                yield SETTLE
             timeline.mark("nccl.settled")
             freed[b] = gpu_copy.recorded(self._comm_stream)
         yield gpu_copy.recorded(self._comm_stream)
@@ -523,7 +530,8 @@ class NcclChannel:
             if landed is not None:
                 scatter(*landed)
                 landed = None
-            yield SETTLE
+            if not comm.blocking:
+                yield SETTLE
             timeline.mark("nccl.settled")
             if staged:
                 arrived = gpu_copy.recorded(self._comm_stream)
