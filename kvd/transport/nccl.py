@@ -18,7 +18,7 @@ and the first message on the child — the one that sets its connection up, ~95 
 at once, under a watchdog. After that a call only queues a kernel: measured, a blocking
 send to a SIGKILLed peer returns at once and ``abort()`` frees its kernel. The connection
 setup is the one place a blocking call can wait on the peer; it is bounded two ways
-(probe on 2x H200, 2026-12-01): a peer that is alive but never answers is freed by
+(probe on 2x H200, 2026-11-30): a peer that is alive but never answers is freed by
 ``ncclCommRevoke`` from the watchdog; a dead one by NCCL's socket retries, which kvd caps
 (``NCCL_SOCKET_RETRY_CNT``/``_SLEEP_MSEC``, see ``bound_socket_retries``; with 3 x 50 ms
 the call failed after 0.3 s instead of ~60 s). An abort from another thread while a call
@@ -233,7 +233,7 @@ class Communicator:
                          else buf.view(-1).view(dtype=torch.uint8))
         call = {"send": self._comm.send, "recv": self._comm.recv}[op]
         handle = int(stream.cuda_stream)
-        self._enter(op)
+        self._enter()
         try:
             if len(views) == 1:
                 call(views[0], peer, stream=handle)
@@ -257,7 +257,7 @@ class Communicator:
             raise PeerUnreachable(f"nccl {op} on {self.name}: communicator aborted")
         timeline.mark("nccl.returned")
 
-    def _enter(self, op: str) -> None:
+    def _enter(self) -> None:
         with self._state:
             if self.aborted:
                 raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
