@@ -99,18 +99,31 @@ def test_sigterm_finishes_in_flight_then_exits_zero(sock_dir: str) -> None:
 
 
 def test_second_signal_forces_exit(sock_dir: str) -> None:
-    d = ProcessDaemon(sock_dir, "--drain-grace-s", "60").wait_ready()
+    # Something the drain must wait for: a put to a peer that is stopped (SIGSTOP), which
+    # stays in flight until its connection attempt times out (30 s here).
+    os.makedirs(os.path.join(sock_dir, "peer"))
+    peer = ProcessDaemon(os.path.join(sock_dir, "peer")).wait_ready()
+    d = ProcessDaemon(sock_dir, "--drain-grace-s", "60", "--peer-connect-timeout-s", "30"
+                      ).wait_ready()
     try:
+        address = peer.peer_address()
+        peer.signal(signal.SIGSTOP)
         with KvdClient(d.socket_path) as c:
             region = c.register("kv", [shared_zeros((4, 64), torch.uint8)])
-            transfer = c.put("k", region, [0], timeout_s=1)
-            transfer.wait(5)
+            c.put("k", region, [0], to=address, timeout_s=60)
+            wait_until(lambda: c.stats()["in_flight"] >= 1, timeout_s=10)
             d.signal(signal.SIGTERM)
+            # Two SIGTERMs sent back to back can reach the process as one (a pending
+            # signal is not queued twice): send the second once the first was handled.
+            wait_until(lambda: "draining: waiting" in d.log(), timeout_s=15)
             d.signal(signal.SIGTERM)
-        code = d.proc.wait(15)
-        assert code in (0, 130), d.log()
+            code = d.proc.wait(15)  # well before the put's 30 s or the drain's 60 s
+        assert code == 130, d.log()
+        assert "forcing exit" in d.log()
     finally:
+        peer.signal(signal.SIGCONT)
         d.stop()
+        peer.stop()
 
 
 CHILD = textwrap.dedent(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -75,7 +76,7 @@ class Daemon:
                 # still ours (it forces the exit) and not the default action.
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, self._on_signal, sig)
-                    outer.callback(loop.remove_signal_handler, sig)
+                    outer.callback(_force_exit_on, loop, sig)
                 trigger: Awaitable[Any] = self._stop.wait()
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
@@ -244,6 +245,15 @@ async def _first(*aws: Awaitable[Any]) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _force_exit_on(loop: asyncio.AbstractEventLoop, sig: int) -> None:
+    """After serve: the loop's handler goes, and a signal during the rest of the exit
+    (closing the loop, joining its executor, the interpreter's teardown) still forces the
+    exit, with the forced exit's code, instead of killing the process by the default
+    action (exit code -15)."""
+    loop.remove_signal_handler(sig)
+    signal.signal(sig, lambda _sig, _frame: os._exit(130))
 
 
 def run(config: Config, shutdown_trigger: ShutdownTrigger | None = None) -> int:
