@@ -32,7 +32,7 @@ from kvd.errors import ProtocolError
 #   5 — 2026-11: ChannelWarm (NCCL channels made when a peer link comes up).
 #   6 — 2026-11: eager NCCL sends (channel and chunk size in Offer).
 #   7 — 2026-11: block ids travel packed (``BlockIds``: little-endian uint32 bytes).
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -347,6 +347,9 @@ class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
     data_port: Annotated[int, Meta(ge=0, le=65535)]
     data_token: Token  # the token a peer presents on our data port
     devices: Annotated[list[Device], Meta(max_length=64)]
+    # Channels to this daemon may make their calls on a blocking communicator split from
+    # the non-blocking one (both ends must split: a channel uses it when both say so).
+    nccl_blocking_calls: bool = False
 
 
 class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
@@ -357,6 +360,7 @@ class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
     data_port: Annotated[int, Meta(ge=0, le=65535)]
     data_token: Token
     devices: Annotated[list[Device], Meta(max_length=64)]
+    nccl_blocking_calls: bool = False  # as in PeerHello
 
 
 class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):

@@ -430,6 +430,35 @@ def test_a_peer_whose_connection_closes_is_gone_at_once(nodes: object) -> None:
     wait_until(lambda: a.client.stats()["peer"]["links"] == [], timeout_s=5)
 
 
+def test_handshake_says_whether_channels_split_for_blocking_calls(nodes: object) -> None:
+    """Both ends of an NCCL channel must split its communicator, or neither: each daemon
+    says in the handshake whether it would, and keeps what the peer said. A daemon
+    without GPUs never says so; a peer that does is recorded as such."""
+    (a,) = nodes(1)  # type: ignore[operator]
+    peer = RawPeer(a.address)
+    try:
+        reply = peer.ask({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
+                          "node_id": "gpu-node", "epoch": 1, "address": "127.0.0.1:1",
+                          "data_port": 1, "data_token": b"t" * 32,
+                          "devices": ["cpu", "cuda:0"], "nccl_blocking_calls": True})
+        assert isinstance(reply, PeerWelcome)
+        assert reply.nccl_blocking_calls is False  # no GPU here
+        (link,) = a.client.stats()["peer"]["links"]
+        assert link["node_id"] == "gpu-node" and link["nccl_blocking_calls"] is True
+    finally:
+        peer.close()
+    b = RawPeer(a.address)
+    try:  # a hello without the field (it is optional): taken as False
+        reply = b.ask({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
+                       "node_id": "plain", "epoch": 1, "address": "127.0.0.1:2",
+                       "data_port": 1, "data_token": b"u" * 32, "devices": ["cpu"]})
+        assert isinstance(reply, PeerWelcome)
+        links = {x["node_id"]: x for x in a.client.stats()["peer"]["links"]}
+        assert links["plain"]["nccl_blocking_calls"] is False
+    finally:
+        b.close()
+
+
 def test_second_peer_unaffected_by_first_dying(nodes: object) -> None:
     a, b, c = nodes(3)  # type: ignore[operator]
     src = random_region(4, 9)

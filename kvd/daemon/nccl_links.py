@@ -180,7 +180,10 @@ class NcclLinks:
         channel = NcclChannel(name, torch.device(local_dev), direction,
                               self.config.nccl_chunk_bytes, on_failed=self._failed_in_thread,
                               inline=self.config.nccl_inline,
-                              blocking_calls=self.config.nccl_blocking_calls)
+                              # Both ends split, or neither: each computes the same answer
+                              # from the two handshakes.
+                              blocking_calls=(self.plane.nccl_blocking_calls
+                                              and link.nccl_blocking_calls))
         channel.start(unique_id, rank, self.config.nccl_init_timeout_s)
         entry = _Entry(channel_id, unique_id, channel, link, key)
         self._by_key[(id(link), *key)] = entry

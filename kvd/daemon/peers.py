@@ -108,6 +108,7 @@ class PeerLink:
     outgoing: bool = False  # we opened it
     last_seen: float = 0.0
     devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
+    nccl_blocking_calls: bool = False  # the peer splits its channels for blocking calls
     alive: bool = True
     send_channel: SendChannel | None = None
     recv_channel: RecvChannel | None = None
@@ -123,7 +124,7 @@ class PeerLink:
         return {"address": self.address, "node_id": self.node_id, "epoch": self.epoch,
                 "direction": "out" if self.outgoing else "in",
                 "alive": self.alive, "last_heard_s_ago": round(now - self.last_seen, 3),
-                "devices": self.devices,
+                "devices": self.devices, "nccl_blocking_calls": self.nccl_blocking_calls,
                 "channels": {"send": self.send_channel is not None,
                              "recv": self.recv_channel is not None}}
 
@@ -133,9 +134,12 @@ class PeerPlane:
                  on_message: Callable[[PeerLink, PeerMessage], None],
                  on_link_lost: Callable[[PeerLink, KvdError], None],
                  gpus: Sequence[str] = (),
-                 on_link_up: Callable[[PeerLink], None] | None = None) -> None:
+                 on_link_up: Callable[[PeerLink], None] | None = None,
+                 nccl_blocking_calls: bool = False) -> None:
         self.config = config
         self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
+        # Told to peers too: our channels can split for blocking calls (config and NCCL).
+        self.nccl_blocking_calls = nccl_blocking_calls and bool(self.gpus)
         self.epoch = epoch
         self.on_message = on_message
         self.on_link_lost = on_link_lost
@@ -195,7 +199,8 @@ class PeerPlane:
     def _hello_fields(self, token: bytes) -> dict[str, Any]:
         return {"protocol_version": PROTOCOL_VERSION, "node_id": self.config.node_id,
                 "epoch": self.epoch, "address": self.address, "data_port": self.data_port,
-                "data_token": token, "devices": [CPU_DEVICE, *self.gpus]}
+                "data_token": token, "devices": [CPU_DEVICE, *self.gpus],
+                "nccl_blocking_calls": self.nccl_blocking_calls}
 
     async def link_to(self, address: str, timeout_s: float) -> PeerLink:
         """The live link to ``address``, after a handshake if there is none. Concurrent
@@ -249,7 +254,8 @@ class PeerPlane:
         link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
                         data_port=welcome.data_port, token_for_them=token,
                         token_for_us=welcome.data_token, conn=conn, outgoing=True,
-                        last_seen=self._loop.time(), devices=list(welcome.devices))
+                        last_seen=self._loop.time(), devices=list(welcome.devices),
+                        nccl_blocking_calls=welcome.nccl_blocking_calls)
         conn.link = link
         self._add_link(link)
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
@@ -546,7 +552,8 @@ class PeerPlane:
         link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
                         data_port=hello.data_port, token_for_them=token,
                         token_for_us=hello.data_token, conn=conn,
-                        last_seen=self._loop.time(), devices=list(hello.devices))
+                        last_seen=self._loop.time(), devices=list(hello.devices),
+                        nccl_blocking_calls=hello.nccl_blocking_calls)
         conn.link = link
         self._add_link(link)
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,

@@ -32,7 +32,12 @@ from kvd.daemon.transfers import PeerTransfers
 from kvd.errors import Draining
 from kvd.memory.pool import HostPool
 from kvd.transport.local import CopyWorker
-from kvd.transport.nccl import nccl_available, nccl_version
+from kvd.transport.nccl import (
+    BLOCKING_CALLS_MIN_NCCL,
+    blocking_calls_supported,
+    nccl_available,
+    nccl_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +152,8 @@ class Daemon:
             self.config, self.epoch,
             on_message=lambda link, msg: transfers[0].on_message(link, msg),
             on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err),
-            gpus=gpus, on_link_up=lambda link: transfers[0].on_link_up(link))
+            gpus=gpus, on_link_up=lambda link: transfers[0].on_link_up(link),
+            nccl_blocking_calls=bool(gpus) and self._blocking_calls())
         nccl = NcclLinks(self.config, self.peers) if gpus else None
         self.transfers = PeerTransfers(self.engine, self.peers, nccl)
         transfers.append(self.transfers)
@@ -180,6 +186,20 @@ class Daemon:
         gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         log.info("nccl %s, GPUs for channels: %s", nccl_version(), ", ".join(gpus))
         return gpus
+
+    def _blocking_calls(self) -> bool:
+        """``nccl_blocking_calls``, where the loaded NCCL can bound its one wait (see
+        ``transport.nccl.blocking_calls_supported``); said in the log either way."""
+        if not self.config.nccl_blocking_calls:
+            log.info("nccl calls: non-blocking (nccl_blocking_calls = false)")
+            return False
+        if not blocking_calls_supported():
+            log.warning("nccl calls: non-blocking: the loaded NCCL %s is older than %s, "
+                        "which blocking calls need (ncclCommRevoke)", nccl_version(),
+                        BLOCKING_CALLS_MIN_NCCL)
+            return False
+        log.info("nccl calls: blocking, with peers that say so too")
+        return True
 
     # ------------------------------------------------------------ what operators see
 

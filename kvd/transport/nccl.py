@@ -92,6 +92,26 @@ def bound_socket_retries() -> None:
         os.environ.setdefault(name, value)
 
 
+BLOCKING_CALLS_MIN_NCCL = "2.28"  # ncclCommRevoke, and the probes of 2026-11-30 (2.28.9)
+
+
+def blocking_calls_supported() -> bool:
+    """The NCCL that nccl4py loaded is recent enough for blocking calls (the watchdog
+    needs ``ncclCommRevoke`` to free a stuck connection setup)."""
+    from nccl.bindings import nccl as nb
+
+    return version_at_least(int(nb.get_version()), BLOCKING_CALLS_MIN_NCCL)
+
+
+def version_at_least(code: int, wanted: str) -> bool:
+    """NCCL's packed version (X*10000 + Y*100 + Z since 2.9; X*1000 + Y*100 + Z before)
+    against "X.Y"."""
+    major, minor = (code // 10000, code % 10000 // 100) if code >= 10000 else (
+        code // 1000, code % 1000 // 100)
+    want = tuple(int(x) for x in wanted.split("."))
+    return (major, minor) >= want
+
+
 def new_unique_id() -> bytes:
     """The 128 bytes rank 0 creates and sends to rank 1 over the peer plane."""
     import nccl.core as nc
