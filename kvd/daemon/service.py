@@ -193,7 +193,13 @@ class Daemon:
         if not self.config.nccl_blocking_calls:
             log.info("nccl calls: non-blocking (nccl_blocking_calls = false)")
             return False
-        if not blocking_calls_supported():
+        try:
+            supported = blocking_calls_supported()
+        except Exception as exc:  # nccl4py's version query: never a reason not to start
+            log.warning("nccl calls: non-blocking: the loaded NCCL's version could not be "
+                        "read (%r)", exc)
+            return False
+        if not supported:
             log.warning("nccl calls: non-blocking: the loaded NCCL %s is older than %s, "
                         "which blocking calls need (ncclCommRevoke)", nccl_version(),
                         BLOCKING_CALLS_MIN_NCCL)
