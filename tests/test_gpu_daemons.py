@@ -275,6 +275,8 @@ def test_inline_and_threaded_jobs_share_channels() -> None:
             # ran in its thread (it grew the staging), later ones may run inline too
             assert send_ch["jobs_inline"] >= 1 and send_ch["jobs_threaded"] >= 1, send_ch
             assert recv_ch["jobs_inline"] >= 1 and recv_ch["jobs_threaded"] >= 1, recv_ch
+            # two daemons of this build, NCCL 2.28+: both said so, both ends split
+            assert send_ch["blocking_calls"] is True and recv_ch["blocking_calls"] is True
     finally:
         if a is not None:
             stop_node(a)

@@ -261,7 +261,8 @@ class NcclLinks:
                               "direction": e.key[0], "device": e.key[1],
                               "peer_device": e.key[2], "idle": e.channel.idle,
                               "jobs_inline": e.channel.jobs_inline,
-                              "jobs_threaded": e.channel.jobs_threaded}
+                              "jobs_threaded": e.channel.jobs_threaded,
+                              "blocking_calls": e.channel.blocking_calls}
                              for e in self._by_id.values()],
                 "created": self.created, "failed": self.failed, "evicted": self.evicted,
                 "warmed": self.warmed}
