@@ -456,7 +456,7 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
 @pytest.mark.parametrize("pair", [("cuda:0", "cuda:1", True), ("cuda:1", "cuda:0", True),
                                   ("cuda:0", "cuda:1", False), ("cuda:1", "cuda:1", True)])
 def test_local_copies_between_regions_of_one_node(pair: tuple[str, str, bool]) -> None:
-    """The local transport's block copies (transport.local.copy_blocks): across two GPUs
+    """The local transport's block copies (transport.local.copy_gpu_blocks_queued): across two GPUs
     pipelined over many small chunks (two staging buffers a side, some chunks straight
     from or into a run of blocks) — gathered by the source GPU into the destination's
     staging (NVLink stores), or (False) gathered, copied and scattered — and within one
@@ -483,8 +483,13 @@ def test_local_copies_between_regions_of_one_node(pair: tuple[str, str, bool]) -
     old = local.CROSS_GPU_CHUNK_BYTES
     try:
         local.CROSS_GPU_CHUNK_BYTES = 64 * 1024  # many chunks; the first ones are one run
-        if peer:
-            nbytes = local.copy_blocks(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
+        if peer:  # as the daemon's loop queues it
+            queued = local.copy_gpu_blocks_queued(src, torch.tensor(src_ids), dst,
+                                                  torch.tensor(dst_ids))
+            assert queued is not None
+            nbytes, events = queued
+            for event in events:
+                event.synchronize()
         else:
             nbytes = local.copy_across_gpus(src, np.array(src_ids), dst, np.array(dst_ids),
                                             peer_stores=False)

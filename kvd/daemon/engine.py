@@ -270,7 +270,7 @@ class Engine:
             if done is not None:
                 return done
         return await self._copy(regions, nbytes, _after_ready, source, local.copy_blocks,
-                                source.tensors, src_idx, dst, dst_idx, dst_blocks)
+                                source.tensors, src_idx, dst, dst_idx)
 
     async def _gpu_copy_on_loop(
         self, regions: Sequence[Region], nbytes: int, source: Region, src_idx: torch.Tensor,

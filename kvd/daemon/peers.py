@@ -139,7 +139,7 @@ class PeerPlane:
         self.config = config
         self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
         # Told to peers too: our channels can split for blocking calls (config and NCCL).
-        self.nccl_blocking_calls = nccl_blocking_calls and bool(self.gpus)
+        self.nccl_blocking_calls = nccl_blocking_calls
         self.epoch = epoch
         self.on_message = on_message
         self.on_link_lost = on_link_lost

@@ -127,18 +127,11 @@ def copy_blocks(
     src_idx: torch.Tensor,
     dst: Sequence[torch.Tensor],
     dst_idx: torch.Tensor,
-    dst_blocks: BlockSet | None = None,
 ) -> int:
     """Blocks of one region into blocks of another with the same layout, done when it
-    returns (the copy worker's path). ``dst_blocks``: the destination's blocks as a
-    ``BlockSet`` already made (a waiting get's, whose copy kernel map was made while it
-    waited: not made again)."""
-    queued = copy_gpu_blocks_queued(src, src_idx, dst, dst_idx, dst_blocks)
-    if queued is not None:
-        nbytes, events = queued
-        for event in events:  # this copy's end on each destination GPU, not the device
-            event.synchronize()
-        return nbytes
+    returns: the copy worker's path, for what the loop does not queue itself
+    (``copy_gpu_blocks_queued`` returned None: host memory on either side, or GPU blocks
+    the copy kernel cannot describe), so it does not try that again."""
     nbytes = 0
     found = runs(src_idx.tolist(), dst_idx.tolist())
     for s, d in zip(src, dst, strict=True):
@@ -307,9 +300,10 @@ def _finish_writes(*written: torch.Tensor) -> None:
     complete (nothing on the client's streams waits for the daemon's), and a pool item's
     host bytes are read by threads that follow no stream. The wait runs in this worker
     thread, never on the loop, per device written; the worker runs one copy at a time
-    anyway. (Copies between GPU regions skip it: the loop polls an event recorded after
-    them, ``copy_gpu_blocks_queued``.) A daemon-side interprocess event the client waits
-    on would remove it (next steps in docs/architecture.md)."""
+    anyway. (Copies between GPU regions that the loop queues skip it: it polls an event
+    recorded after them, ``copy_gpu_blocks_queued``; only blocks the copy kernel cannot
+    describe come here.) A daemon-side interprocess event the client waits on would
+    remove it (next steps in docs/architecture.md)."""
     for device in {t.device for t in written if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 

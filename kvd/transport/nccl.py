@@ -41,6 +41,7 @@ from typing import Any
 
 from kvd import timeline
 from kvd.errors import KvdError, KvdTimeout, PeerUnreachable, TransferFailed
+from kvd.transport import gpu_copy
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +195,8 @@ class Communicator:
             self.start("send" if rank == 0 else "recv", [buf], 1 - rank, stream)
         finally:
             watchdog.cancel()
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.wait(event, max(deadline - time.monotonic(), 0.0), "connection setup")
+        self.wait(gpu_copy.recorded(stream), max(deadline - time.monotonic(), 0.0),
+                  "connection setup")
 
     def _settle(self, timeout_s: float, what: str, abort: bool = True) -> None:
         """Poll until the last call is accepted (``Success``); abort on error or timeout
