@@ -2,7 +2,8 @@
 baseline of the same bytes, measured in the same run.
 
 Run: ``python benchmarks/connector_transfer.py [--json] [--repeat N] [--blocks N]
-[--device cpu|cuda]`` (cuda: two GPUs, one daemon each; ``bash .ci/gpu bench`` runs it).
+[--concurrent N] [--device cpu|cuda]`` (cuda: two GPUs, one daemon each; ``bash .ci/gpu
+bench`` runs it).
 
 Two ``kvd serve`` daemons, a prefill engine's and a decode engine's KV cache laid out as
 vLLM 0.32 lays it out (one allocation, a view per layer, blocks on dim 0): by default a
@@ -14,6 +15,10 @@ both movers polled every 0.5 ms as an engine's steps would:
 
 * **pull** (the default flow): prefill lends the blocks, decode's daemon pulls them.
 * **push, decode waiting**: decode has posted its load first; prefill puts to it.
+* **pull, N at once** (``--concurrent``, 8 by default, 0 to skip): N such requests, to
+  distinct blocks, lent and pulled in the same step, timed from the first ``send`` to the
+  last ``loaded``; what a decode engine sees when many prompts finish prefill together.
+  Its baseline is one raw transfer of all N requests' bytes.
 
 On CPU the engine's KV is private memory: both ends copy through shared-memory staging (as
 the connector does there), and the baseline is raw loopback TCP of the same byte count
@@ -50,13 +55,14 @@ def engine_kv(num_blocks: int, device: str, seed: int) -> list[torch.Tensor]:
     return [whole[i] for i in range(LAYERS)]
 
 
-def transfer_time(p: KvMover, d: KvMover, key: str, t0: float, timeout_s: float = 120.0,
-                  ) -> float:
-    """Seconds from ``t0`` to decode's ``loaded``; returns once prefill has released too."""
+def transfer_time(p: KvMover, d: KvMover, keys: list[str], t0: float,
+                  timeout_s: float = 120.0) -> float:
+    """Seconds from ``t0`` to decode's ``loaded`` of the last of ``keys``; returns once
+    prefill has released them all too."""
     seen = Polled()
     loaded_at = None
     deadline = time.monotonic() + timeout_s
-    while key not in seen.released or loaded_at is None:
+    while not seen.released.issuperset(keys) or loaded_at is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"transfer did not finish within {timeout_s}s: {seen}")
         for m in (p, d):
@@ -64,7 +70,8 @@ def transfer_time(p: KvMover, d: KvMover, key: str, t0: float, timeout_s: float 
             if got.failed:
                 raise RuntimeError(f"load failed: {got.failed}")
             seen.released |= got.released
-            if key in got.loaded and loaded_at is None:
+            seen.loaded |= got.loaded
+            if loaded_at is None and seen.loaded.issuperset(keys):
                 loaded_at = time.perf_counter()
         time.sleep(POLL_S)
     return loaded_at - t0
@@ -78,7 +85,14 @@ def same(p: KvMover, p_ids: list[int], d: KvMover, d_ids: list[int]) -> bool:
                for pl, dl in zip(p.layers, d.layers, strict=True))
 
 
-def kvd_side(device: str, num_blocks: int, n: int, repeat: int, root: str) -> dict[str, Any]:
+def flows(concurrent: int) -> list[tuple[str, int]]:
+    """(name, requests at once) of each flow measured."""
+    return [("pull", 1), ("push", 1)] + ([(f"pull_x{concurrent}", concurrent)]
+                                          if concurrent > 0 else [])
+
+
+def kvd_side(device: str, num_blocks: int, n: int, concurrent: int, repeat: int, root: str,
+             ) -> dict[str, Any]:
     procs = []
     try:
         if device == "cuda":
@@ -92,7 +106,7 @@ def kvd_side(device: str, num_blocks: int, n: int, repeat: int, root: str) -> di
         else:
             from tcp_transfer import start_daemon as start_cpu_daemon
 
-            pool = 2 * n * LAYERS * 64 * 1024 + 64 * MiB
+            pool = 2 * n * max(concurrent, 1) * LAYERS * 64 * 1024 + 64 * MiB
             pa, sock_a = start_cpu_daemon(root, "prefill", pool)
             procs.append(pa)
             pb, sock_b = start_cpu_daemon(root, "decode", pool)
@@ -106,28 +120,34 @@ def kvd_side(device: str, num_blocks: int, n: int, repeat: int, root: str) -> di
                    kvd.KvdClient(sock_b, name="decode", timeout_s=120)]
         for c in clients:
             c.connect()
-        p = KvMover(clients[0], engine_kv(num_blocks, devs[0], 1), num_blocks, n)
-        d = KvMover(clients[1], engine_kv(num_blocks, devs[1], 2), num_blocks, n)
+        staging = n * max(concurrent, 1)
+        p = KvMover(clients[0], engine_kv(num_blocks, devs[0], 1), num_blocks, staging)
+        d = KvMover(clients[1], engine_kv(num_blocks, devs[1], 2), num_blocks, staging)
         gen = torch.Generator().manual_seed(0)
         results: dict[str, Any] = {"bytes": n * p.block_bytes}
-        for flow in ("pull", "push"):
+        for flow, at_once in flows(concurrent):
             times = []
             for i in range(repeat + 1):  # the first run warms up and is checked
-                src = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-                dst = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-                key = f"{flow}-{i}"
+                # Distinct blocks for the requests that run at once, on both ends.
+                src = torch.randperm(num_blocks, generator=gen)[:n * at_once].view(at_once, n)
+                dst = torch.randperm(num_blocks, generator=gen)[:n * at_once].view(at_once, n)
+                keys = [f"{flow}-{i}-{j}" for j in range(at_once)]
                 t0 = time.perf_counter()
-                if flow == "pull":
-                    p.send(SendOrder(key, key, src, lease_s=60))
-                    d.load(LoadOrder(key, key, addr_a, n, 0, dst, timeout_s=60))
-                else:
-                    d.load(LoadOrder(key, key, None, n, 0, dst, timeout_s=60))
+                if flow == "push":
+                    d.load(LoadOrder(keys[0], keys[0], None, n, 0, dst[0].tolist(),
+                                     timeout_s=60))
                     d.poll()  # decode's get is posted before prefill sends
                     t0 = time.perf_counter()
-                    p.send(SendOrder(key, key, src, lease_s=60, push_to=addr_b))
-                elapsed = transfer_time(p, d, key, t0)
+                    p.send(SendOrder(keys[0], keys[0], src[0].tolist(), lease_s=60,
+                                     push_to=addr_b))
+                else:
+                    for key, s_ids in zip(keys, src.tolist(), strict=True):
+                        p.send(SendOrder(key, key, s_ids, lease_s=60))
+                    for key, d_ids in zip(keys, dst.tolist(), strict=True):
+                        d.load(LoadOrder(key, key, addr_a, n, 0, d_ids, timeout_s=60))
+                elapsed = transfer_time(p, d, keys, t0)
                 if i == 0:
-                    if not same(p, src, d, dst):
+                    if not same(p, src.flatten().tolist(), d, dst.flatten().tolist()):
                         raise RuntimeError(f"{flow}: decode's blocks differ from prefill's")
                 else:
                     times.append(elapsed)
@@ -140,18 +160,20 @@ def kvd_side(device: str, num_blocks: int, n: int, repeat: int, root: str) -> di
             stop_daemon(proc)
 
 
-def raw_side(device: str, nbytes: int, repeat: int) -> dict[str, Any]:
+def raw_side(device: str, sizes: list[int], repeat: int) -> dict[int, dict[str, Any]]:
+    """The raw baseline of each byte count."""
     if device == "cuda":
         from gpu_raw import measure_raw_nccl
 
-        raw = measure_raw_nccl({"request": nbytes}, iters=max(repeat, 5))["sizes"]["request"]
-        return {"what": "raw NCCL send/recv (torch.distributed)", "best_s": raw["best_s"],
-                "median_s": raw["median_s"]}
+        raw = measure_raw_nccl({str(n): n for n in sizes}, iters=max(repeat, 5))["sizes"]
+        return {n: {"what": "raw NCCL send/recv (torch.distributed)",
+                    "best_s": raw[str(n)]["best_s"], "median_s": raw[str(n)]["median_s"]}
+                for n in sizes}
     from tcp_transfer import raw_bench
 
-    times = raw_bench([nbytes], repeat)[nbytes]
-    return {"what": "raw loopback TCP, 4 MiB chunks", "best_s": min(times),
-            "median_s": statistics.median(times)}
+    times = raw_bench(sizes, repeat)
+    return {n: {"what": "raw loopback TCP, 4 MiB chunks", "best_s": min(times[n]),
+                "median_s": statistics.median(times[n])} for n in sizes}
 
 
 def main() -> int:
@@ -159,33 +181,45 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=64, help="blocks in the request")
+    ap.add_argument("--concurrent", type=int, default=8,
+                    help="requests pulled at once in the last flow (0: skip it)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
     args = ap.parse_args()
+    if args.blocks < 1 or args.repeat < 1 or args.concurrent < 0:
+        ap.error("--blocks and --repeat must be at least 1, --concurrent at least 0")
     device = args.device or ("cuda" if torch.cuda.is_available()
                              and torch.cuda.device_count() >= 2 else "cpu")
-    num_blocks = max(4 * args.blocks, 256)
+    num_blocks = max(4 * args.blocks, 2 * args.blocks * args.concurrent, 256)
     with tempfile.TemporaryDirectory(prefix="kvd-conn-bench-") as root:
-        kv = kvd_side(device, num_blocks, args.blocks, args.repeat, root)
-    raw = raw_side(device, kv["bytes"], args.repeat)
+        kv = kvd_side(device, num_blocks, args.blocks, args.concurrent, args.repeat, root)
     nbytes = kv["bytes"]
+    measured = flows(args.concurrent)
+    raws = raw_side(device, sorted({nbytes * at_once for _, at_once in measured}),
+                    args.repeat)
+    raw = raws[nbytes]
     out: dict[str, Any] = {"device": device, "bytes": nbytes, "blocks": args.blocks,
-                           "layers": LAYERS, "repeat": args.repeat, "raw": raw}
-    gbps = {"raw": (nbytes / raw["best_s"] / 1e9, nbytes / raw["median_s"] / 1e9)}
-    for flow in ("pull", "push"):
+                           "layers": LAYERS, "repeat": args.repeat,
+                           "concurrent": args.concurrent, "raw": raw}
+    print(f"connector data path, {device}: requests of {args.blocks} blocks x {LAYERS} "
+          f"layers = {nbytes / MiB:.0f} MiB, {args.repeat} runs, GB/s best / median")
+    labels = {"pull": "kvd pull (lend + pull)", "push": "kvd push (decode waiting)"}
+    for flow, at_once in measured:
+        moved = nbytes * at_once
+        r = raws[moved]
+        raw_gbps = (moved / r["best_s"] / 1e9, moved / r["median_s"] / 1e9)
+        if flow == "pull" or at_once > 1:
+            what = f"{r['what']}, {moved / MiB:.0f} MiB"
+            print(f"  {what:<46} {raw_gbps[0]:7.2f} / {raw_gbps[1]:7.2f}")
         t = kv[flow]
         best, median = min(t), statistics.median(t)
-        gbps[flow] = (nbytes / best / 1e9, nbytes / median / 1e9)
-        out[flow] = {"best_s": best, "median_s": median, "best_gbps": gbps[flow][0],
-                     "median_gbps": gbps[flow][1],
-                     "ratio_best": gbps[flow][0] / gbps["raw"][0],
-                     "ratio_median": gbps[flow][1] / gbps["raw"][1]}
-    print(f"connector data path, {device}: one request of {args.blocks} blocks x {LAYERS} "
-          f"layers = {nbytes / MiB:.0f} MiB, {args.repeat} runs, GB/s best / median")
-    print(f"  {raw['what']:<42} {gbps['raw'][0]:7.2f} / {gbps['raw'][1]:7.2f}")
-    for flow, label in (("pull", "kvd pull (lend + pull)"),
-                        ("push", "kvd push (decode waiting)")):
-        o = out[flow]
-        print(f"  {label:<42} {o['best_gbps']:7.2f} / {o['median_gbps']:7.2f}   "
+        o = out[flow] = {"requests": at_once, "bytes": moved, "best_s": best,
+                         "median_s": median, "best_gbps": moved / best / 1e9,
+                         "median_gbps": moved / median / 1e9,
+                         "raw_best_s": r["best_s"], "raw_median_s": r["median_s"]}
+        o["ratio_best"] = o["best_gbps"] / raw_gbps[0]
+        o["ratio_median"] = o["median_gbps"] / raw_gbps[1]
+        label = labels.get(flow, f"kvd pull, {at_once} requests at once")
+        print(f"  {label:<46} {o['best_gbps']:7.2f} / {o['median_gbps']:7.2f}   "
               f"kvd/raw {o['ratio_best']:.2f} / {o['ratio_median']:.2f}   "
               f"({o['median_s'] * 1e3:.1f} ms median)")
     if args.json:

@@ -15,7 +15,7 @@ directory on the device machine, see ``.ci/gpu``). Cases:
 - ``--bench`` runs ``benchmarks/gpu_transfer.py`` and takes (a), (b), (d) kvd/raw and
   (c) µs (medians);
 - ``--connector`` runs ``benchmarks/connector_transfer.py --device cuda`` and takes the
-  pull and push kvd/raw (medians).
+  pull, push and concurrent pull (``pull_xN``, where the tree has it) kvd/raw (medians).
 
 Prints, per case and figure, each tree's values in run order and their median; with
 ``--out``, every run's whole output goes to ``DIR/ab.log`` and the figures to
@@ -50,7 +50,11 @@ def figures(kind: str, result: dict[str, Any]) -> dict[str, float]:
     if kind == "bench":
         return {"a": result["a_ratio_median"], "b": result["b_ratio_median"],
                 "d": result["d_ratio_median"], "c_us": result["c_kvd_median_us"]}
-    return {"pull": result["pull"]["ratio_median"], "push": result["push"]["ratio_median"]}
+    found = {"pull": result["pull"]["ratio_median"], "push": result["push"]["ratio_median"]}
+    many = f"pull_x{result.get('concurrent', 0)}"  # absent before the concurrent flow
+    if many in result:
+        found[many] = result[many]["ratio_median"]
+    return found
 
 
 def command(kind: str, args: str) -> list[str]:
