@@ -283,6 +283,63 @@ def test_inline_and_threaded_jobs_share_channels() -> None:
         stop_node(b)
 
 
+def test_consecutive_transfers_overlap_on_a_channel() -> None:
+    """A transfer's successor on the channel issues its work while the transfer's bytes
+    still move (here: held behind ~0.4 s of the client's GPU work), on both ends, and the
+    two share the channel's staging buffers: a gather into a buffer waits for the send
+    of the job before that still reads it, a receive into one for that job's scatter.
+    Eight puts at once, of blocks that need staging on either end, neither, or both (four
+    1 MiB chunks each, so each job cycles through both buffers twice); every one of them
+    byte-exact."""
+    b = start_node(1, "--nccl-chunk-bytes", "1MiB")
+    a: Node | None = None
+    try:
+        a = start_node(0, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb:
+            wait_warm(ca, cb)
+            src, dst = kv_layers("cuda:0", 11), zeros("cuda:1")
+            torch.cuda.synchronize()
+            r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+            # One staged transfer first: the channels' staging grows (in their threads).
+            got = waiting_get(cb, "grow", r_dst, list(range(15, -1, -1)))
+            ca.put("grow", r_src, list(range(16, 32)[::-1]), to=b.address).wait(60)
+            assert got() == 16 * LAYERS * 32 * 1024
+            assert_moved(src, list(range(16, 32)[::-1]), dst, list(range(15, -1, -1)))
+            for d in dst:
+                d.zero_()
+            torch.cuda.synchronize()
+            gen = torch.Generator().manual_seed(3)
+            src_perm = torch.randperm(128, generator=gen).tolist()
+            srcs, dsts = [], []
+            for j in range(8):
+                run = list(range(16 * j, 16 * j + 16))
+                scattered = src_perm[16 * j:16 * j + 16]
+                srcs.append(scattered if j % 2 else run)  # staged on A when odd
+                dsts.append(run[::-1] if j % 4 >= 2 else run)  # staged on B for 2, 3, 6, 7
+            gets = [cb.start_get(f"o{j}", r_dst, dsts[j], timeout_s=60) for j in range(8)]
+            cb.ping()  # (answered after the gets were taken)
+            torch.cuda._sleep(800_000_000)  # ~0.4 s of GPU work before the puts' events
+            puts = [ca.put(f"o{j}", r_src, srcs[j], to=b.address) for j in range(8)]
+            for p in puts:
+                p.wait(60)
+            for g in gets:
+                assert g.wait(60) == 16 * LAYERS * 32 * 1024
+            assert_moved(src, [i for s in srcs for i in s], dst, [i for d in dsts for i in d])
+            sent, received = nccl_stats(ca), nccl_stats(cb)
+            for s in (sent, received):
+                assert s["created"] == 2 and s["failed"] == 0, s
+            send_ch = next(c for c in sent["channels"] if c["direction"] == "send")
+            recv_ch = next(c for c in received["channels"] if c["direction"] == "recv")
+            print("overlapped", send_ch["jobs_overlapped"], recv_ch["jobs_overlapped"])
+            assert send_ch["jobs_overlapped"] >= 1, send_ch
+            assert recv_ch["jobs_overlapped"] >= 1, recv_ch
+    finally:
+        if a is not None:
+            stop_node(a)
+        stop_node(b)
+
+
 def wait_warm(ca: kvd.KvdClient, cb: kvd.KvdClient) -> None:
     """Until both daemons have their warmed-up channels (two each), idle."""
     deadline = time.monotonic() + 90

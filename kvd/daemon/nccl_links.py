@@ -262,6 +262,7 @@ class NcclLinks:
                               "peer_device": e.key[2], "idle": e.channel.idle,
                               "jobs_inline": e.channel.jobs_inline,
                               "jobs_threaded": e.channel.jobs_threaded,
+                              "jobs_overlapped": e.channel.jobs_overlapped,
                               "blocking_calls": e.channel.blocking_calls}
                              for e in self._by_id.values()],
                 "created": self.created, "failed": self.failed, "evicted": self.evicted,

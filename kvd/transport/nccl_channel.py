@@ -12,8 +12,12 @@ A transfer is cut into chunks (``transport.chunks.plan_chunks``). The sender gat
 k+1 into a free staging buffer on the copy stream while chunk k is on the wire on the NCCL
 stream; the receiver scatters chunk k on the copy stream while chunk k+1 arrives. Chunks
 that are one contiguous run of the source (or destination) memory skip the staging copy.
-Events order the two streams; the thread only enqueues work, then polls one final event
-against the transfer's deadline.
+Events order the two streams; the thread only enqueues work. Once a job's last work is
+queued on the streams (its *tail*: one final event, polled from the loop against the
+transfer's deadline), the next job may queue its own behind it: consecutive transfers
+overlap, one's NCCL calls and copies issued while the bytes of the one before are still
+moving. The streams keep them in order; the staging buffers, which both reuse, carry the
+event after which each is free again from one job to the next (``_staging_free``).
 
 NCCL cannot stop a transfer half way without the peer: once a job has started it runs to
 its end or to its deadline. A receive whose owner gave up before it started is still
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -73,6 +78,14 @@ class NcclJob:
     inline: bool = False  # run from the event loop (_start_inline), not the channel's thread
 
 
+@dataclass(frozen=True)
+class _Last:
+    """A job's last step: all its work is queued, ``event`` fires when its bytes are there
+    (sent, or stored in their blocks)."""
+
+    event: Any
+
+
 @dataclass(eq=False)
 class _InlineRun:
     """An inline job in progress (``NcclChannel._start_inline``)."""
@@ -82,9 +95,9 @@ class _InlineRun:
     loop: asyncio.AbstractEventLoop
     steps: Generator[Any, None, int]  # NcclChannel._steps
     spin_until: float  # time.monotonic(): poll at every loop turn until then
-    wait: Any = None  # what the current step waits for (SETTLE, or the last event); None:
+    wait: Any = None  # what the current step waits for (SETTLE, an event, or _Last); None:
     # the first step has not run yet
-    locked: bool = True  # holds the channel's _comm_lock (until the job ends)
+    locked: bool = True  # holds the channel's _comm_lock (until its last step, _Last)
 
 
 class NcclChannel:
@@ -107,12 +120,18 @@ class NcclChannel:
         self._comm: Communicator | None = None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._staging: list[torch.Tensor] = []
-        self._busy = 0  # jobs queued or running
+        # Per staging buffer, the event after which the last job's work no longer reads or
+        # writes it (None: free): the next job's first copies into it wait for that.
+        self._staging_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        self._busy = 0  # items queued, or jobs still issuing their work
+        self._tails = 0  # jobs whose work is all queued, waiting for their last event
+        self._loop: asyncio.AbstractEventLoop | None = None  # polls the thread's tails
         self.jobs_inline = 0  # jobs run from the loop (_start_inline), for stats and tests
         self.jobs_threaded = 0
+        self.jobs_overlapped = 0  # jobs that started while an earlier one's bytes moved
         self._lock = threading.Lock()
-        # Held by whoever runs a job, from its first call to its end: the thread for its
-        # jobs, the loop for an inline one (see _start_inline).
+        # Held by whoever issues a job's work, from its first call to its last step: the
+        # thread for its jobs, the loop for an inline one (see _start_inline).
         self._comm_lock = threading.Lock()
         # Not a daemon thread: every NCCL call it makes is bounded by a deadline, and
         # teardown stops it with a sentinel and joins it (NcclLinks._drop).
@@ -134,6 +153,10 @@ class NcclChannel:
     def submit(self, job: NcclJob) -> concurrent.futures.Future[int]:
         """Run ``job`` after every job submitted before it. Called on the event loop."""
         self.last_used = time.monotonic()
+        if self._loop is None:
+            # (No loop: the thread waits for its jobs' tails itself.)
+            with contextlib.suppress(RuntimeError):
+                self._loop = asyncio.get_running_loop()
         if not (self.inline and self._start_inline(job)):
             self._queue(job)
         return job.future
@@ -146,7 +169,7 @@ class NcclChannel:
 
     @property
     def idle(self) -> bool:
-        return self._busy == 0
+        return self._busy == 0 and self._tails == 0
 
     def abort(self, error: KvdError) -> None:
         """Abort the communicator now (from any thread): jobs in flight fail at their next
@@ -181,37 +204,77 @@ class NcclChannel:
                     with self._comm_lock:
                         self._warm(item[1])
                 finally:
-                    self._done()
+                    self._done(tail=False)
                 continue
-            job: NcclJob = item
+            self._run_job(item)
+
+    def _run_job(self, job: NcclJob) -> None:
+        """Issue ``job``'s work in the thread, then hand its tail to the loop."""
+        if not job.future.set_running_or_notify_cancel():
+            # Nobody waits for it any more, but the peer's matching job will run: send
+            # zeros / drop the bytes, so the pair stays in step.
+            job = dataclasses.replace(job, blocks=None, abandoned=True,
+                                      future=concurrent.futures.Future())
+            job.future.set_running_or_notify_cancel()
+        try:
+            # An inline job started before this one may still be issuing its work.
+            if not self._comm_lock.acquire(timeout=self._remaining(job)):
+                raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} ran out "
+                                      "of time behind the job before it")
             try:
-                if not job.future.set_running_or_notify_cancel():
-                    # Nobody waits for it any more, but the peer's matching job will run:
-                    # send zeros / drop the bytes, so the pair stays in step.
-                    job = dataclasses.replace(job, blocks=None, abandoned=True,
-                                              future=concurrent.futures.Future())
-                    job.future.set_running_or_notify_cancel()
-                try:
-                    # An inline job started before this one may still be in its calls.
-                    if not self._comm_lock.acquire(timeout=self._remaining(job)):
-                        raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} "
-                                              "ran out of time behind the job before it")
-                    try:
-                        if self.failed is not None:
-                            raise self.failed
-                        job.started_at = time.monotonic()
-                        timeline.mark(f"nccl.{self.direction}.start")
-                        self.jobs_threaded += 1
-                        nbytes = self._run_steps(job)
-                    finally:
-                        self._comm_lock.release()
-                    self._resolve(job, nbytes)
-                except BaseException as exc:
-                    err = self._as_error(exc)
-                    self._fail(err)
-                    job.future.set_exception(self.failed or err)
+                if self.failed is not None:
+                    raise self.failed
+                self._started(job)
+                self.jobs_threaded += 1
+                comm, steps, last = self._issue(job)
             finally:
-                self._done()
+                self._comm_lock.release()
+        except BaseException as exc:
+            err = self._as_error(exc)
+            self._fail(err)
+            job.future.set_exception(self.failed or err)
+            self._done(tail=False)
+            return
+        self._to_tail()
+        loop = self._loop
+        if loop is not None:
+            run = _InlineRun(job, comm, loop, steps, self._spin_until(job), wait=last,
+                             locked=False)
+            try:
+                loop.call_soon_threadsafe(self._poll_inline, run)
+                return
+            except RuntimeError:  # the loop is closed: wait here
+                pass
+        self._wait_tail(job, comm, steps, last)
+
+    def _wait_tail(self, job: NcclJob, comm: Communicator,
+                   steps: Generator[Any, None, int], last: _Last) -> None:
+        """The tail of a job, waited for in the thread (there is no loop to poll it)."""
+        try:
+            comm.wait(last.event, self._remaining(job),
+                      f"{self.direction} of transfer {job.transfer_id}")
+            self._resolve(job, _finish(steps))
+        except BaseException as exc:
+            err = self._as_error(exc)
+            self._fail(err)
+            job.future.set_exception(self.failed or err)
+        self._done(tail=True)
+
+    def _started(self, job: NcclJob) -> None:
+        job.started_at = time.monotonic()
+        if self._tails:
+            self.jobs_overlapped += 1
+        timeline.mark(f"nccl.{self.direction}.start")
+
+    def _to_tail(self) -> None:
+        """The job issuing its work has queued it all."""
+        with self._lock:
+            self._busy -= 1
+            self._tails += 1
+
+    def _spin_until(self, job: NcclJob) -> float:
+        return (job.started_at + _INLINE_SPIN_S
+                + (job.nbytes or 0) / _INLINE_SPIN_BYTES_PER_S)
 
     def _resolve(self, job: NcclJob, nbytes: int) -> None:
         if job.abandoned or job.blocks is None:
@@ -225,18 +288,22 @@ class NcclChannel:
         return exc if isinstance(exc, KvdError) else TransferFailed(
             f"nccl {self.direction} on {self.name}: {exc!r}")
 
-    def _done(self) -> None:
-        """A queued item (or an inline job) ended."""
+    def _done(self, tail: bool) -> None:
+        """A queued item or a job ended: in its tail, or before (failed, or not a job)."""
         timeline.mark(f"nccl.{self.direction}.end")
         with self._lock:
-            self._busy -= 1
+            if tail:
+                self._tails -= 1
+            else:
+                self._busy -= 1
         self.last_used = time.monotonic()
 
     # ------------------------------------------------------------ inline jobs
 
     def _start_inline(self, job: NcclJob) -> bool:
-        """Run ``job`` from the event loop's own thread when the channel is idle (nothing
-        queued or running here, so nothing may go first): the loop runs the job's steps
+        """Run ``job`` from the event loop's own thread when nothing is queued here or
+        issuing its work (so nothing may go first; jobs in their tail may be): the loop
+        runs the job's steps
         (``_steps``: NCCL calls, one group when no chunk needs staging, and the gathers or
         scatters of staged chunks) and polls what each waits for between its other
         callbacks. That skips two thread hand-offs, each ~100-150 us on the H200 host (the
@@ -265,8 +332,7 @@ class NcclChannel:
             self._busy += 1
         self.jobs_inline += 1
         job.inline = True
-        job.started_at = time.monotonic()
-        timeline.mark(f"nccl.{self.direction}.start")
+        self._started(job)
         nbytes = sum(c.nbytes for c in chunks)
         run = _InlineRun(job, comm, loop, self._steps(job), job.started_at + _INLINE_SPIN_S
                          + nbytes / _INLINE_SPIN_BYTES_PER_S)
@@ -283,9 +349,10 @@ class NcclChannel:
                    self._comm_stream)
 
     def _poll_inline(self, run: _InlineRun) -> None:
-        """One look at an inline job, from the loop: if what its step waits for is done,
-        run the next step; again at the next turn (or shortly) until the last step is
-        done or the job's deadline passes."""
+        """One look at an inline job (or at a tail the thread handed over), from the loop:
+        if what its step waits for is done, run the next step; again at the next turn (or
+        shortly) until the last step is done or the job's deadline passes. At its last
+        step (``_Last``) the job lets go of the channel: the next may issue its work."""
         job = run.job
         try:
             if run.comm.aborted:
@@ -294,6 +361,8 @@ class NcclChannel:
                 ready = True
             elif run.wait is SETTLE:
                 ready = run.comm.settled(self.direction)
+            elif isinstance(run.wait, _Last):
+                ready = run.wait.event.query()
             else:
                 ready = run.wait.query()
             if ready:
@@ -303,13 +372,13 @@ class NcclChannel:
                     if run.comm.aborted:  # an abort ends the kernels too: the event fires
                         raise PeerUnreachable(
                             f"nccl communicator {self.name} was aborted") from None
-                    # Held to the end, not only until the calls are accepted: the next
-                    # job's gathers would reuse staging our last send may still read.
+                    self._resolve(job, int(stop.value))
+                    self._done(tail=True)
+                    return
+                if isinstance(run.wait, _Last) and run.locked:
                     run.locked = False
                     self._comm_lock.release()
-                    self._resolve(job, int(stop.value))
-                    self._done()
-                    return
+                    self._to_tail()
                 run.loop.call_soon(self._poll_inline, run)
                 return
             if time.monotonic() > job.deadline:
@@ -335,7 +404,7 @@ class NcclChannel:
                 if run.locked:
                     self._comm_lock.release()
                 run.job.future.set_exception(self.failed or err)
-                self._done()
+                self._done(tail=not run.locked)
 
         try:
             run.loop.run_in_executor(None, fail)
@@ -385,9 +454,10 @@ class NcclChannel:
         transfer whose chunks all go straight from memory to memory needs none). Growing
         it waits for the GPU: the old buffers may still be in use."""
         if not self._staging or self._staging[0].numel() < nbytes:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # the jobs in their tail too
             self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                              for _ in range(STAGING_BUFFERS)]
+            self._staging_free = [None] * STAGING_BUFFERS
         return self._staging[b]
 
     def _remaining(self, job: NcclJob) -> float:
@@ -434,9 +504,10 @@ class NcclChannel:
 
     # A job's work is a generator of steps: between two yields it issues work (NCCL calls,
     # copies, events), and each yield is what to wait for before the next step — SETTLE
-    # (the last NCCL call accepted), or, last, the event after which the bytes are there
-    # (all calls accepted by then). The thread runs the steps with blocking polls
-    # (_run_steps), the loop with callbacks (_poll_inline): the same work either way.
+    # (the last NCCL call accepted), or, last, _Last: the event after which the bytes are
+    # there (all calls accepted and all work queued by then). The thread runs the steps up
+    # to _Last with blocking polls (_issue) and hands the tail to the loop; the loop runs
+    # an inline job's with callbacks (_poll_inline): the same work either way.
     #
     # On a non-blocking communicator both call NCCL without waiting for the call to be
     # accepted, queue the copy-stream work that does not depend on it (the next chunk's
@@ -458,35 +529,35 @@ class NcclChannel:
             if not comm.blocking:
                 yield SETTLE
             timeline.mark("nccl.settled")
-            yield gpu_copy.recorded(self._comm_stream)
+            yield _Last(gpu_copy.recorded(self._comm_stream))
         elif self.direction == "send":
             yield from self._send_staged(job, comm, chunks, blocks, direct)
         else:
             yield from self._recv_staged(job, comm, chunks, blocks, direct)
         return sum(c.nbytes for c in chunks)
 
-    def _run_steps(self, job: NcclJob) -> int:
+    def _issue(self, job: NcclJob) -> tuple[Communicator, Generator[Any, None, int], _Last]:
+        """Run ``job``'s steps up to its last (blocking polls): its communicator, its steps
+        (to finish once the last event fired) and that last step."""
         comm = self._comm
         assert comm is not None
         steps = self._steps(job)
-        try:
-            wait = next(steps)
-            while True:
-                if wait is SETTLE:
-                    comm.settle(self._remaining(job), self.direction)
-                else:
-                    comm.wait(wait, self._remaining(job),
-                              f"{self.direction} of transfer {job.transfer_id}")
-                wait = steps.send(None)
-        except StopIteration as stop:
-            return int(stop.value)
+        wait = next(steps)
+        while not isinstance(wait, _Last):
+            if wait is SETTLE:
+                comm.settle(self._remaining(job), self.direction)
+            else:
+                comm.wait(wait, self._remaining(job),
+                          f"{self.direction} of transfer {job.transfer_id}")
+            wait = steps.send(None)
+        return comm, steps, wait
 
     def _send_staged(self, job: NcclJob, comm: Communicator, chunks: tuple[Chunk, ...],
                      blocks: BlockSet | None, direct: Sequence[torch.Tensor | None],
                      ) -> Generator[Any, None, None]:
-        freed: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        freed = list(self._staging_free)  # the job before may still send from them
         wait_ready(job.ready_events, self._copy_stream)  # NCCL waits on the copy stream
-        buf = self._load(blocks, chunks[0], direct[0], 0, None) if chunks else None
+        buf = self._load(blocks, chunks[0], direct[0], 0, freed[0]) if chunks else None
         for k in range(len(chunks)):
             b = k % STAGING_BUFFERS
             assert buf is not None
@@ -500,12 +571,13 @@ class NcclChannel:
                 yield SETTLE
             timeline.mark("nccl.settled")
             freed[b] = gpu_copy.recorded(self._comm_stream)
-        yield gpu_copy.recorded(self._comm_stream)
+        self._staging_free = freed
+        yield _Last(gpu_copy.recorded(self._comm_stream))
 
     def _recv_staged(self, job: NcclJob, comm: Communicator, chunks: tuple[Chunk, ...],
                      blocks: BlockSet | None, direct: Sequence[torch.Tensor | None],
                      ) -> Generator[Any, None, None]:
-        stored: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        stored = list(self._staging_free)  # the job before may still scatter from them
         landed: tuple[Chunk, torch.Tensor, torch.cuda.Event, int] | None = None
 
         def scatter(chunk: Chunk, buf: torch.Tensor, arrived: torch.cuda.Event,
@@ -541,8 +613,9 @@ class NcclChannel:
                     stored[b] = arrived  # dropped: the buffer is free once received
         if landed is not None:
             scatter(*landed)
+        self._staging_free = stored
         self._copy_stream.wait_stream(self._comm_stream)
-        yield gpu_copy.recorded(self._copy_stream)
+        yield _Last(gpu_copy.recorded(self._copy_stream))
 
     def _release(self) -> None:
         comm = self._comm
@@ -550,6 +623,15 @@ class NcclChannel:
             # A clean stop still aborts: destroy would wait for the peer, abort does not.
             comm.abort()
         self._staging = []
+
+
+def _finish(steps: Generator[Any, None, int]) -> int:
+    """The bytes of a job whose last event fired (its steps end after ``_Last``)."""
+    try:
+        steps.send(None)
+    except StopIteration as stop:
+        return int(stop.value)
+    raise AssertionError("a job's steps went on after its last")
 
 
 def _only_direct(direct: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
