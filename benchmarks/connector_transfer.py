@@ -2,8 +2,8 @@
 baseline of the same bytes, measured in the same run.
 
 Run: ``python benchmarks/connector_transfer.py [--json] [--repeat N] [--blocks N]
-[--concurrent N] [--device cpu|cuda]`` (cuda: two GPUs, one daemon each; ``bash .ci/gpu
-bench`` runs it).
+[--concurrent N] [--device cpu|cuda] [--daemon-flag=--FLAG=VALUE]...`` (cuda: two GPUs,
+one daemon each; ``bash .ci/gpu bench`` runs it).
 
 Two ``kvd serve`` daemons, a prefill engine's and a decode engine's KV cache laid out as
 vLLM 0.32 lays it out (one allocation, a view per layer, blocks on dim 0): by default a
@@ -92,11 +92,14 @@ def flows(concurrent: int) -> list[tuple[str, int]]:
 
 
 def kvd_side(device: str, num_blocks: int, n: int, concurrent: int, repeat: int, root: str,
-             ) -> dict[str, Any]:
+             flags: list[str]) -> dict[str, Any]:
     procs = []
     try:
         if device == "cuda":
+            import gpu_transfer
             from gpu_transfer import start_daemon as start_gpu_daemon
+
+            gpu_transfer.EXTRA_FLAGS.extend(flags)
 
             pa, sock_a, addr_a = start_gpu_daemon(root, "prefill", "0")
             procs.append(pa)
@@ -107,9 +110,9 @@ def kvd_side(device: str, num_blocks: int, n: int, concurrent: int, repeat: int,
             from tcp_transfer import start_daemon as start_cpu_daemon
 
             pool = 2 * n * max(concurrent, 1) * LAYERS * 64 * 1024 + 64 * MiB
-            pa, sock_a = start_cpu_daemon(root, "prefill", pool)
+            pa, sock_a = start_cpu_daemon(root, "prefill", pool, *flags)
             procs.append(pa)
-            pb, sock_b = start_cpu_daemon(root, "decode", pool)
+            pb, sock_b = start_cpu_daemon(root, "decode", pool, *flags)
             procs.append(pb)
             with kvd.KvdClient(sock_a) as c:
                 addr_a = c.stats()["peer"]["address"]
@@ -184,6 +187,9 @@ def main() -> int:
     ap.add_argument("--concurrent", type=int, default=8,
                     help="requests pulled at once in the last flow (0: skip it)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    ap.add_argument("--daemon-flag", action="append", default=[],
+                    help="an extra flag for both kvd serve, e.g. "
+                         "--daemon-flag=--nccl-chunk-bytes=32MiB")
     args = ap.parse_args()
     if args.blocks < 1 or args.repeat < 1 or args.concurrent < 0:
         ap.error("--blocks and --repeat must be at least 1, --concurrent at least 0")
@@ -191,7 +197,8 @@ def main() -> int:
                              and torch.cuda.device_count() >= 2 else "cpu")
     num_blocks = max(4 * args.blocks, 2 * args.blocks * args.concurrent, 256)
     with tempfile.TemporaryDirectory(prefix="kvd-conn-bench-") as root:
-        kv = kvd_side(device, num_blocks, args.blocks, args.concurrent, args.repeat, root)
+        kv = kvd_side(device, num_blocks, args.blocks, args.concurrent, args.repeat, root,
+                      args.daemon_flag)
     nbytes = kv["bytes"]
     measured = flows(args.concurrent)
     raws = raw_side(device, sorted({nbytes * at_once for _, at_once in measured}),
@@ -199,6 +206,7 @@ def main() -> int:
     raw = raws[nbytes]
     out: dict[str, Any] = {"device": device, "bytes": nbytes, "blocks": args.blocks,
                            "layers": LAYERS, "repeat": args.repeat,
+                           "daemon_flags": args.daemon_flag,
                            "concurrent": args.concurrent, "raw": raw}
     print(f"connector data path, {device}: requests of {args.blocks} blocks x {LAYERS} "
           f"layers = {nbytes / MiB:.0f} MiB, {args.repeat} runs, GB/s best / median")
