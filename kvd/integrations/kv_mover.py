@@ -103,6 +103,7 @@ class MoverStats:
     loads: int = 0
     load_failures: int = 0
     load_seconds: float = 0.0  # summed over completed loads
+    pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
 
     def as_dict(self) -> dict[str, int | float]:
         return dict(self.__dict__)
@@ -462,6 +463,7 @@ class KvMover:
                 if time.monotonic() + PULL_RETRY_S >= load.deadline:
                     raise
                 load.transfer, load.retry_at = None, time.monotonic() + PULL_RETRY_S
+                self.stats.pull_retries += 1
                 return
             if load.slots is not None:
                 self._stage(order.block_ids, load.slots[order.first:], inward=False)

@@ -243,6 +243,7 @@ if _VLLM_ERROR is None:
             "loads": "KV loads through kvd that completed",
             "load_failures": "KV loads through kvd that failed (reported as invalid blocks)",
             "load_seconds": "Seconds spent in completed KV loads through kvd",
+            "pull_retries": "KV pulls through kvd that found no key yet and went again",
         }
 
         def __init__(self, vllm_config: Any, metric_types: dict[type, type],
