@@ -32,7 +32,9 @@ from kvd.errors import ProtocolError
 #   5 — 2026-11: ChannelWarm (NCCL channels made when a peer link comes up).
 #   6 — 2026-11: eager NCCL sends (channel and chunk size in Offer).
 #   7 — 2026-11: block ids travel packed (``BlockIds``: little-endian uint32 bytes).
-PROTOCOL_VERSION = 8
+#   8 — 2026-11: the handshake's ``nccl_blocking_calls``.
+#   9 — 2026-12: a pull may wait for its key at the source (``wait_for_key_s``).
+PROTOCOL_VERSION = 9
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -216,6 +218,9 @@ class Pull(_WithBlocks, tag="pull", frozen=True):
     region_id: NonNeg
     blocks: BlockIds
     timeout_s: Seconds
+    # How long ``src`` may wait for ``key`` to appear (be published, lent or stored) before
+    # it answers that it has no such key; 0: answer at once. At most ``timeout_s``.
+    wait_for_key_s: Seconds = 0.0
 
 
 class Publish(_WithBlocks, tag="publish", frozen=True):
@@ -445,6 +450,7 @@ class PullRequest(_PeerMsg, tag="pull_request", frozen=True):
     dst_dev: Device
     num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
     layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
+    wait_for_key_s: Seconds = 0.0  # as in Pull: the owner holds the request until then
 
 
 class ChannelDown(_PeerMsg, tag="channel_down", frozen=True):

@@ -99,13 +99,16 @@ def test_pull_flow_whole_and_prefix_hit(sides: tuple[Side, Side]) -> None:
 def test_decode_asks_before_prefill_lends_and_push_flow(sides: tuple[Side, Side]) -> None:
     p, d = sides
     d.mover.load(LoadOrder("early", "key-early", p.address, 2, 0, [0, 1], timeout_s=10))
-    for _ in range(5):  # the pull finds no key yet and keeps trying
+    # The pull finds no key yet: prefill's daemon holds it until the key is lent.
+    drive(d, until=lambda: p.mover.client.stats()["transfers"]["pulls_waiting_for_key"])
+    for _ in range(5):
         d.poll()
         time.sleep(0.01)
     assert not d.seen.loaded and not d.seen.failed
     p.mover.send(SendOrder("early", "key-early", [4, 5], lease_s=10))
     drive(p, d, until=lambda: "early" in d.seen.loaded)
     assert same(d.block(0), p.block(4)) and same(d.block(1), p.block(5))
+    assert d.mover.stats.pull_retries == 0  # served when lent, not asked again
 
     # Push: decode waits on its own daemon, prefill puts to it.
     d.mover.load(LoadOrder("pushed", "key-pushed", None, 2, 0, [6, 7], timeout_s=10))

@@ -69,7 +69,7 @@ def test_metrics_pass_promtool_and_prometheus_scrapes_them(two_nodes: Any,
                  "kvd_pool_used_bytes", "kvd_stored_keys", "kvd_peers_connected",
                  "kvd_clients_connected", "kvd_requests_total", "kvd_build_info",
                  "kvd_in_flight_transfers", "kvd_channels", "kvd_gpu_spills_total",
-                 "kvd_nccl_channel_events_total"):
+                 "kvd_nccl_channel_events_total", "kvd_pulls_waiting_for_key"):
         assert name in text, name
     assert 'kvd_channels{direction="send",transport="nccl"} 0.0' in text  # no GPUs here
     assert f'kvd_transfers_total{{direction="send",outcome="done",peer="{b.address}"' in text

@@ -218,6 +218,64 @@ def test_lend_to_one_reader_then_the_blocks_are_free(nodes: object) -> None:
     assert a.client.stats()["keys"] == 0
 
 
+def test_a_pull_waits_at_the_owner_for_its_key(nodes: object) -> None:
+    """A pull may wait for its key (the vLLM connector's does: decode can ask before
+    prefill has lent): the owner holds it and serves it as the key is lent. One loan
+    serves one of two waiting pulls; the other is refused when its wait ends. A cancelled
+    pull stops waiting. Without a wait, no key is UnknownKey at once, as before."""
+    a, b = nodes(2)  # type: ignore[operator]
+    src = random_region(8, 4)
+    r_src = a.client.register("kv", [src])
+    dst = shared_zeros((8, BLOCK), torch.uint8)
+    r_dst = b.client.register("kv", [dst])
+
+    def waiting(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while a.client.stats()["transfers"]["pulls_waiting_for_key"] != n:
+            assert time.monotonic() < deadline, a.client.stats()["transfers"]
+            time.sleep(0.02)
+
+    early = b.client.start_pull("later", a.address, r_dst, [0, 1], timeout_s=20,
+                                wait_for_key_s=15)
+    waiting(1)
+    time.sleep(0.2)
+    assert not early.done()
+    lent = a.client.lend("later", r_src, [6, 2], ttl_s=30)
+    assert early.wait(10) == 2 * BLOCK and lent.wait(10) == 2 * BLOCK
+    assert torch.equal(dst[0], src[6]) and torch.equal(dst[1], src[2])
+    waiting(0)
+
+    first = b.client.start_pull("one", a.address, r_dst, [2], timeout_s=20,
+                                wait_for_key_s=15)
+    waiting(1)
+    second = b.client.start_pull("one", a.address, r_dst, [3], timeout_s=20,
+                                 wait_for_key_s=1.5)
+    waiting(2)
+    lent = a.client.lend("one", r_src, [5], ttl_s=30)
+    assert first.wait(10) == BLOCK and torch.equal(dst[2], src[5])
+    with pytest.raises(kvd.UnknownKey, match=r"within 1\.5s"):
+        second.wait(10)
+    assert not bool(dst[3].any())
+
+    gone = b.client.start_pull("never", a.address, r_dst, [4], timeout_s=20,
+                               wait_for_key_s=15)
+    waiting(1)
+    gone.cancel()
+    waiting(0)
+    with pytest.raises(kvd.UnknownKey):  # no wait: at once
+        b.client.pull("never", a.address, r_dst, [4], timeout_s=5)
+    with pytest.raises(kvd.BadRequest, match="wait_for_key_s"):
+        b.client.pull("never", a.address, r_dst, [4], timeout_s=1, wait_for_key_s=2)
+    # this daemon as the source: the same wait, for a lend here
+    mine = b.client.start_pull("here", b.address, r_dst, [5], timeout_s=20,
+                               wait_for_key_s=15)
+    time.sleep(0.2)
+    back = b.client.lend("here", r_dst, [1], ttl_s=30)
+    assert mine.wait(10) == BLOCK and back.wait(10) == BLOCK
+    assert torch.equal(dst[5], src[2])
+    assert not bool(dst[6:].any())
+
+
 def test_busy_then_success_and_exhausted_at_deadline(nodes: object) -> None:
     a, b = nodes(1)[0], nodes(1, "--pool-size-bytes", "4MiB")[1]  # type: ignore[operator]
     src = random_region(4, 5, 2 * 2**20)  # 2 MiB blocks

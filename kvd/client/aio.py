@@ -272,10 +272,12 @@ class AsyncKvdClient:
         return AsyncTransfer(self, call, await self._send(call), started)
 
     async def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-                   timeout_s: float | None = None) -> int:
+                   timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
         """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
-        ``blocks``; fails at once if ``src`` does not hold the key."""
-        nbytes: int = await self._call(self._b.pull(key, src, region, blocks, timeout_s))
+        ``blocks``. If ``src`` does not hold the key it fails (``UnknownKey``) at once, or,
+        with ``wait_for_key_s``, once the key has not appeared there for that long."""
+        nbytes: int = await self._call(self._b.pull(key, src, region, blocks, timeout_s,
+                                                    wait_for_key_s))
         return nbytes
 
     async def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,

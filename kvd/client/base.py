@@ -257,10 +257,13 @@ class RequestBuilder:
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int],
-             timeout_s: float | None) -> Call:
+             timeout_s: float | None, wait_for_key_s: float = 0.0) -> Call:
         wait_s = self._t(timeout_s)
+        if not 0.0 <= wait_for_key_s <= wait_s:
+            raise BadRequest(f"wait_for_key_s must be between 0 and the timeout "
+                             f"({wait_s:g}s), not {wait_for_key_s!r}")
         msg = Pull(req_id=self.next_id(), key=key, src=src, region_id=_region_id(region),
-                   blocks=_blocks(blocks), timeout_s=wait_s)
+                   blocks=_blocks(blocks), timeout_s=wait_s, wait_for_key_s=wait_for_key_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int],

@@ -284,9 +284,9 @@ class KvdClient:
         return self._start(self._b.get(key, region, blocks, timeout_s))
 
     def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-                   timeout_s: float | None = None) -> Transfer:
+                   timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> Transfer:
         """``pull`` without blocking: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.pull(key, src, region, blocks, timeout_s))
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
 
     def _start(self, call: Call) -> Transfer:
         with self._lock:
@@ -295,10 +295,12 @@ class KvdClient:
         return Transfer(self, call, started)
 
     def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-             timeout_s: float | None = None) -> int:
+             timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
         """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
-        ``blocks``; fails at once if ``src`` does not hold the key."""
-        nbytes: int = self._call(self._b.pull(key, src, region, blocks, timeout_s))
+        ``blocks``. If ``src`` does not hold the key it fails (``UnknownKey``) at once, or,
+        with ``wait_for_key_s``, once the key has not appeared there for that long."""
+        nbytes: int = self._call(self._b.pull(key, src, region, blocks, timeout_s,
+                                              wait_for_key_s))
         return nbytes
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,

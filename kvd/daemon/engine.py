@@ -179,6 +179,8 @@ class Engine:
         self._background: set[asyncio.Task[None]] = set()  # GPU copies polled past a cancel
         self.self_names = {"", "local", config.node_id}
         self.remote: Any = None  # the peer transfers, when the daemon has a peer plane
+        # Told each key that appears (stored, published, lent), after the gets waiting here.
+        self.key_listeners: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------ helpers
 
@@ -410,6 +412,10 @@ class Engine:
         self.store.insert(item)
         self._schedule_expiry(item)
         self._wake_waiters(item)
+        for listener in self.key_listeners:
+            if item.removed:  # consumed by a get already
+                return
+            listener(item.key)
 
     def _wake_waiters(self, item: Item) -> None:
         """Hand a new item to the gets waiting for its key (one, if it is consumed). A get
@@ -512,8 +518,10 @@ class Engine:
 
     async def get(
         self, session: int, req_id: int, key: str, region_id: int, blocks: IdArray,
-        timeout_s: float,
+        timeout_s: float, missing: type[KvdError] = KvdTimeout,
     ) -> int:
+        """Read ``key`` into the blocks, waiting up to ``timeout_s`` for it to appear; when
+        it does not, ``missing`` (a pull of a key of this daemon says ``UnknownKey``)."""
         region, idx = self._destination(session, region_id, blocks, timeout_s)
         item = self.store.find(key)
         if item is not None:
@@ -537,7 +545,7 @@ class Engine:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             if late is None:
-                raise KvdTimeout(f"no key {key!r} arrived within {timeout_s:g}s") from None
+                raise missing(f"no key {key!r} arrived within {timeout_s:g}s") from None
             result = late
         finally:
             self.store.drop_waiter(key, waiter)
@@ -615,14 +623,16 @@ class Engine:
 
     async def pull(
         self, session: int, key: str, src: str, region_id: int, blocks: IdArray,
-        timeout_s: float,
+        timeout_s: float, wait_for_key_s: float = 0.0,
     ) -> int:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
+        wait_for_key_s = min(wait_for_key_s, timeout_s)
         if src in self.self_names or (self.remote is not None and src == self.remote.address):
-            return await self.get(session, 0, key, region_id, blocks, 0.0)
+            return await self.get(session, 0, key, region_id, blocks, wait_for_key_s,
+                                  missing=UnknownKey)
         if self.remote is None:
             raise BadRequest(f"unknown source {src!r}: this daemon has no peer plane")
-        return await self.remote.pull(key, src, region, idx, timeout_s)
+        return await self.remote.pull(key, src, region, idx, timeout_s, wait_for_key_s)
 
     def publish(
         self, session: int, key: str, region_id: int, blocks: IdArray,
@@ -646,10 +656,11 @@ class Engine:
             expires_at=expires_at, consume_once=consume_once, region=region, region_idx=idx,
             blocks=slice_, on_free=on_free,
         )
-        self._add_item(item)
         # A peer's pull will send these blocks (the vLLM connector's flow: prefill lends,
-        # decode pulls): what its send needs of them is found now, not after the pull came.
+        # decode pulls): what its send needs of them is found now, not after the pull came
+        # (one may be waiting already: it is served as the item is added).
         self.prepare_gpu_blocks(slice_, region.layout)
+        self._add_item(item)
         return item
 
     async def lend(

@@ -294,7 +294,8 @@ class LocalServer:
                         msg.timeout_s))
                 case Pull():
                     self._spawn(s, msg.req_id, op, e.pull(
-                        s.sid, msg.key, msg.src, msg.region_id, msg.ids, msg.timeout_s))
+                        s.sid, msg.key, msg.src, msg.region_id, msg.ids, msg.timeout_s,
+                        msg.wait_for_key_s))
                 case Offload():
                     self._spawn(s, msg.req_id, op, e.offload(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))

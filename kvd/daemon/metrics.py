@@ -147,6 +147,9 @@ class _StateCollector(Collector):
             in_bytes.add_metric([direction], nbytes)
         yield in_flight
         yield in_bytes
+        yield GaugeMetricFamily(
+            "kvd_pulls_waiting_for_key", "Peers' pulls held here until their key appears "
+            "(wait_for_key_s).", value=transfers.waiting_pulls if transfers else 0)
         channels = GaugeMetricFamily("kvd_channels", "Data channels open.",
                                      labels=["direction", "transport"])
         sends = sum(1 for link in peers.links.values() if link.send_channel) if peers else 0

@@ -243,6 +243,10 @@ class Daemon:
             if not waiter.delivering and not waiter.future.done():
                 waiter.future.set_exception(Draining("daemon is draining"))
                 failed_waiters += 1
+        failed_pulls = 0
+        if self.transfers is not None:
+            failed_pulls = self.transfers.refuse_waiting_pulls(Draining(
+                f"{self.config.node_id} is draining: no pull waits for a key any more"))
         pending = self.local.pending_tasks()
         if self.transfers is not None:  # bytes arriving from peers finish too
             pending += self.transfers.pending_tasks()
@@ -259,6 +263,7 @@ class Daemon:
                 await asyncio.wait(left, timeout=5.0)
         return {"in_flight_at_start": len(pending), "finished": len(pending) - len(left),
                 "cancelled": len(left), "gets_refused": failed_waiters,
+                "pulls_refused": failed_pulls,
                 "waited_s": round(time.monotonic() - started, 3)}
 
 

@@ -44,6 +44,7 @@ from kvd.daemon.engine import Arrival, Engine
 from kvd.daemon.futures import on_loop
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
+from kvd.daemon.waiting_pulls import WaitingPull, WaitingPulls
 from kvd.errors import (
     BadRequest,
     Cancelled,
@@ -52,6 +53,7 @@ from kvd.errors import (
     PoolExhausted,
     ProtocolError,
     TransferFailed,
+    UnknownKey,
     error_from_code,
 )
 from kvd.memory.regions import Layout, Region
@@ -147,6 +149,7 @@ class _PullWait:
     idx: torch.Tensor
     future: asyncio.Future[int]
     blocks: BlockSet  # the destination, prepared while the request is out
+    offered: bool = False  # the owner's OFFER came: bytes are (about to be) on their way
 
 
 @dataclass
@@ -178,6 +181,9 @@ class PeerTransfers:
         self._pulls: dict[int, _PullWait] = {}
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Peers' pulls of keys we do not hold yet, held until they appear (or time out).
+        self._waiting_pulls = WaitingPulls(self._loop, self._waited_in_vain)
+        engine.key_listeners.append(self._key_appeared)
 
     @property
     def address(self) -> str:
@@ -494,15 +500,18 @@ class PeerTransfers:
     # ------------------------------------------------------------ pulling
 
     async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
-                   timeout_s: float) -> int:
+                   timeout_s: float, wait_for_key_s: float = 0.0) -> int:
         link = await self.plane.link_to(src, timeout_s)
+        if self.engine.draining:  # (it may have begun while we linked) nothing waits
+            wait_for_key_s = 0.0
         tid = _new_id()
         wait = _PullWait(key, region, idx, self._loop.create_future(),
                          BlockSet(region.tensors, idx.numpy()))
         self._pulls[tid] = wait
         try:
             self.plane.send(link, PullRequest(transfer_id=tid, key=key, dst_dev=CPU_DEVICE,
-                                              num_blocks=len(idx), layout=list(region.layout)))
+                                              num_blocks=len(idx), layout=list(region.layout),
+                                              wait_for_key_s=wait_for_key_s))
             # While the request is out (a round trip, and the owner's work): what the
             # receive needs of the destination, so that it is not made once bytes come.
             self.engine.prepare_gpu_blocks(wait.blocks, region.layout)
@@ -590,6 +599,7 @@ class PeerTransfers:
             self.nccl.warm_up(link)
 
     def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
+        self._waiting_pulls.drop_link(link)
         for out in list(self._outgoing.values()):
             if out.link is link:
                 out.replies.put_nowait(error)
@@ -697,6 +707,7 @@ class PeerTransfers:
                         offer.num_blocks != len(pull.idx)):
                     raise ProtocolError("offer does not match the pull it answers")
                 arrival = self.engine.arrival_into(pull.key, pull.region, pull.blocks)
+                pull.offered = True
             else:
                 # Bytes already queued on a channel land next to it, if anywhere on a GPU.
                 staging = (str(eager_nccl.device) if eager_nccl is not None
@@ -837,6 +848,7 @@ class PeerTransfers:
             incoming.link.recv_channel.forget(incoming.transfer_id)
 
     def _on_cancel(self, link: PeerLink, tid: int) -> None:
+        self._waiting_pulls.drop(link, tid)
         incoming = self._incoming.get((id(link), tid))
         if incoming is not None:
             self._forget(incoming)  # its bytes, if any come, are discarded
@@ -844,10 +856,18 @@ class PeerTransfers:
         if out is not None and out.link is link:  # the puller gave up
             out.replies.put_nowait(Cancelled(f"transfer {tid} cancelled by {link.address}"))
 
-    def _on_pull_request(self, link: PeerLink, req: PullRequest) -> None:
+    def _on_pull_request(self, link: PeerLink, req: PullRequest,
+                         wait_until: float | None = None) -> None:
         tid = req.transfer_id
         try:
             item = self.engine.readable(req.key, tuple(req.layout), req.num_blocks)
+        except UnknownKey as err:
+            if wait_until is None:  # a new request: its wait starts now
+                wait_until = self._loop.time() + min(req.wait_for_key_s,
+                                                     self.engine.config.max_wait_s)
+            if not (req.wait_for_key_s and self._waiting_pulls.hold(link, req, wait_until)):
+                self._refuse(link, tid, err)
+            return
         except KvdError as err:
             self._refuse(link, tid, err)
             return
@@ -872,6 +892,35 @@ class PeerTransfers:
 
         self._spawn(serve())
 
+    def _key_appeared(self, key: str) -> None:
+        """The engine stored, published or lent ``key``: serve the pulls waiting for it, in
+        the order they came (one, if it is lent; the others wait on, to their deadline)."""
+        for pull in self._waiting_pulls.take(key):
+            self._on_pull_request(pull.link, pull.req, wait_until=pull.deadline)
+
+    def refuse_waiting_pulls(self, err: KvdError) -> int:
+        """Draining: the pulls our clients made that no owner has answered yet (they may
+        be waiting there for their key), and the peers' pulls waiting here for a key, fail
+        now, as gets waiting for a key do. Returns how many."""
+        refused = 0
+        for pull in self._waiting_pulls.take_all():
+            self._refuse(pull.link, pull.req.transfer_id, err)
+            refused += 1
+        for wait in self._pulls.values():
+            if not wait.offered and not wait.future.done():
+                wait.future.set_exception(err)  # (its task tells the owner: XferCancel)
+                refused += 1
+        return refused
+
+    def _waited_in_vain(self, pull: WaitingPull) -> None:
+        self._refuse(pull.link, pull.req.transfer_id, UnknownKey(
+            f"no key {pull.req.key!r} on {self.engine.config.node_id} within "
+            f"{pull.req.wait_for_key_s:g}s"))
+
+    @property
+    def waiting_pulls(self) -> int:
+        return len(self._waiting_pulls)
+
     def in_flight(self) -> dict[str, tuple[int, int]]:
         """Transfers with peers in progress, by direction: how many, how many bytes."""
         return {"send": (len(self._outgoing), sum(o.nbytes for o in self._outgoing.values())),
@@ -886,6 +935,7 @@ class PeerTransfers:
         return {"sent": dict(c.sent), "received": dict(c.received),
                 "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
                 "busy_replies": c.busy_replies, "in_flight_out": len(self._outgoing),
+                "pulls_waiting_for_key": self.waiting_pulls,
                 "eager_nccl_sent": c.eager_nccl_sent,
                 "eager_nccl_dropped": c.eager_nccl_dropped,
                 "in_flight_in": len(self._incoming),

@@ -47,6 +47,10 @@ from kvd.errors import BadRequest, DaemonUnavailable, KvdError, UnknownKey
 log = logging.getLogger(__name__)
 
 PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tries again
+# A pull waits at prefill's daemon for the key to be lent until this long before its own
+# deadline, so that a key that never comes is answered (UnknownKey) before the pull's
+# timeout: the load then fails with that answer, not with a timeout.
+PULL_KEY_MARGIN_S = 0.25
 RECONNECT_S = 1.0  # after the daemon went away: how often to try a restarted one
 HELLO_TIMEOUT_S = 0.2  # a reconnect attempt blocks the engine's step at most this long
 
@@ -458,8 +462,8 @@ class KvMover:
             try:
                 nbytes = load.transfer.wait(0)
             except UnknownKey:
-                # Pull flow: prefill lends the key one engine step after it answered; the
-                # decode request can get here first.
+                # Pull flow: the key did not appear while the pull waited at prefill's
+                # daemon (that daemon held too many waiting pulls, or no time was left).
                 if time.monotonic() + PULL_RETRY_S >= load.deadline:
                     raise
                 load.transfer, load.retry_at = None, time.monotonic() + PULL_RETRY_S
@@ -515,8 +519,11 @@ class KvMover:
         if order.source is None:
             load.transfer = self.client.start_get(order.key, region, blocks, timeout_s=left)
         else:
-            load.transfer = self.client.start_pull(order.key, order.source, region, blocks,
-                                                   timeout_s=left)
+            # Prefill lends one engine step after it answered, so the pull often comes
+            # first: it waits there for the key and is served the moment it is lent.
+            load.transfer = self.client.start_pull(
+                order.key, order.source, region, blocks, timeout_s=left,
+                wait_for_key_s=max(0.0, left - PULL_KEY_MARGIN_S))
 
     def _end_load(self, load: _Load) -> None:
         self._loads.pop(load.order.key, None)
