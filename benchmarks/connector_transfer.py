@@ -15,6 +15,8 @@ both movers polled every 0.5 ms as an engine's steps would:
 
 * **pull** (the default flow): prefill lends the blocks, decode's daemon pulls them.
 * **push, decode waiting**: decode has posted its load first; prefill puts to it.
+* **pull, decode first**: decode starts its pull ``EARLY_S`` before prefill lends (as in
+  vLLM, where prefill lends one engine step after it answered), timed from the lend.
 * **pull, N at once** (``--concurrent``, 8 by default, 0 to skip): N such requests, to
   distinct blocks, lent and pulled in the same step, timed from the first ``send`` to the
   last ``loaded``; what a decode engine sees when many prompts finish prefill together.
@@ -46,6 +48,7 @@ from kvd.integrations.kv_mover import KvMover, LoadOrder, Polled, SendOrder
 
 MiB = 2**20
 POLL_S = 0.0005  # how often the movers are polled: an engine polls once per step
+EARLY_S = 0.005  # pull_early: decode's pull goes out this long before prefill lends
 LAYERS, PAGE, DTYPE = 32, (8, 16, 256), torch.bfloat16
 
 
@@ -87,7 +90,7 @@ def same(p: KvMover, p_ids: list[int], d: KvMover, d_ids: list[int]) -> bool:
 
 def flows(concurrent: int) -> list[tuple[str, int]]:
     """(name, requests at once) of each flow measured."""
-    return [("pull", 1), ("push", 1)] + ([(f"pull_x{concurrent}", concurrent)]
+    return [("pull", 1), ("push", 1), ("pull_early", 1)] + ([(f"pull_x{concurrent}", concurrent)]
                                           if concurrent > 0 else [])
 
 
@@ -137,7 +140,15 @@ def kvd_side(device: str, num_blocks: int, n: int, concurrent: int, repeat: int,
                 dst = torch.randperm(num_blocks, generator=gen)[:n * at_once].view(at_once, n)
                 keys = [f"{flow}-{i}-{j}" for j in range(at_once)]
                 t0 = time.perf_counter()
-                if flow == "push":
+                if flow == "pull_early":
+                    d.load(LoadOrder(keys[0], keys[0], addr_a, n, 0, dst[0].tolist(),
+                                     timeout_s=60))
+                    d.poll()  # decode's pull is out before prefill lends
+                    time.sleep(EARLY_S)
+                    d.poll()
+                    t0 = time.perf_counter()
+                    p.send(SendOrder(keys[0], keys[0], src[0].tolist(), lease_s=60))
+                elif flow == "push":
                     d.load(LoadOrder(keys[0], keys[0], None, n, 0, dst[0].tolist(),
                                      timeout_s=60))
                     d.poll()  # decode's get is posted before prefill sends
@@ -213,7 +224,8 @@ def main() -> int:
                            "concurrent": args.concurrent, "raw": raw}
     print(f"connector data path, {device}: requests of {args.blocks} blocks x {LAYERS} "
           f"layers = {nbytes / MiB:.0f} MiB, {args.repeat} runs, GB/s best / median")
-    labels = {"pull": "kvd pull (lend + pull)", "push": "kvd push (decode waiting)"}
+    labels = {"pull": "kvd pull (lend + pull)", "push": "kvd push (decode waiting)",
+              "pull_early": "kvd pull, decode first (from the lend)"}
     for flow, at_once in measured:
         moved = nbytes * at_once
         r = raws[moved]

@@ -51,6 +51,8 @@ def figures(kind: str, result: dict[str, Any]) -> dict[str, float]:
         return {"a": result["a_ratio_median"], "b": result["b_ratio_median"],
                 "d": result["d_ratio_median"], "c_us": result["c_kvd_median_us"]}
     found = {"pull": result["pull"]["ratio_median"], "push": result["push"]["ratio_median"]}
+    if "pull_early" in result:  # (a flow added later than the others)
+        found["early"] = result["pull_early"]["ratio_median"]
     many = f"pull_x{result.get('concurrent', 0)}"  # absent before the concurrent flow
     if many in result:
         found[many] = result[many]["ratio_median"]
