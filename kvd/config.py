@@ -406,6 +406,9 @@ class Config:
     put_ttl_s: float = _opt(300.0, _SECONDS, _positive)
     max_message_bytes: int = _opt(1 * MiB, _SIZE, _at_least(4096))
     max_wait_s: float = _opt(3600.0, _SECONDS, _positive)
+    # Peers' pulls (wait_for_key_s) held at once until their key appears; past it, or at
+    # 0, a pull of a key not here yet is refused at once and the puller asks again.
+    max_waiting_pulls: int = _opt(4096, _INT, _at_least(0))
     log_level: str = _opt("info", _STR, _log_level)
     # A development aid: record timeline marks (kvd/timeline.py) and write them here on exit.
     timeline_dir: str = _opt("", _STR)

@@ -107,6 +107,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "peers": "",
         "max_message_bytes": MiB,
         "max_wait_s": 3600.0,
+        "max_waiting_pulls": 4096,
         "log_level": "info",
         "timeline_dir": "",
     }

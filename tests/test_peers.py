@@ -276,6 +276,29 @@ def test_a_pull_waits_at_the_owner_for_its_key(nodes: object) -> None:
     assert not bool(dst[6:].any())
 
 
+def test_pulls_past_max_waiting_pulls_are_refused_at_once(nodes: object) -> None:
+    """The owner holds at most ``max_waiting_pulls`` pulls; the next one gets UnknownKey
+    at once (the puller asks again), and a held one is still served when its key comes."""
+    a = nodes(1, "--max-waiting-pulls", "1")[0]  # type: ignore[operator]
+    b = nodes(1)[1]  # type: ignore[operator]
+    src = random_region(4, 5)
+    r_src = a.client.register("kv", [src])
+    dst = shared_zeros((4, BLOCK), torch.uint8)
+    r_dst = b.client.register("kv", [dst])
+    held = b.client.start_pull("k", a.address, r_dst, [0], timeout_s=20, wait_for_key_s=15)
+    deadline = time.monotonic() + 10
+    while a.client.stats()["transfers"]["pulls_waiting_for_key"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    started = time.monotonic()
+    with pytest.raises(kvd.UnknownKey):
+        b.client.pull("k", a.address, r_dst, [1], timeout_s=20, wait_for_key_s=15)
+    assert time.monotonic() - started < 10  # refused, not held to its wait
+    lent = a.client.lend("k", r_src, [3], ttl_s=30)
+    assert held.wait(10) == BLOCK and lent.wait(10) == BLOCK
+    assert torch.equal(dst[0], src[3]) and not bool(dst[1].any())
+
+
 def test_busy_then_success_and_exhausted_at_deadline(nodes: object) -> None:
     a, b = nodes(1)[0], nodes(1, "--pool-size-bytes", "4MiB")[1]  # type: ignore[operator]
     src = random_region(4, 5, 2 * 2**20)  # 2 MiB blocks

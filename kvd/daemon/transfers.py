@@ -182,7 +182,8 @@ class PeerTransfers:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         # Peers' pulls of keys we do not hold yet, held until they appear (or time out).
-        self._waiting_pulls = WaitingPulls(self._loop, self._waited_in_vain)
+        self._waiting_pulls = WaitingPulls(self._loop, engine.config.max_waiting_pulls,
+                                           self._waited_in_vain)
         engine.key_listeners.append(self._key_appeared)
 
     @property

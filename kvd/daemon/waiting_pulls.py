@@ -6,7 +6,8 @@ answered). A pull that says how long it may wait (``PullRequest.wait_for_key_s``
 here, and served the moment the key is published, lent or stored, instead of being refused
 and tried again by the puller some milliseconds later. Each waits against its own deadline
 (then it is refused with ``UnknownKey``, as a pull without a wait is at once), and at most
-``MAX_WAITING`` wait at a time: past that a pull is refused at once (the puller retries).
+``limit`` wait at a time (``max_waiting_pulls``: a timer and a request each, a few KiB at
+most): past that a pull is refused at once (the puller retries).
 
 Only bookkeeping: ``PeerTransfers`` decides what a pull gets once its key is there.
 """
@@ -20,8 +21,6 @@ from dataclasses import dataclass
 from kvd.daemon.peers import PeerLink
 from kvd.protocol import PullRequest
 
-MAX_WAITING = 4096  # a waiting pull costs a timer and its request (a few KiB at most)
-
 
 @dataclass(eq=False)
 class WaitingPull:
@@ -32,9 +31,10 @@ class WaitingPull:
 
 
 class WaitingPulls:
-    def __init__(self, loop: asyncio.AbstractEventLoop,
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int,
                  on_expired: Callable[[WaitingPull], None]) -> None:
         self._loop = loop
+        self.limit = limit
         self._on_expired = on_expired
         self._by_key: dict[str, list[WaitingPull]] = {}  # in arrival order
         self._by_id: dict[tuple[int, int], WaitingPull] = {}  # (id(link), transfer id)
@@ -46,7 +46,7 @@ class WaitingPulls:
         """Hold ``req`` until its key appears or ``deadline``; False when it cannot wait
         (no time left, or too many wait already): refuse it now."""
         ident = (id(link), req.transfer_id)
-        if (deadline <= self._loop.time() or len(self._by_id) >= MAX_WAITING
+        if (deadline <= self._loop.time() or len(self._by_id) >= self.limit
                 or ident in self._by_id):
             return False
         pull = WaitingPull(link, req, deadline)
