@@ -866,7 +866,7 @@ class PeerTransfers:
             if wait_until is None:  # a new request: its wait starts now
                 wait_until = self._loop.time() + min(req.wait_for_key_s,
                                                      self.engine.config.max_wait_s)
-            if not (req.wait_for_key_s and self._waiting_pulls.hold(link, req, wait_until)):
+            if not self._waiting_pulls.hold(link, req, wait_until):  # (no wait: refused)
                 self._refuse(link, tid, err)
             return
         except KvdError as err:

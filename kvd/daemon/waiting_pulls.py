@@ -34,7 +34,7 @@ class WaitingPulls:
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int,
                  on_expired: Callable[[WaitingPull], None]) -> None:
         self._loop = loop
-        self.limit = limit
+        self._limit = limit
         self._on_expired = on_expired
         self._by_key: dict[str, list[WaitingPull]] = {}  # in arrival order
         self._by_id: dict[tuple[int, int], WaitingPull] = {}  # (id(link), transfer id)
@@ -44,9 +44,10 @@ class WaitingPulls:
 
     def hold(self, link: PeerLink, req: PullRequest, deadline: float) -> bool:
         """Hold ``req`` until its key appears or ``deadline``; False when it cannot wait
-        (no time left, or too many wait already): refuse it now."""
+        (no time left, which a pull without a wait never has, or too many wait already):
+        refuse it now."""
         ident = (id(link), req.transfer_id)
-        if (deadline <= self._loop.time() or len(self._by_id) >= self.limit
+        if (deadline <= self._loop.time() or len(self._by_id) >= self._limit
                 or ident in self._by_id):
             return False
         pull = WaitingPull(link, req, deadline)
@@ -69,13 +70,11 @@ class WaitingPulls:
             self._forget(pull)
         return pulls
 
-    def drop(self, link: PeerLink, transfer_id: int) -> bool:
-        """The puller gave up: forget its request (nothing is sent)."""
+    def drop(self, link: PeerLink, transfer_id: int) -> None:
+        """The puller gave up: forget its request, if held (nothing is sent)."""
         pull = self._by_id.get((id(link), transfer_id))
-        if pull is None:
-            return False
-        self._forget(pull)
-        return True
+        if pull is not None:
+            self._forget(pull)
 
     def drop_link(self, link: PeerLink) -> None:
         for pull in [p for p in self._by_id.values() if p.link is link]:
