@@ -45,7 +45,8 @@ def test_sync_client_round_trip(process_daemon: ProcessDaemon) -> None:
 
 def test_block_ids_in_every_accepted_form(thread_daemon: ThreadDaemon) -> None:
     """Block ids travel packed (4 bytes each): a list, a tuple, a range, a generator, a
-    numpy array of any integer dtype and a torch tensor name the same blocks."""
+    numpy array of any integer dtype, a list of numpy integers and a torch tensor name
+    the same blocks."""
     import numpy as np
 
     with KvdClient(thread_daemon.socket_path) as c:
@@ -53,7 +54,8 @@ def test_block_ids_in_every_accepted_form(thread_daemon: ThreadDaemon) -> None:
         r_src, r_dst = c.register("src", [src]), c.register("dst", [dst])
         wanted = [299, 0, 7, 256, 8, 9]
         forms = [wanted, tuple(wanted), (b for b in wanted), np.array(wanted, np.uint16),
-                 np.array(wanted, np.int64), torch.tensor(wanted, dtype=torch.int32)]
+                 np.array(wanted, np.int64), [np.int32(b) for b in wanted],
+                 torch.tensor(wanted, dtype=torch.int32)]
         for i, ids in enumerate(forms):
             dst.zero_()
             c.offload(f"k{i}", r_src, ids)

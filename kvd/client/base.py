@@ -8,10 +8,12 @@ arguments and results.
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,13 +131,23 @@ def connect_unix(socket_path: str, timeout_s: float) -> socket.socket:
 
 
 _MAX_BLOCK_ID = 2**32 - 1
+# array("I") is the wire's packing (4 bytes, little-endian) on the machines kvd runs on.
+_ARRAY_PACKS = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 def _blocks(blocks: Iterable[int]) -> bytes:
     """Block ids packed for the wire (``protocol.pack_block_ids``), checked here: a flat
     sequence of integers in [0, 2**32). A list, a range, a numpy array or a torch tensor
-    (any device); numpy does the work, so 1024 ids cost ~20 us from a list (converting
-    them one by one took ~50), ~2 us from an array."""
+    (any device); 1024 ids cost ~6 us from a list, ~2 us from an array."""
+    if isinstance(blocks, list | tuple) and _ARRAY_PACKS and blocks and (
+            type(blocks[0]) is not bool):
+        # A list of ints the cheap way: array checks each is an int in [0, 2**32) in C
+        # (1024 ids: ~6 us against ~26 through numpy; one id: 0.2 against 3). Anything it
+        # refuses goes the numpy way below, which says what is wrong.
+        try:
+            return array.array("I", blocks).tobytes()
+        except (OverflowError, TypeError):
+            pass
     if isinstance(blocks, range):
         ids = np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
     else:
