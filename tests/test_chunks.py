@@ -92,6 +92,13 @@ def test_packed_buffers_and_direct_chunks() -> None:
     for chunk, first in zip(plan_chunks(layout, 8, 4 * KIB), (4, 0), strict=True):
         direct = halves.direct(chunk, torch.device("cpu"))
         assert direct is not None and direct.data_ptr() == src[0][first].data_ptr()
+        assert torch.equal(direct, src[0][first : first + 4].reshape(-1).view(torch.uint8))
+    # Rows of a wider tensor (not contiguous): one block is a run of memory, two are not.
+    rows = [torch.arange(16 * 512, dtype=torch.int32).view(16, 512)[:, :256]]
+    one, two = plan_chunks(layout, 1, KIB)[0], plan_chunks(layout, 2, 8 * KIB)[0]
+    found = BlockSet(rows, ids_of([5])).direct(one, torch.device("cpu"))
+    assert found is not None and torch.equal(found, rows[0][5].view(torch.uint8))
+    assert BlockSet(rows, ids_of([5, 6])).direct(two, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("n", [8, 200])  # short segments checked in Python, long by numpy
