@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_block_ids_in_every_accepted_form(thread_daemon: ThreadDaemon) -> None:
         src, dst = fill_random((300, 64), 3), shared_zeros((300, 64), torch.uint8)
         r_src, r_dst = c.register("src", [src]), c.register("dst", [dst])
         wanted = [299, 0, 7, 256, 8, 9]
-        forms = [wanted, tuple(wanted), (b for b in wanted), np.array(wanted, np.uint16),
+        forms: list[Any] = [wanted, tuple(wanted), (b for b in wanted), np.array(wanted, np.uint16),
                  np.array(wanted, np.int64), [np.int32(b) for b in wanted],
                  torch.tensor(wanted, dtype=torch.int32)]
         for i, ids in enumerate(forms):

@@ -101,7 +101,7 @@ class BlockSet:
     _consecutive: bool | None = field(default=None, repr=False)
     _direct: dict[tuple[int, torch.device], tuple[tuple[Chunk, ...], list[torch.Tensor | None]]
                   ] = field(default_factory=dict, repr=False)
-    _flats: dict[int, torch.Tensor | bool] = field(default_factory=dict, repr=False)
+    _flats: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         # The daemon's ids come as int64 arrays (Region.block_index): no copy then.
@@ -203,12 +203,10 @@ class BlockSet:
     def _flat(self, tensor: int) -> torch.Tensor | None:
         """Tensor ``tensor`` as one flat uint8 view, if it is contiguous (block ``i``'s
         bytes are then at ``i * bytes_per_block``); made once per block set."""
-        found = self._flats.get(tensor)
-        if found is None:
+        if tensor not in self._flats:
             t = self.tensors[tensor]
-            found = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else False
-            self._flats[tensor] = found
-        return found if found is not False else None
+            self._flats[tensor] = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+        return self._flats[tensor]
 
     def block_map(self, device: torch.device) -> BlockMap | None:
         """The map for one-launch copies on ``device``, if the memory allows it (see
