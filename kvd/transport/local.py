@@ -300,22 +300,39 @@ def _finish_writes(*written: torch.Tensor) -> None:
     complete (nothing on the client's streams waits for the daemon's), and a pool item's
     host bytes are read by threads that follow no stream. The wait runs in this worker
     thread, never on the loop, per device written; the worker runs one copy at a time
-    anyway. (Copies between GPU regions that the loop queues skip it: it polls an event
-    recorded after them, ``copy_gpu_blocks_queued``; only blocks the copy kernel cannot
-    describe come here.) A daemon-side interprocess event the client waits on would
+    anyway, on streams of its own (``CopyWorker``), so this waits for its copies only.
+    (Copies between GPU regions that the loop queues skip it: it polls an event recorded
+    after them, ``copy_gpu_blocks_queued``; only blocks the copy kernel cannot describe
+    come here.) A daemon-side interprocess event the client waits on would
     remove it (next steps in docs/architecture.md)."""
     for device in {t.device for t in written if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 
 
 class CopyWorker:
-    """One thread running copy jobs in order; stopped by a sentinel, never abandoned."""
+    """One thread running copy jobs in order; stopped by a sentinel, never abandoned.
+
+    Its GPU work goes on streams of its own, one per GPU, made current for this thread
+    once CUDA is in use (a current stream is per thread): on the devices' default streams
+    a 1 GiB offload (~20 ms at PCIe speed) would hold up every copy the loop queues behind
+    it, and ``_finish_writes`` would wait for those copies in turn. The clients' ready
+    events (``wait_ready``) are waited for on these streams like any current stream."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._own_streams = False
         self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
+
+    def _use_own_streams(self) -> None:
+        """Once CUDA is in use (never on a daemon without GPUs): a stream per GPU, current
+        for this thread from now on."""
+        if self._own_streams or not torch.cuda.is_initialized():
+            return
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.set_stream(torch.cuda.Stream(index))
+        self._own_streams = True
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(*args)``; cancelling the future before it starts skips the job."""
@@ -332,6 +349,7 @@ class CopyWorker:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
+                self._use_own_streams()
                 fut.set_result(fn(*args))
             except BaseException as exc:
                 log.debug("copy job failed worker=%s: %r", self.name, exc)
