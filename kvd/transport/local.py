@@ -300,7 +300,9 @@ def _finish_writes(*written: torch.Tensor) -> None:
     complete (nothing on the client's streams waits for the daemon's), and a pool item's
     host bytes are read by threads that follow no stream. The wait runs in this worker
     thread, never on the loop, per device written; the worker runs one copy at a time
-    anyway, on streams of its own (``CopyWorker``), so this waits for its copies only.
+    anyway, on streams of its own (``CopyWorker``), so this waits for its copies only
+    (the next job's copy would queue behind this one on the same stream and PCIe link:
+    the wait costs the worker's CPU overlap, not bandwidth).
     (Copies between GPU regions that the loop queues skip it: it polls an event recorded
     after them, ``copy_gpu_blocks_queued``; only blocks the copy kernel cannot describe
     come here.) A daemon-side interprocess event the client waits on would
