@@ -22,8 +22,9 @@ setup is the one place a blocking call can wait on the peer; it is bounded two w
 ``ncclCommRevoke`` from the watchdog; a dead one by NCCL's socket retries, which kvd caps
 (``NCCL_SOCKET_RETRY_CNT``/``_SLEEP_MSEC``, see ``bound_socket_retries``; with 3 x 50 ms
 the call failed after 0.3 s instead of ~60 s). An abort from another thread while a call
-is in progress revokes instead, and the calling thread aborts when the call returns
-(aborting under a thread inside NCCL took the process down in an earlier probe).
+is in progress revokes instead (outside the communicator's lock), and whichever of the two
+threads finishes last aborts: never under a thread inside NCCL (that took the process down
+in an earlier probe), and a call that returns during the ~0.5 s revoke does not wait for it.
 
 Buffers must be contiguous ``uint8`` CUDA tensors (nccl4py does not check contiguity, and
 sends ``numel()`` elements from ``data_ptr()``). nccl4py is imported on first use, so CPU
@@ -132,7 +133,10 @@ class Communicator:
         self.aborted = False
         self._state = threading.Lock()  # guards the three below and the abort
         self._caller: int | None = None  # the thread inside a call, if any
-        self._abort_deferred = False  # abort when that call returns (it was revoked)
+        # An abort that found a call in progress revokes first; whichever of the revoking
+        # thread and the calling thread finishes last then aborts (see ``abort``).
+        self._abort_deferred = False
+        self._revoking = False
 
     @classmethod
     def init(cls, unique_id: bytes, rank: int, timeout_s: float, name: str,
@@ -288,7 +292,11 @@ class Communicator:
         aborted for real now, by this thread, if that abort had to wait for the call)."""
         with self._state:
             self._caller = None
-            deferred, self._abort_deferred = self._abort_deferred, False
+            # While the revoke is still running its thread aborts when it ends: the caller
+            # (often the event loop, in an inline job's ~50 us call) does not wait for it.
+            deferred = self._abort_deferred and not self._revoking
+            if deferred:
+                self._abort_deferred = False
             aborted = self.aborted
         if deferred:
             self._abort_now()
@@ -341,14 +349,25 @@ class Communicator:
             if self.aborted:
                 return
             self.aborted = True
-            if self._caller is not None and self._caller != threading.get_ident():
-                self._abort_deferred = True
-                try:
-                    self._comm.revoke()  # ~0.5 s; the call returns (or its retries end)
-                except Exception as exc:
-                    log.warning("nccl revoke of %s reported %r", self.name, exc)
-                log.warning("nccl communicator %s revoked under a call in progress",
-                            self.name)
+            revoke = self._caller is not None and self._caller != threading.get_ident()
+            if revoke:
+                self._abort_deferred = self._revoking = True
+        if revoke:
+            # Outside the lock: the revoke takes ~0.5 s, and a call that returns meanwhile
+            # must not wait for it (the loop would stall that long).
+            try:
+                self._comm.revoke()  # the call returns (or its retries end)
+            except Exception as exc:
+                log.warning("nccl revoke of %s reported %r", self.name, exc)
+            log.warning("nccl communicator %s revoked under a call in progress", self.name)
+            with self._state:
+                self._revoking = False
+                # The call returned during the revoke: abort here. Still in it: it aborts
+                # when it returns (never under a thread inside NCCL).
+                revoke = self._abort_deferred and self._caller is None
+                if revoke:
+                    self._abort_deferred = False
+            if not revoke:
                 return
         self._abort_now()
 
