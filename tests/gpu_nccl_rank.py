@@ -41,7 +41,8 @@ def main(rank: int, mode: str, xdir: str, calls: str) -> dict[str, Any]:
 
     from kvd.transport.nccl import Communicator, nccl_version, new_unique_id
 
-    torch.cuda.set_device(rank)
+    device = rank if torch.cuda.device_count() >= 2 else 0  # one GPU: both share it
+    torch.cuda.set_device(device)
     if rank == 0:
         uid = new_unique_id()
         _write_file(f"{xdir}/uid", uid)
@@ -56,11 +57,11 @@ def main(rank: int, mode: str, xdir: str, calls: str) -> dict[str, Any]:
                              blocking_calls=blocking, connect=stream)
     result: dict[str, Any] = {"rank": rank, "init_s": round(time.perf_counter() - t0, 3),
                               "nccl": nccl_version(), "blocking": comm.blocking}
-    gen = torch.Generator(device=f"cuda:{rank}").manual_seed(11)
+    gen = torch.Generator(device=f"cuda:{device}").manual_seed(11)
     if rank == 0:
-        buf = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=rank, generator=gen)
+        buf = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=device, generator=gen)
     else:
-        buf = torch.empty(NBYTES, dtype=torch.uint8, device=rank)
+        buf = torch.empty(NBYTES, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
     event = torch.cuda.Event()
     op = comm.send if rank == 0 else comm.recv
@@ -73,8 +74,8 @@ def main(rank: int, mode: str, xdir: str, calls: str) -> dict[str, Any]:
             result[f"s{i}"] = round(time.perf_counter() - t0, 5)
         result["gbps"] = round(NBYTES / result["s3"] / 1e9, 1)
         if rank == 1:
-            ref = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=rank,
-                                generator=torch.Generator(device="cuda:1").manual_seed(11))
+            ref = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=device,
+                                generator=torch.Generator(device=f"cuda:{device}").manual_seed(11))
             result["equal"] = bool(torch.equal(ref, buf))
         comm.abort()  # done: no blocking destroy
         return result
@@ -97,7 +98,7 @@ def main(rank: int, mode: str, xdir: str, calls: str) -> dict[str, Any]:
                 killed_at = time.monotonic()
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    x = torch.ones(1 << 20, device=rank)
+    x = torch.ones(1 << 20, device=device)
     result.update(sent=sent, error=error, aborted=comm.aborted,
                   detected_s=round(time.monotonic() - killed_at, 3) if killed_at else None,
                   gpu_usable=float(x.sum().item()) == float(1 << 20))
@@ -122,7 +123,7 @@ def _unconnected_peer(communicator: Any, uid: bytes, rank: int, mode: str, xdir:
                           blocking_calls=True, connect=stream)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    x = torch.ones(1 << 20, device=rank)
+    x = torch.ones(1 << 20, device=torch.cuda.current_device())
     return {"error": error, "failed_after_s": round(time.monotonic() - started, 3),
             "gpu_usable": float(x.sum().item()) == float(1 << 20)}
 

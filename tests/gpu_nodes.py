@@ -1,4 +1,11 @@
-"""`kvd serve` subprocesses for the GPU tests (one GPU each, or all of them)."""
+"""`kvd serve` subprocesses for the GPU tests (one GPU each, or all of them).
+
+On a host with one GPU the tests of two daemons run both on that GPU: each is told it is a
+host of its own (``NCCL_HOSTID``), so NCCL connects them as it would two nodes, over its
+socket transport on loopback (NCCL refuses two ranks of one host on one GPU). Bytes,
+protocol and failures are those between nodes; the speed is not (no NVLink), so the
+benchmarks still need two GPUs.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +30,25 @@ class Node:
     log_path: str
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def node_gpus() -> tuple[int, int]:
+    """The GPUs of the two daemons a test starts: one each, or both on the only one."""
+    return (0, 1) if gpu_count() >= 2 else (0, 0)
+
+
+def nccl_env(name: str) -> dict[str, str]:
+    """What a process of NCCL rank ``name`` needs in its environment to share the one
+    GPU of a one-GPU host with the other rank (see the module's docstring)."""
+    if gpu_count() >= 2:
+        return {}
+    return {"NCCL_HOSTID": f"kvd-test-{name}", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,13 +62,13 @@ def start_node(gpu: int | None, *extra: str, ports: tuple[int, int] | None = Non
     sock = os.path.join(tmp, "kvd.sock")
     peer_port, data_port = ports or (free_port(), free_port())
     log_path = os.path.join(tmp, "log")
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", **nccl_env(os.path.basename(tmp))}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock,
-             "--node-id", f"gpu{gpu}", "--peer-port", str(peer_port), "--data-port",
+             "--node-id", f"gpu{gpu}-{peer_port}", "--peer-port", str(peer_port), "--data-port",
              str(data_port), "--http-port", "0", "--pool-size-bytes", "1GiB",
              "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2", *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env)

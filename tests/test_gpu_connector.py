@@ -1,8 +1,9 @@
 """The vLLM connector's data path (``KvMover``) with CUDA KV tensors laid out as vLLM 0.32
 lays them out (one allocation, a strided view per layer, blocks on dim 0), between two
 daemons, one per GPU, over NCCL: lend + pull, a local prefix hit (through GPU staging), and
-push. Skipped without two GPUs and nccl4py; vLLM itself is not needed (its engine wheel
-does not fit the GPU machine)."""
+push. Skipped without a GPU and nccl4py (with one, both daemons share it:
+tests/gpu_nodes.py); vLLM itself is not needed (its engine wheel does not fit the GPU
+machine)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ import torch
 import kvd
 from kvd.integrations.kv_mover import KvMover, LoadOrder, Polled, SendOrder
 from kvd.transport.nccl import nccl_available
-from tests.gpu_nodes import Node, start_node, stop_node
+from tests.gpu_nodes import Node, node_gpus, start_node, stop_node
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and nccl_available()),
-    reason="needs two GPUs and nccl4py")]
+    not (torch.cuda.is_available() and nccl_available()), reason="needs a GPU and nccl4py")]
+GPU_A, GPU_B = node_gpus()
 
 NUM_BLOCKS, LAYERS = 256, 32
 PAGE = (8, 16, 256)  # kv heads, block size, 2 * head size (bf16): 64 KiB per block per layer
@@ -35,14 +36,14 @@ def vllm_like_kv(device: str, seed: int) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def movers() -> Iterator[tuple[Node, KvMover, Node, KvMover]]:
-    a = start_node(0)
-    b = start_node(1)
+    a = start_node(GPU_A)
+    b = start_node(GPU_B)
     clients = [kvd.KvdClient(a.sock, name="prefill"), kvd.KvdClient(b.sock, name="decode")]
     try:
         for c in clients:
             c.connect()
-        p = KvMover(clients[0], vllm_like_kv("cuda:0", 1), NUM_BLOCKS, staging_blocks=64)
-        d = KvMover(clients[1], vllm_like_kv("cuda:1", 2), NUM_BLOCKS, staging_blocks=64)
+        p = KvMover(clients[0], vllm_like_kv(f"cuda:{GPU_A}", 1), NUM_BLOCKS, staging_blocks=64)
+        d = KvMover(clients[1], vllm_like_kv(f"cuda:{GPU_B}", 2), NUM_BLOCKS, staging_blocks=64)
         assert p.direct and d.direct
         yield a, p, b, d
         p.close()
@@ -67,8 +68,8 @@ def until(movers_: list[KvMover], done: object, timeout_s: float = 30) -> Polled
 
 
 def same(p: KvMover, p_ids: list[int], d: KvMover, d_ids: list[int]) -> bool:
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
+    torch.cuda.synchronize(GPU_A)
+    torch.cuda.synchronize(GPU_B)
     return all(torch.equal(dl[d_ids].cpu(), pl[p_ids].cpu())
                for pl, dl in zip(p.layers, d.layers, strict=True))
 

@@ -1,5 +1,6 @@
 """Two daemons on one host, one per GPU, treated as separate nodes: KV blocks move between
-GPU regions over NCCL channels (skipped without two GPUs and nccl4py). Every transfer is
+GPU regions over NCCL channels (skipped without a GPU and nccl4py; with one GPU both
+daemons share it, see tests/gpu_nodes.py). Every transfer is
 checked byte for byte; a peer killed mid-stream fails the sender within its bound, and a
 restarted peer works again."""
 
@@ -18,11 +19,12 @@ import torch
 
 import kvd
 from kvd.transport.nccl import nccl_available
-from tests.gpu_nodes import Node, free_port, start_node, stop_node
+from tests.gpu_nodes import Node, free_port, gpu_count, node_gpus, start_node, stop_node
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and nccl_available()),
-    reason="needs two GPUs and nccl4py")]
+    not (torch.cuda.is_available() and nccl_available()), reason="needs a GPU and nccl4py")]
+GPU_A, GPU_B = node_gpus()  # the daemons' GPUs (the same one on a one-GPU host)
+DEV_A, DEV_B = f"cuda:{GPU_A}", f"cuda:{GPU_B}"  # as this process names them
 
 SHAPE = (128, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
 LAYERS = 8
@@ -30,9 +32,9 @@ LAYERS = 8
 
 @contextlib.contextmanager
 def two_nodes(*extra: str) -> Iterator[tuple[Node, Node]]:
-    a = start_node(0, *extra)
+    a = start_node(GPU_A, *extra)
     try:
-        b = start_node(1, *extra)
+        b = start_node(GPU_B, *extra)
         try:
             yield a, b
         finally:
@@ -70,7 +72,7 @@ def test_put_get_pull_between_gpu_regions_over_nccl() -> None:
     with two_nodes("--nccl-warm-up", "off") as (a, b), \
             kvd.KvdClient(a.sock, timeout_s=60) as ca, \
             kvd.KvdClient(b.sock, timeout_s=60) as cb:
-        src, dst = kv_layers("cuda:0", 1), zeros("cuda:1")
+        src, dst = kv_layers(DEV_A, 1), zeros(DEV_B)
         torch.cuda.synchronize()
         r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
         # 1. get waiting on B, then the put from A: straight into the get's blocks
@@ -119,7 +121,7 @@ def test_put_get_pull_between_gpu_regions_over_nccl() -> None:
         assert_moved(src, [7, 3, 5], dst, [100, 101, 102])
 
         # 4. the other direction: B -> A, a new channel pair
-        back = zeros("cuda:0")
+        back = zeros(DEV_A)
         torch.cuda.synchronize()
         r_back = ca.register("back", back)
         cb.put("k4", r_dst, [100, 101, 102], to=a.address).wait(60)
@@ -132,9 +134,9 @@ def test_channels_are_warmed_up_when_a_peer_links() -> None:
     """nccl_warm_up = matching (the default): when a link comes up (here at start, from
     ``peers``) each side makes its receive channel from the other's cuda:0 and both move
     one small message on it; the first transfers each way then use those channels."""
-    b = start_node(1)
+    b = start_node(GPU_B)
     try:
-        a = start_node(0, "--peers", b.address)
+        a = start_node(GPU_A, "--peers", b.address)
         try:
             with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                     kvd.KvdClient(b.sock, timeout_s=60) as cb:
@@ -151,8 +153,8 @@ def test_channels_are_warmed_up_when_a_peer_links() -> None:
                     s = nccl_stats(c)
                     assert s["created"] == 2 and s["failed"] == 0
                     assert sorted(ch["direction"] for ch in s["channels"]) == ["recv", "send"]
-                src, dst = kv_layers("cuda:0", 4), zeros("cuda:1")
-                back = zeros("cuda:0")
+                src, dst = kv_layers(DEV_A, 4), zeros(DEV_B)
+                back = zeros(DEV_A)
                 torch.cuda.synchronize()
                 r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
                 r_back = ca.register("back", back)
@@ -177,10 +179,10 @@ def test_eager_sends_and_dropped_offers_keep_channels_in_step() -> None:
     (BUSY again until its deadline here). The channels stay in step and in use: the next
     transfers are byte-exact and no channel was made again or failed."""
     flags = ("--gpu-staging-bytes", "2MiB", "--pool-size-bytes", "4MiB")
-    b = start_node(1, *flags)
+    b = start_node(GPU_B, *flags)
     a: Node | None = None
     try:
-        a = start_node(0, *flags, "--peers", b.address)  # linked, channels warmed, at start
+        a = start_node(GPU_A, *flags, "--peers", b.address)  # linked, channels warmed, at start
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb:
             _eager_and_dropped(b, ca, cb)
@@ -192,7 +194,7 @@ def test_eager_sends_and_dropped_offers_keep_channels_in_step() -> None:
 
 def _eager_and_dropped(b: Node, ca: kvd.KvdClient, cb: kvd.KvdClient) -> None:
     wait_warm(ca, cb)
-    src, dst = kv_layers("cuda:0", 5), zeros("cuda:1")
+    src, dst = kv_layers(DEV_A, 5), zeros(DEV_B)
     torch.cuda.synchronize()
     r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
     ca.put("k1", r_src, [3, 8, 1], to=b.address).wait(60)  # 768 KiB: GPU staging
@@ -221,14 +223,14 @@ def test_inline_and_threaded_jobs_share_channels() -> None:
     one while the other does the other: a grouped send meets receives issued one by one
     and the other way round. Concurrent puts also queue behind an inline job. Every
     transfer is byte-exact and no channel fails."""
-    b = start_node(1, "--nccl-chunk-bytes", "1MiB")
+    b = start_node(GPU_B, "--nccl-chunk-bytes", "1MiB")
     a: Node | None = None
     try:
-        a = start_node(0, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
+        a = start_node(GPU_A, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb:
             wait_warm(ca, cb)
-            src, dst = kv_layers("cuda:0", 7), zeros("cuda:1")
+            src, dst = kv_layers(DEV_A, 7), zeros(DEV_B)
             torch.cuda.synchronize()
             r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
             run, scattered = list(range(32)), list(range(127, 63, -2))  # 32 blocks: 8 chunks
@@ -291,14 +293,14 @@ def test_consecutive_transfers_overlap_on_a_channel() -> None:
     Eight puts at once, of blocks that need staging on either end, neither, or both (four
     1 MiB chunks each, so each job cycles through both buffers twice); every one of them
     byte-exact."""
-    b = start_node(1, "--nccl-chunk-bytes", "1MiB")
+    b = start_node(GPU_B, "--nccl-chunk-bytes", "1MiB")
     a: Node | None = None
     try:
-        a = start_node(0, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
+        a = start_node(GPU_A, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb:
             wait_warm(ca, cb)
-            src, dst = kv_layers("cuda:0", 11), zeros("cuda:1")
+            src, dst = kv_layers(DEV_A, 11), zeros(DEV_B)
             torch.cuda.synchronize()
             r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
             # One staged transfer first: the channels' staging grows (in their threads).
@@ -391,7 +393,7 @@ def test_many_chunks_and_spill_to_host_pool() -> None:
     with two_nodes("--nccl-chunk-bytes", "1MiB", "--gpu-staging-bytes", "2MiB") as (a, b), \
             kvd.KvdClient(a.sock, timeout_s=60) as ca, \
             kvd.KvdClient(b.sock, timeout_s=60) as cb:
-        src, dst = kv_layers("cuda:0", 2), zeros("cuda:1")
+        src, dst = kv_layers(DEV_A, 2), zeros(DEV_B)
         torch.cuda.synchronize()
         r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
         ca.put("small", r_src, [9, 1], to=b.address).wait(60)  # 512 KiB: GPU staging
@@ -408,12 +410,12 @@ def test_many_chunks_and_spill_to_host_pool() -> None:
 
 def test_peer_killed_mid_stream_then_restarted() -> None:
     b_ports = (free_port(), free_port())
-    a = start_node(0)
-    b = start_node(1, ports=b_ports)
+    a = start_node(GPU_A)
+    b = start_node(GPU_B, ports=b_ports)
     try:
         with kvd.KvdClient(a.sock, timeout_s=60) as ca:
             src = [torch.randint(0, 255, (64, 8 * 2**20), dtype=torch.uint8,
-                                 device="cuda:0")]  # 512 MiB
+                                 device=DEV_A)]  # 512 MiB
             torch.cuda.synchronize()
             r_src = ca.register("src", src)
             ca.put("warm", r_src, [0], to=b.address).wait(60)  # channel up
@@ -443,9 +445,9 @@ def test_peer_killed_mid_stream_then_restarted() -> None:
             assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
             assert detected < 10
             # A restarted peer (same address) works again, on a new channel.
-            b = start_node(1, ports=b_ports)
+            b = start_node(GPU_B, ports=b_ports)
             with kvd.KvdClient(b.sock, timeout_s=60) as cb:
-                dst = [torch.zeros_like(src[0], device="cuda:1")]
+                dst = [torch.zeros_like(src[0], device=DEV_B)]
                 torch.cuda.synchronize()
                 r_dst = cb.register("dst", dst)
                 deadline = time.monotonic() + 30
@@ -466,10 +468,10 @@ def test_peer_killed_mid_stream_then_restarted() -> None:
 
 
 def test_same_gpu_local_copy() -> None:
-    node = start_node(0)
+    node = start_node(GPU_A)
     try:
         with kvd.KvdClient(node.sock, timeout_s=60) as c:
-            src, dst = kv_layers("cuda:0", 5), zeros("cuda:0")
+            src, dst = kv_layers(DEV_A, 5), zeros(DEV_A)
             torch.cuda.synchronize()
             r_src, r_dst = c.register("src", src), c.register("dst", dst)
             c.put("k", r_src, [1, 2, 3, 50], ttl_s=60).wait(60)
@@ -488,22 +490,22 @@ def test_one_launch_gather_and_scatter_on_gpu() -> None:
 
     if not gpu_copy.available():
         pytest.skip("no triton here")
-    gen = torch.Generator(device="cuda:1").manual_seed(11)
-    src = [torch.randint(0, 2**15, (96, 64, 1024), generator=gen, device="cuda:1",
+    gen = torch.Generator(device=DEV_B).manual_seed(11)
+    src = [torch.randint(0, 2**15, (96, 64, 1024), generator=gen, device=DEV_B,
                          dtype=torch.int16),  # 128 KiB blocks: two pieces each
-           torch.randint(0, 255, (96, 40 * 1024), generator=gen, device="cuda:1",
+           torch.randint(0, 255, (96, 40 * 1024), generator=gen, device=DEV_B,
                          dtype=torch.uint8)]  # 40 KiB blocks
     layout = tuple(LayoutEntry(t[0].numel() * t.element_size(), "uint8") for t in src)
     ids_in = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:50].tolist()
     ids_out = torch.randperm(96, generator=torch.Generator().manual_seed(2))[:50].tolist()
     dst = [torch.zeros_like(t) for t in src]
     chunks = plan_chunks(layout, 50, 1 << 20)
-    staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device="cuda:1")
+    staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device=DEV_B)
     reader, writer = BlockSet(src, np.array(ids_in)), BlockSet(dst, np.array(ids_out))
     for chunk in chunks:
         writer.store(chunk, reader.load(chunk, staging))
     torch.cuda.synchronize()
-    assert reader._maps[torch.device("cuda:1")] is not None  # the kernel was used
+    assert reader._maps[torch.device(DEV_B)] is not None  # the kernel was used
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[ids_out], s[ids_in])
         others = [i for i in range(96) if i not in ids_out]
@@ -521,6 +523,10 @@ def test_local_copies_between_regions_of_one_node(pair: tuple[str, str, bool]) -
     from kvd.transport import local
 
     src_dev, dst_dev, peer = pair
+    if gpu_count() < 2:  # the copy within one GPU still runs, on the only one
+        if src_dev != dst_dev:
+            pytest.skip("needs two GPUs")
+        src_dev = dst_dev = "cuda:0"
     if src_dev != dst_dev and peer:
         from kvd.transport import gpu_copy
 
@@ -566,9 +572,9 @@ def test_reads_wait_for_the_clients_queued_writes() -> None:
     behind ~100 ms of GPU work, so reading early would see the previous values."""
     with two_nodes() as (a, b), kvd.KvdClient(a.sock, timeout_s=60) as ca, \
             kvd.KvdClient(b.sock, timeout_s=60) as cb:
-        src = torch.zeros((16, 2**20), dtype=torch.uint8, device="cuda:0")
+        src = torch.zeros((16, 2**20), dtype=torch.uint8, device=DEV_A)
         here = torch.zeros_like(src)
-        there = torch.zeros_like(src, device="cuda:1")
+        there = torch.zeros_like(src, device=DEV_B)
         torch.cuda.synchronize()
         r_src, r_here, r_there = (ca.register("src", [src]), ca.register("here", [here]),
                                   cb.register("there", [there]))

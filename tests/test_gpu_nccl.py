@@ -1,4 +1,5 @@
-"""The NCCL adapter on two GPUs in two processes (skipped without 2 GPUs and nccl4py):
+"""The NCCL adapter on two GPUs in two processes (skipped without a GPU and nccl4py; with
+one GPU both ranks share it, each told it is a host of its own, see tests/gpu_nodes.py):
 bytes arrive intact, and a peer that dies mid-transfer is caught by the deadline, the
 communicator is aborted promptly, and the GPU stays usable; with blocking calls and with
 non-blocking ones. With blocking calls, a peer that splits but never connects (silent, or
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvd.transport.nccl import nccl_available
+from tests.gpu_nodes import nccl_env
 
 pytestmark = pytest.mark.gpu
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_nccl_rank.py")
@@ -28,15 +30,16 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-requires_two_gpus = pytest.mark.skipif(
-    not nccl_available() or _gpus() < 2, reason="needs 2 CUDA GPUs and nccl4py")
+requires_gpus = pytest.mark.skipif(
+    not nccl_available() or _gpus() < 1, reason="needs a CUDA GPU and nccl4py")
 
 
 def _start(mode: str, xdir: str, calls: str = "blocking") -> list[subprocess.Popen[str]]:
     root = os.path.dirname(os.path.dirname(RANK))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    return [subprocess.Popen([sys.executable, RANK, str(r), mode, xdir, calls], env=env,
-                             stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    return [subprocess.Popen([sys.executable, RANK, str(r), mode, xdir, calls],
+                             env={**env, **nccl_env(f"rank{r}")}, stdout=subprocess.PIPE,
+                             text=True) for r in (0, 1)]
 
 
 def _result(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
@@ -48,7 +51,7 @@ def _result(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, An
 CALLS = pytest.mark.parametrize("calls", ["blocking", "nonblocking"])
 
 
-@requires_two_gpus
+@requires_gpus
 @CALLS
 def test_nccl_send_recv_between_two_gpus(tmp_path: Any, calls: str) -> None:
     procs = _start("once", str(tmp_path), calls)
@@ -63,7 +66,7 @@ def test_nccl_send_recv_between_two_gpus(tmp_path: Any, calls: str) -> None:
                 p.kill()
 
 
-@requires_two_gpus
+@requires_gpus
 @CALLS
 def test_nccl_peer_death_is_caught_by_the_deadline(tmp_path: Any, calls: str) -> None:
     procs = _start("until-killed", str(tmp_path), calls)
@@ -85,7 +88,7 @@ def test_nccl_peer_death_is_caught_by_the_deadline(tmp_path: Any, calls: str) ->
                 p.kill()
 
 
-@requires_two_gpus
+@requires_gpus
 @pytest.mark.parametrize("mode", ["silent-peer", "dead-peer"])
 def test_blocking_connection_setup_to_a_peer_that_never_connects_is_bounded(
         tmp_path: Any, mode: str) -> None:
