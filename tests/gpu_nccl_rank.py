@@ -77,6 +77,12 @@ def main(rank: int, mode: str, xdir: str, calls: str) -> dict[str, Any]:
             ref = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=device,
                                 generator=torch.Generator(device=f"cuda:{device}").manual_seed(11))
             result["equal"] = bool(torch.equal(ref, buf))
+            _write_file(f"{xdir}/received", b"1")
+        else:
+            # A send is complete once its bytes have left: over NCCL's socket transport
+            # (one GPU, see gpu_nodes.py) they may still be on their way, and an abort now
+            # would cut the receiver off.
+            _wait_file(f"{xdir}/received")
         comm.abort()  # done: no blocking destroy
         return result
     if rank == 1:
