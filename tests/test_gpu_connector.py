@@ -91,7 +91,7 @@ def test_connector_data_path_over_nccl() -> None:
         assert same(p, src, d, dst)
         nbytes = len(src) * p.block_bytes
         print(f"\nconnector data path, lend+pull of 64 blocks x {LAYERS} layers "
-              f"({nbytes / 2**20:.0f} MiB) GPU0 -> GPU1: "
+              f"({nbytes / 2**20:.0f} MiB) GPU{GPU_A} -> GPU{GPU_B}: "
               + ", ".join(f"{t * 1e3:.1f} ms" for t in timings)
               + f"; best {nbytes / min(timings) / 1e9:.1f} GB/s")
 

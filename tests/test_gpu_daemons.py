@@ -387,6 +387,58 @@ def peer_devices(c: kvd.KvdClient, address: str) -> list[str]:
     return []
 
 
+def test_channels_past_the_cap_are_evicted_least_recently_used_first() -> None:
+    """nccl_max_channels = 1 on A, which sends to B, then C, then B: each new send channel
+    evicts the idle one before it (CHANNEL_DOWN to its peer, which drops its end), and every
+    transfer is byte-exact. Then puts to B and C at once: a channel whose send has not been
+    confirmed by its receiver is not idle, so neither is evicted under the other (the cap
+    is passed instead), and nothing fails."""
+    b = start_node(GPU_B, "--nccl-warm-up", "off")
+    c: Node | None = None
+    a: Node | None = None
+    try:
+        c = start_node(GPU_B, "--nccl-warm-up", "off")
+        a = start_node(GPU_A, "--nccl-warm-up", "off", "--nccl-max-channels", "1")
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb, \
+                kvd.KvdClient(c.sock, timeout_s=60) as cc:
+            src = kv_layers(DEV_A, 13)
+            dsts = {b.address: zeros(DEV_B), c.address: zeros(DEV_B)}
+            torch.cuda.synchronize()
+            r_src = ca.register("src", src)
+            clients = {b.address: cb, c.address: cc}
+            regions = {addr: clients[addr].register("dst", d) for addr, d in dsts.items()}
+            for i, node in enumerate((b, c, b)):
+                ids = list(range(10 * i, 10 * i + 10))
+                ca.put(f"k{i}", r_src, ids, to=node.address).wait(60)
+                clients[node.address].get(f"k{i}", regions[node.address], ids, timeout_s=60)
+                torch.cuda.synchronize()
+                for s_, d in zip(src, dsts[node.address], strict=True):
+                    assert torch.equal(d[ids].cpu(), s_[ids].cpu())
+            s = nccl_stats(ca)
+            assert (s["created"], s["evicted"], s["failed"], len(s["channels"])) == (3, 2, 0, 1), s
+            for client in (cb, cc):  # the evicted ends were dropped there too
+                assert len(nccl_stats(client)["channels"]) <= 1, nccl_stats(client)
+            # At once: 32 MiB each, the second one's ACCEPT arrives while the first is out.
+            ids = list(range(64, 128))
+            puts = [ca.put(f"both-{n.address}", r_src, ids, to=n.address) for n in (c, b)]
+            for p in puts:
+                p.wait(60)
+            for node in (b, c):
+                clients[node.address].get(f"both-{node.address}", regions[node.address], ids,
+                                          timeout_s=60)
+                torch.cuda.synchronize()
+                for s_, d in zip(src, dsts[node.address], strict=True):
+                    assert torch.equal(d[ids].cpu(), s_[ids].cpu())
+            assert nccl_stats(ca)["failed"] == 0, nccl_stats(ca)
+            for client in (cb, cc):
+                assert nccl_stats(client)["failed"] == 0, nccl_stats(client)
+    finally:
+        for started in (a, c, b):
+            if started is not None:
+                stop_node(started)
+
+
 def test_many_chunks_and_spill_to_host_pool() -> None:
     # Small chunks (many per transfer, staging reused) and 2 MiB of GPU staging: the
     # second put does not fit there and goes to B's host pool, and is still byte-exact.

@@ -57,7 +57,8 @@ def test_nccl_send_recv_between_two_gpus(tmp_path: Any, calls: str) -> None:
     procs = _start("once", str(tmp_path), calls)
     try:
         r0, r1 = _result(procs[0]), _result(procs[1])
-        print(f"\nnccl GPU0 -> GPU1, 256 MiB, {calls} calls: rank0 {r0} rank1 {r1}")
+        print(f"\nnccl rank 0 -> rank 1 ({_gpus()} GPUs), 256 MiB, {calls} calls: rank0 {r0} "
+              f"rank1 {r1}")
         assert r1["equal"] is True
         assert r0["blocking"] is r1["blocking"] is (calls == "blocking")
     finally:

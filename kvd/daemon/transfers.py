@@ -32,7 +32,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +179,9 @@ class PeerTransfers:
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: dict[tuple[int, int], _Incoming] = {}  # (id(link), transfer id)
         self._pulls: dict[int, _PullWait] = {}
+        # Per outgoing transfer, its NCCL sends' channels, kept from eviction until the
+        # receiver answers (NcclChannel.until_confirmed).
+        self._unconfirmed: dict[int, list[Callable[[], None]]] = {}
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         # Peers' pulls of keys we do not hold yet, held until they appear (or time out).
@@ -288,6 +291,8 @@ class PeerTransfers:
         finally:
             self.counters.count(self.counters.sent, outcome)
             self._outgoing.pop(tid, None)
+            for confirmed in self._unconfirmed.pop(tid, ()):
+                confirmed()
             if out.offer_pending and out.src_dev != CPU_DEVICE and not out.eager_channel:
                 self._remember_abandoned(out)
             started = job.started_at if job is not None and job.started_at else None
@@ -444,6 +449,15 @@ class PeerTransfers:
                       wire_bytes(layout, num_blocks), chunk_bytes,
                       ready_events=ready_events or [])
         self._submit_nccl(channel, job)
+        confirmed = channel.until_confirmed()
+        if blocks is None:  # zeros for a receiver that gave up: no confirmation comes
+            def sent(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone at shutdown
+                    self._loop.call_soon_threadsafe(confirmed)
+
+            job.future.add_done_callback(sent)
+        else:  # _push ends when the receiver has answered (or the transfer failed)
+            self._unconfirmed.setdefault(tid, []).append(confirmed)
         return job
 
     def _on_accept(self, link: PeerLink, msg: Accept, out: _Outgoing | None) -> Any:

@@ -125,6 +125,7 @@ class NcclChannel:
         self._staging_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self._busy = 0  # items queued, or jobs still issuing their work
         self._tails = 0  # jobs whose work is all queued, waiting for their last event
+        self._unconfirmed = 0  # sends the receiver has not confirmed yet (the loop's count)
         self._loop: asyncio.AbstractEventLoop | None = None  # polls the thread's tails
         self.jobs_inline = 0  # jobs run from the loop (_start_inline), for stats and tests
         self.jobs_threaded = 0
@@ -169,7 +170,24 @@ class NcclChannel:
 
     @property
     def idle(self) -> bool:
-        return self._busy == 0 and self._tails == 0
+        return self._busy == 0 and self._tails == 0 and self._unconfirmed == 0
+
+    def until_confirmed(self) -> Callable[[], None]:
+        """Keep the channel from being idle (so from eviction) until the returned function
+        is called (on the loop; once is enough), when the receiver has said it has a send's
+        bytes. A send is complete once its bytes have *left*: between nodes they may still
+        be on their way (NCCL's proxies), and aborting the communicator then would cut the
+        receiver off (seen over NCCL's socket transport; NVLink hides it)."""
+        self._unconfirmed += 1
+        pending = True
+
+        def confirmed() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                self._unconfirmed -= 1
+
+        return confirmed
 
     def abort(self, error: KvdError) -> None:
         """Abort the communicator now (from any thread): jobs in flight fail at their next
