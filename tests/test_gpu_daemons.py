@@ -519,6 +519,78 @@ def test_peer_killed_mid_stream_then_restarted() -> None:
         stop_node(a)
 
 
+def test_lender_killed_mid_pull_then_restarted() -> None:
+    """The other side of the test above: B pulls 512 MiB from A again and again, and A is
+    SIGKILLed. B's pull fails within the bound (long before its 60 s timeout), B lets go of
+    everything the pull held (the transfer, its NCCL channel, staging), and a restarted A
+    at the same address serves B's pulls again, byte-exact."""
+    a_ports = (free_port(), free_port())
+    a = start_node(GPU_A, ports=a_ports)
+    b = start_node(GPU_B)
+    try:
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb:
+            src = [torch.randint(0, 255, (64, 8 * 2**20), dtype=torch.uint8,
+                                 device=DEV_A)]  # 512 MiB
+            dst = [torch.zeros_like(src[0], device=DEV_B)]
+            torch.cuda.synchronize()
+            r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+            ca.publish("big", r_src, list(range(64)))
+            cb.pull("big", a.address, r_dst, list(range(64)), timeout_s=60)  # channel up
+            failure: dict[str, object] = {}
+
+            def stream() -> None:
+                try:
+                    while True:
+                        cb.pull("big", a.address, r_dst, list(range(64)), timeout_s=60)
+                except kvd.KvdError as exc:
+                    failure["err"], failure["at"] = exc, time.monotonic()
+
+            puller = threading.Thread(target=stream)
+            puller.start()
+            time.sleep(1.0)
+            a.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            puller.join(30)
+            assert not puller.is_alive(), "the puller did not notice the dead lender"
+            err = failure["err"]
+            detected = float(failure["at"]) - killed  # type: ignore[arg-type]
+            print(f"\nlender SIGKILLed mid-pull: the pull failed after {detected:.3f}s with "
+                  f"{type(err).__name__}: {err}")
+            assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
+            assert detected < 10
+            deadline = time.monotonic() + 10
+            while True:  # the channel's teardown runs off the loop (~0.5 s)
+                stats = cb.stats()
+                held = (stats["transfers"]["in_flight_in"], len(nccl_stats(cb)["channels"]),
+                        stats["gpu_staging"]["cuda:0"]["used_bytes"],
+                        stats["pool"]["used_bytes"])
+                if held == (0, 0, 0, 0):
+                    break
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.1)
+            a = start_node(GPU_A, ports=a_ports)
+            with kvd.KvdClient(a.sock, timeout_s=60) as ca2:
+                r_again = ca2.register("src", src)
+                ca2.publish("again", r_again, [5, 6, 7])
+                dst[0].zero_()
+                torch.cuda.synchronize()
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        cb.pull("again", a.address, r_dst, [0, 1, 2], timeout_s=60)
+                        break
+                    except kvd.PeerUnreachable:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.5)
+                torch.cuda.synchronize()
+                assert torch.equal(dst[0][:3].cpu(), src[0][5:8].cpu())
+                assert torch.count_nonzero(dst[0][3:]) == 0
+    finally:
+        stop_node(b)
+        stop_node(a)
+
+
 def test_same_gpu_local_copy() -> None:
     node = start_node(GPU_A)
     try:
