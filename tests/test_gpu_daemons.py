@@ -591,6 +591,70 @@ def test_lender_killed_mid_pull_then_restarted() -> None:
         stop_node(a)
 
 
+def test_peer_frozen_mid_stream_then_resumed() -> None:
+    """A peer that hangs (SIGSTOP: its sockets stay open, NCCL sees nothing wrong) while A
+    streams to it: A's put fails once the heartbeats miss (grace 2 s), not at its 60 s
+    deadline, and A aborts its channel. Resumed (SIGCONT), B drops its stale end too, and
+    the next puts between the two are byte-exact."""
+    a = start_node(GPU_A)
+    b = start_node(GPU_B)
+    stopped = False
+    try:
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb:
+            src = [torch.randint(0, 255, (64, 8 * 2**20), dtype=torch.uint8,
+                                 device=DEV_A)]  # 512 MiB
+            dst = [torch.zeros((8, 8 * 2**20), dtype=torch.uint8, device=DEV_B)]
+            torch.cuda.synchronize()
+            r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
+            ca.put("warm", r_src, [0], to=b.address).wait(60)  # channel up
+            cb.delete("warm")
+            failure: dict[str, object] = {}
+
+            def stream() -> None:
+                i = 0
+                try:
+                    while True:
+                        ca.put(f"s{i}", r_src, list(range(64)), to=b.address,
+                               ttl_s=1).wait(60)
+                        i += 1
+                except kvd.KvdError as exc:
+                    failure["err"], failure["at"] = exc, time.monotonic()
+
+            sender = threading.Thread(target=stream)
+            sender.start()
+            time.sleep(1.0)
+            b.proc.send_signal(signal.SIGSTOP)
+            stopped, frozen = True, time.monotonic()
+            sender.join(30)
+            assert not sender.is_alive(), "the sender did not notice the frozen peer"
+            err = failure["err"]
+            detected = float(failure["at"]) - frozen  # type: ignore[arg-type]
+            print(f"\npeer SIGSTOPped mid-stream: sender failed after {detected:.3f}s with "
+                  f"{type(err).__name__}: {err}")
+            assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
+            assert detected < 10
+            b.proc.send_signal(signal.SIGCONT)
+            stopped = False
+            deadline = time.monotonic() + 30
+            while True:  # relinks; B may still be dropping its end of the old channel
+                try:
+                    ca.put("again", r_src, [9, 3, 5], to=b.address).wait(60)
+                    break
+                except (kvd.PeerUnreachable, kvd.TransferFailed, kvd.KvdTimeout):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.5)
+            cb.get("again", r_dst, [0, 1, 2], timeout_s=60)
+            torch.cuda.synchronize()
+            assert torch.equal(dst[0][:3].cpu(), src[0][[9, 3, 5]].cpu())
+            assert nccl_stats(ca)["created"] >= 2  # the old channel went with the link
+    finally:
+        if stopped:
+            b.proc.send_signal(signal.SIGCONT)
+        stop_node(b)
+        stop_node(a)
+
+
 def test_same_gpu_local_copy() -> None:
     node = start_node(GPU_A)
     try:
