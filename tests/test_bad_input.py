@@ -307,3 +307,48 @@ async def test_a_client_that_does_not_read_its_replies_is_cut_off(
                     pass
                 raise ConnectionResetError("closed")  # or a plain end of stream
         greedy.close()
+
+
+def test_cuda_ipc_reference_counter_is_checked_before_torch_sees_it(tmp_path: Any) -> None:
+    """torch's release of a CUDA IPC mapping decrements an int64 at the spec's offset in the
+    shared-memory file it names, mapping REF_COUNTERS_PER_FILE counters unchecked: kvd
+    refuses names that are not shm names, files too small, and offsets past the end
+    (the GPU tests send such specs to a daemon)."""
+    from kvd.errors import BadRequest
+    from kvd.memory.cuda_ipc import REF_COUNTERS_PER_FILE, check_ref_counter
+    from kvd.protocol import CudaIpcTensor
+
+    name = f"/kvd-test-refcount-{os.getpid()}"
+    path = "/dev/shm" + name
+    with open(path, "wb") as f:
+        f.truncate(REF_COUNTERS_PER_FILE * 8)
+    small = shared_zeros((4, 256), torch.float32)
+    from kvd.client.shm import tensor_spec
+
+    small_spec = tensor_spec(small)
+    assert isinstance(small_spec, ShmTensor)
+
+    def spec(handle: bytes, offset: int = 0) -> CudaIpcTensor:
+        return CudaIpcTensor(
+            gpu_uuid="GPU-x", handle=b"h" * 66, storage_size_bytes=4096,
+            storage_offset_bytes=0, ref_counter_handle=handle, ref_counter_offset=offset,
+            event_handle=b"", event_sync_required=False, tensor_offset=0, shape=[4, 256],
+            stride=[256, 1], dtype="float32")
+
+    try:
+        check_ref_counter(spec(name.encode(), REF_COUNTERS_PER_FILE - 1))  # torch's own kind
+        refused = [
+            (spec(name.encode(), REF_COUNTERS_PER_FILE), "past the"),
+            (spec(b""), "needs its reference-counter handle"),
+            (spec(b"kvd-no-slash"), "not a shared-memory name"),
+            (spec(b"/../etc/passwd"), "not a shared-memory name"),
+            (spec(b"/a\0b"), "not a shared-memory name"),
+            (spec("/é".encode()), "not a shared-memory name"),
+            (spec(b"/kvd-test-no-such-counter"), "No such file"),
+            (spec(("/" + os.path.basename(small_spec.path)).encode()), "at least"),
+        ]
+        for bad, needle in refused:
+            with pytest.raises(BadRequest, match=needle):
+                check_ref_counter(bad)
+    finally:
+        os.unlink(path)

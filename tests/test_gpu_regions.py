@@ -4,15 +4,21 @@ GPUs, bytes checked; a client that exits takes its mappings with it."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 import kvd
+from kvd.framing import HEADER, frame
+from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, ShmTensor, decode_reply
 from tests.gpu_nodes import running_node
 
 pytestmark = [pytest.mark.gpu,
@@ -115,3 +121,77 @@ def test_pinned_pool_offload_and_get_speed() -> None:
         off, get = min(t[0] for t in times.values()), min(t[1] for t in times.values())
         print(f"\npinned pool, 1 GiB GPU0 -> pool (offload) {gib / off / 1e9:.1f} GB/s, "
               f"pool -> GPU0 (get) {gib / get / 1e9:.1f} GB/s, request to reply")
+
+
+def _raw_call(sock: socket.socket, message: dict[str, Any]) -> Any:
+    """One request on a raw local connection, its decoded reply."""
+    sock.sendall(frame(msgspec.msgpack.encode(message)))
+    header = _read_exactly(sock, HEADER.size)
+    (n,) = HEADER.unpack(header)
+    return decode_reply(_read_exactly(sock, n))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        assert part, "the daemon closed the connection"
+        buf += part
+    return buf
+
+
+def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
+        daemon: str) -> None:
+    """Never trust the wire, GPU side: a CUDA IPC spec whose storage lies outside the
+    client's allocation (which would have the daemon's kernels write outside it), whose
+    reference counter torch would decrement out of bounds or in a file too small for its
+    mapping, whose handle is garbage, or whose GPU the daemon does not see, is refused with
+    a bad_request; the daemon's CUDA stays usable: a real region registered afterwards
+    moves its bytes exactly."""
+    from kvd.client.shm import cuda_tensor_spec, shared_zeros, tensor_spec
+    from kvd.memory.cuda_ipc import REF_COUNTERS_PER_FILE
+
+    t = torch.arange(8 * 1024, dtype=torch.float32, device="cuda:0").reshape(8, 1024)
+    torch.cuda.synchronize()
+    spec = cuda_tensor_spec(t)
+    small = shared_zeros((4, 256), torch.float32)  # a real shm file, 4 KiB
+    small_spec = tensor_spec(small)
+    assert isinstance(small_spec, ShmTensor)
+    small_name = "/" + os.path.basename(small_spec.path)
+    garbage = bytes(spec.handle[:2]) + bytes(b ^ 0x5A for b in spec.handle[2:])
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(storage_size_bytes=1 << 40), "outside the client's CUDA allocation"),
+        (dict(storage_offset_bytes=spec.storage_offset_bytes + (1 << 34)),
+         "outside the client's CUDA allocation"),
+        (dict(shape=[8, 1 << 20]), "cannot open"),  # the view past its storage (torch)
+        (dict(ref_counter_offset=REF_COUNTERS_PER_FILE), "past the"),
+        (dict(ref_counter_handle=b"/kvd-test-no-such-counter"), "No such file"),
+        (dict(ref_counter_handle=small_name.encode()), "at least"),
+        (dict(ref_counter_handle=b"/../etc/passwd"), "not a shared-memory name"),
+        (dict(ref_counter_handle=b""), "reference-counter handle"),
+        (dict(handle=garbage), "cannot open"),
+        (dict(gpu_uuid="GPU-00000000-0000-0000-0000-000000000000"), "not visible"),
+    ]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(daemon)
+        welcome = _raw_call(sock, {"op": "hello", "req_id": 1,
+                                   "protocol_version": PROTOCOL_VERSION, "pid": os.getpid()})
+        assert welcome.__struct_config__.tag == "welcome", welcome
+        for i, (change, needle) in enumerate(cases):
+            forged = msgspec.structs.replace(spec, **change)
+            reply = _raw_call(sock, {"op": "register", "req_id": 10 + i, "name": f"f{i}",
+                                     "tensors": [forged]})
+            assert isinstance(reply, ErrorReply), (change, reply)
+            assert reply.code == "bad_request" and needle in reply.message, (change, reply)
+            assert isinstance(_raw_call(sock, {"op": "ping", "req_id": 99}), Pong)
+    with kvd.KvdClient(daemon, timeout_s=60) as c:
+        assert c.stats()["regions"] == 0
+        src = kv_layers("cuda:0", 3)
+        dst = [torch.zeros_like(s) for s in src]
+        torch.cuda.synchronize()
+        r_src, r_dst = c.register("src", src), c.register("dst", dst)
+        c.offload("k", r_src, [5, 9, 2])
+        c.get("k", r_dst, [0, 1, 2], timeout_s=30)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[:3].cpu(), s[[5, 9, 2]].cpu())

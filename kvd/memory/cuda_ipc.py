@@ -5,14 +5,29 @@ The client sends the fields of torch's ``reduce_tensor`` as plain data
 registration. The device is found by GPU UUID, so daemon and client may see different
 ``CUDA_VISIBLE_DEVICES``. torch is imported, and CUDA initialised, only when a client
 registers a GPU tensor: a CPU-only daemon never touches CUDA.
+
+torch trusts these fields (they normally come from another torch process), kvd does not:
+an offset or size past the client's allocation would have the daemon's kernels read and
+write outside it (at best an illegal address, which ends every CUDA call of the daemon),
+and torch's release of the mapping decrements an int64 at ``ref_counter_offset`` in the
+shared-memory file the spec names, unchecked. Both are checked here first.
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
+import stat
 
 import torch
 
 from kvd.errors import BadRequest
 from kvd.protocol import CudaIpcTensor
+
+# torch's CUDA_IPC_REF_COUNTER_FILE_SIZE (CudaIPCTypes.h): int64 counters per file, which
+# torch maps whole whatever the file's size.
+REF_COUNTERS_PER_FILE = 10000
+_SHM_DIR = "/dev/shm"  # where shm_open names live on Linux (glibc)
 
 
 def device_by_uuid(uuid: str) -> int:
@@ -29,15 +44,86 @@ def open_cuda_tensor(spec: CudaIpcTensor, dtype: torch.dtype) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     device = device_by_uuid(spec.gpu_uuid)
+    check_ref_counter(spec)
     try:
-        return rebuild_cuda_tensor(
+        tensor = rebuild_cuda_tensor(
             torch.Tensor, torch.Size(spec.shape), tuple(spec.stride), spec.tensor_offset,
             torch.storage.TypedStorage, dtype, device, spec.handle, spec.storage_size_bytes,
-            spec.storage_offset_bytes, False, spec.ref_counter_handle or None,
+            spec.storage_offset_bytes, False, spec.ref_counter_handle,
             spec.ref_counter_offset, spec.event_handle or None, spec.event_sync_required)
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:
         raise BadRequest(f"cannot open the CUDA IPC handle of a tensor on GPU "
                          f"{spec.gpu_uuid}: {exc}") from None
+    # (torch checked the view against the storage; the storage against the allocation is
+    # ours to check. A refused tensor's mapping closes with it.)
+    check_within_allocation(tensor, spec, device)
+    return tensor
+
+
+def check_ref_counter(spec: CudaIpcTensor) -> None:
+    """The reference-counter file a spec names must be one torch could have made: a shm
+    name, a regular file large enough for torch's mapping, an offset inside it."""
+    if not spec.ref_counter_handle:
+        raise BadRequest("a CUDA IPC tensor needs its reference-counter handle (as torch's "
+                         "storage._share_cuda_() gives it)")
+    if spec.ref_counter_offset >= REF_COUNTERS_PER_FILE:
+        raise BadRequest(f"reference-counter offset {spec.ref_counter_offset} is past the "
+                         f"{REF_COUNTERS_PER_FILE} counters of a file")
+    try:
+        name = spec.ref_counter_handle.decode("ascii")
+    except UnicodeDecodeError:
+        name = ""
+    if (not name.startswith("/") or "/" in name[1:] or "\0" in name or name in ("/", "/.", "/..")
+            or len(name) > 255):
+        raise BadRequest(f"reference-counter handle {spec.ref_counter_handle[:64]!r} is not a "
+                         "shared-memory name")
+    try:
+        st = os.stat(_SHM_DIR + name, follow_symlinks=False)
+    except OSError as exc:
+        raise BadRequest(f"reference-counter file {name!r}: {exc.strerror}") from None
+    need = REF_COUNTERS_PER_FILE * 8
+    if not stat.S_ISREG(st.st_mode) or st.st_size < need:
+        raise BadRequest(f"reference-counter file {name!r} is not a regular file of at least "
+                         f"{need} bytes")
+
+
+def check_within_allocation(tensor: torch.Tensor, spec: CudaIpcTensor, device: int) -> None:
+    """The storage must lie inside the allocation the IPC handle opened: the mapping
+    starts at the storage's address less ``storage_offset_bytes``, and the driver knows
+    where that allocation ends."""
+    mapped = tensor.untyped_storage().data_ptr() - spec.storage_offset_bytes
+    with torch.cuda.device(device):
+        base, size = _address_range(mapped)
+    if base != mapped or spec.storage_offset_bytes + spec.storage_size_bytes > size:
+        raise BadRequest(
+            f"tensor storage (offset {spec.storage_offset_bytes}, {spec.storage_size_bytes} "
+            f"bytes) lies outside the client's CUDA allocation ({size} bytes)")
+
+
+def _address_range(address: int) -> tuple[int, int]:
+    """``cuMemGetAddressRange``: the base and size of the allocation holding ``address``
+    (through libcuda itself: no binding needed)."""
+    fn = _driver().cuMemGetAddressRange_v2
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
+    if err != 0:
+        raise BadRequest(f"the CUDA driver does not know address {address:#x} (error {err})")
+    return int(base.value), int(size.value)
+
+
+_libcuda: ctypes.CDLL | None = None
+
+
+def _driver() -> ctypes.CDLL:
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.c_uint64]
+        lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+        _libcuda = lib
+    return _libcuda
 
 
 def open_ready_event(spec: CudaIpcTensor) -> tuple[int, torch.cuda.Event] | None:
