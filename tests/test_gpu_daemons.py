@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -651,6 +653,75 @@ def test_peer_frozen_mid_stream_then_resumed() -> None:
     finally:
         if stopped:
             b.proc.send_signal(signal.SIGCONT)
+        stop_node(b)
+        stop_node(a)
+
+
+RECEIVER = """
+import sys, torch, kvd
+c = kvd.KvdClient(sys.argv[1], timeout_s=60); c.connect()
+dst = [torch.zeros((64, 8 * 2**20), dtype=torch.uint8, device=sys.argv[2])]
+torch.cuda.synchronize()
+got = c.start_get("big", c.register("dst", dst), list(range(64)), timeout_s=60)
+c.ping()  # (answered after the get was taken)
+print("waiting", flush=True)
+got.wait(60)
+"""
+
+
+def test_receiving_client_killed_mid_transfer() -> None:
+    """The client whose get a 512 MiB put is landing in is SIGKILLed: its daemon keeps the
+    region mapped until the receive has finished writing (the bytes cannot be stopped half
+    way), then drops it; the put ends (either way) without hanging, and the daemon, its
+    CUDA and the channel stay usable: the next put into a new client is byte-exact."""
+    a = start_node(GPU_A)
+    b = start_node(GPU_B)
+    child = None
+    try:
+        with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
+                kvd.KvdClient(b.sock, timeout_s=60) as cb:
+            src = [torch.randint(0, 255, (64, 8 * 2**20), dtype=torch.uint8, device=DEV_A)]
+            torch.cuda.synchronize()
+            r_src = ca.register("src", src)
+            ca.put("warm", r_src, [0], to=b.address).wait(60)  # channel up
+            cb.delete("warm")
+            child = subprocess.Popen([sys.executable, "-c", RECEIVER, b.sock, DEV_B],
+                                     stdout=subprocess.PIPE, text=True)
+            assert child.stdout is not None and child.stdout.readline().strip() == "waiting"
+            outcome: dict[str, object] = {}
+
+            def put() -> None:
+                try:
+                    outcome["n"] = ca.put("big", r_src, list(range(64)), to=b.address).wait(60)
+                except kvd.KvdError as exc:
+                    outcome["err"] = exc
+
+            sender = threading.Thread(target=put)
+            sender.start()
+            time.sleep(0.08)  # the bytes are on their way (~0.2 s over sockets on one GPU)
+            child.kill()
+            child.wait(10)
+            sender.join(70)
+            assert not sender.is_alive(), "the put did not end"
+            print(f"\nreceiving client killed mid-transfer: the put ended with {outcome}")
+            deadline = time.monotonic() + 30
+            while True:
+                stats = cb.stats()
+                if stats["regions"] == 0 and stats["transfers"]["in_flight_in"] == 0:
+                    break
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.1)
+            with kvd.KvdClient(b.sock, timeout_s=60) as again:
+                dst = [torch.zeros((8, 8 * 2**20), dtype=torch.uint8, device=DEV_B)]
+                torch.cuda.synchronize()
+                r_dst = again.register("dst", dst)
+                ca.put("after", r_src, [7, 1, 4], to=b.address).wait(60)
+                again.get("after", r_dst, [0, 1, 2], timeout_s=60)
+                torch.cuda.synchronize()
+                assert torch.equal(dst[0][:3].cpu(), src[0][[7, 1, 4]].cpu())
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
         stop_node(b)
         stop_node(a)
 
