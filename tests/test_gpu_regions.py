@@ -142,12 +142,12 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
         daemon: str) -> None:
-    """Never trust the wire, GPU side: a CUDA IPC spec whose storage lies outside the
-    client's allocation (which would have the daemon's kernels write outside it), whose
-    reference counter torch would decrement out of bounds or in a file too small for its
-    mapping, whose handle is garbage, or whose GPU the daemon does not see, is refused with
-    a bad_request; the daemon's CUDA stays usable: a real region registered afterwards
-    moves its bytes exactly."""
+    """Never trust the wire, GPU side: a CUDA IPC spec whose view lies past its storage,
+    whose reference counter torch would decrement out of bounds or in a file too small for
+    its mapping, whose handle is garbage, or whose GPU the daemon does not see, is refused
+    with a bad_request; the daemon's CUDA stays usable: a real region registered afterwards
+    moves its bytes exactly. (A storage past the client's allocation: branch
+    next/ipc-bounds.)"""
     from kvd.client.shm import cuda_tensor_spec, shared_zeros, tensor_spec
     from kvd.memory.cuda_ipc import REF_COUNTERS_PER_FILE
 
@@ -160,9 +160,6 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
     small_name = "/" + os.path.basename(small_spec.path)
     garbage = bytes(spec.handle[:2]) + bytes(b ^ 0x5A for b in spec.handle[2:])
     cases: list[tuple[dict[str, Any], str]] = [
-        (dict(storage_size_bytes=1 << 40), "outside the client's CUDA allocation"),
-        (dict(storage_offset_bytes=spec.storage_offset_bytes + (1 << 34)),
-         "outside the client's CUDA allocation"),
         (dict(shape=[8, 1 << 20]), "cannot open"),  # the view past its storage (torch)
         (dict(ref_counter_offset=REF_COUNTERS_PER_FILE), "past the"),
         (dict(ref_counter_handle=b"/kvd-test-no-such-counter"), "No such file"),
