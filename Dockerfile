@@ -1,6 +1,6 @@
 # kvd — KV-cache transfer daemon, one container per node.
 #
-# CPU build (default; small, runs the TCP data plane and CPU tensors in /dev/shm):
+# CPU build (default; small, runs the TCP data plane and CPU tensors in shared memory):
 #   docker build -t kvd .
 # GPU build: a CUDA torch wheel (it brings its own CUDA runtime libraries; the host needs the
 # NVIDIA driver and the NVIDIA Container Toolkit) and the gpu extra (NCCL bindings):

@@ -14,8 +14,6 @@ types, so malformed input fails at decode with a message; nothing is unpickled.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
@@ -34,7 +32,10 @@ from kvd.errors import ProtocolError
 #   7 — 2026-11: block ids travel packed (``BlockIds``: little-endian uint32 bytes).
 #   8 — 2026-11: the handshake's ``nccl_blocking_calls``.
 #   9 — 2026-12: a pull may wait for its key at the source (``wait_for_key_s``).
-PROTOCOL_VERSION = 9
+#  10 — 2026-12: CPU tensors live in sealed memfd segments handed over as file
+#        descriptors (``SegmentHandoff`` on the segment socket); ``ShmTensor`` names a
+#        segment, not a path.
+PROTOCOL_VERSION = 10
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -42,9 +43,12 @@ MAX_TENSORS_PER_REGION = 4096
 MAX_DIMS = 8
 MAX_BLOCKS_PER_OP = 1 << 20
 
-# Shared-memory segments the client library creates for CPU tensors. The daemon maps only
-# regular files with this prefix directly inside the shm directory (see memory/regions.py).
+# Shared-memory segments the client library creates for CPU tensors are memfds with this
+# name prefix (seen in /proc/<pid>/fd and /proc/<pid>/maps), sealed against shrinking, and
+# handed to the daemon as file descriptors (``SegmentHandoff``, daemon/segment_server.py).
 SHM_PREFIX = "kvd-"
+MAX_SEGMENTS_PER_HANDOFF = 64  # file descriptors in one message (SCM_RIGHTS allows 253)
+SEGMENT_TOKEN_BYTES = 16
 
 ReqId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY_CHARS)]
@@ -67,11 +71,6 @@ DType = Literal[
 def pack_block_ids(ids: np.ndarray[Any, Any]) -> bytes:
     """Block ids (a 1-D array of integers, each in [0, 2**32)) as ``BlockIds``."""
     return ids.astype(BLOCK_ID_DTYPE, copy=False).tobytes()
-
-
-def shm_dir() -> str:
-    """Where shared tensors live: /dev/shm on Linux, else the temp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class _Msg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
@@ -100,13 +99,13 @@ class _WithBlocks(_Msg, frozen=True):
 
 
 class ShmTensor(Struct, tag="shm", tag_field="kind", frozen=True, forbid_unknown_fields=True):
-    """A CPU tensor inside a shared-memory file the daemon can map.
+    """A CPU tensor inside a shared-memory segment the client handed to the daemon.
 
-    ``shape``/``stride`` are in elements, ``offset_bytes`` is where element 0 sits in the
-    file. GPU tensors will get their own kind (CUDA IPC handle fields) in the same union.
-    """
+    ``segment`` is the segment's id in the client's ``SegmentHandoff``; ``shape``/``stride``
+    are in elements, ``offset_bytes`` is where element 0 sits in the segment, whose size
+    the client states as ``file_bytes`` (checked against the segment's own)."""
 
-    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    segment: Annotated[int, Meta(ge=1, le=2**62)]
     file_bytes: NonNeg
     offset_bytes: NonNeg
     shape: Annotated[list[NonNeg], Meta(min_length=1, max_length=MAX_DIMS)]
@@ -290,6 +289,25 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     node_id: str
     epoch: int
     daemon_version: str
+    # Where, and with which secret, this session hands over its shared-memory segments.
+    segment_socket: str = ""
+    segment_token: bytes = b""
+
+
+class SegmentHandoff(Struct, frozen=True, forbid_unknown_fields=True):
+    """The one message of a connection to the segment socket, sent with ``sendmsg`` and
+    one file descriptor per segment id (``SCM_RIGHTS``), in order. ``token`` is the
+    session's ``Welcome.segment_token``: the segments become that session's."""
+
+    token: Annotated[bytes, Meta(min_length=SEGMENT_TOKEN_BYTES, max_length=SEGMENT_TOKEN_BYTES)]
+    segments: Annotated[list[Annotated[int, Meta(ge=1, le=2**62)]],
+                        Meta(min_length=1, max_length=MAX_SEGMENTS_PER_HANDOFF)]
+
+
+class SegmentsTaken(Struct, frozen=True, forbid_unknown_fields=True):
+    """The segment socket's answer: empty ``error`` when the session has them."""
+
+    error: str = ""
 
 
 class Done(_Msg, tag="done", frozen=True):

@@ -3,8 +3,11 @@ daemon goes on serving (checked by a successful request after every case)."""
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,8 +23,10 @@ from kvd.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
     Pong,
+    SegmentsTaken,
     ShmTensor,
     StatsReply,
+    Welcome,
     decode_reply,
 )
 from tests.conftest import RunningDaemon, make_config, running_daemon
@@ -36,6 +41,7 @@ class RawClient:
         self.path = path
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.welcome: Welcome | None = None
 
     async def open(self) -> RawClient:
         self.reader, self.writer = await asyncio.open_unix_connection(self.path)
@@ -60,7 +66,8 @@ class RawClient:
     async def hello(self) -> None:
         reply = await self.send(pack({"op": "hello", "req_id": 1, "protocol_version":
                                       PROTOCOL_VERSION, "pid": os.getpid()}))
-        assert reply.__struct_config__.tag == "welcome", reply
+        assert isinstance(reply, Welcome), reply
+        self.welcome = reply
 
     def close(self) -> None:
         if self.writer is not None:
@@ -174,42 +181,96 @@ async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
         r.close()
 
 
-async def test_register_bad_paths(daemon: RunningDaemon, raw: RawClient, tmp_path: Any) -> None:
-    def reg(req_id: int, path: str, **kw: Any) -> bytes:
-        tensor = {"kind": "shm", "path": path, "file_bytes": 4096, "offset_bytes": 0,
-                  "shape": [4, 256], "stride": [256, 1], "dtype": "float32"}
+async def test_register_bad_segments(daemon: RunningDaemon, raw: RawClient) -> None:
+    """CPU tensors name segments their session handed over (the segment socket): a segment
+    never handed over, a wrong size for it, or a view past its end is refused."""
+    from kvd.client.shm import hand_over, segment_of, tensor_spec
+
+    real = shared_zeros((4, 256), torch.float32)
+    spec = tensor_spec(real)
+    assert isinstance(spec, ShmTensor) and raw.welcome is not None
+    await asyncio.to_thread(hand_over, raw.welcome.segment_socket, raw.welcome.segment_token,
+                            [segment_of(spec)], 5.0)
+
+    def reg(req_id: int, **kw: Any) -> bytes:
+        tensor = {"kind": "shm", "segment": spec.segment, "file_bytes": 4096,
+                  "offset_bytes": 0, "shape": [4, 256], "stride": [256, 1], "dtype": "float32"}
         tensor.update(kw)
         return pack({"op": "register", "req_id": req_id, "name": f"r{req_id}",
                      "tensors": [tensor]})
 
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"x" * 4096)
     cases = [
-        (reg(20, str(secret)), "kvd.shared_empty"),
-        (reg(21, "/dev/shm/kvd-../../etc/passwd"), "kvd.shared_empty"),
-        (reg(22, "/dev/shm/kvd-does-not-exist"), "No such file"),
+        (reg(20, segment=spec.segment + 1_000_000), "was not handed to this daemon"),
+        (reg(21, file_bytes=8192), "holds 4096 bytes, not 8192"),
+        (reg(22, shape=[4, 512]), "extends to byte"),
+        (reg(23, offset_bytes=2), "not aligned"),
+        (reg(24, stride=[256]), "different lengths"),
     ]
-    link = f"/dev/shm/kvd-test-link-{os.getpid()}"
-    os.symlink(str(secret), link)
-    cases.append((reg(23, link), "cannot map"))
-    real = shared_zeros((4, 256), torch.float32)
-    from kvd.client.shm import tensor_spec
+    for payload, needle in cases:
+        reply = await raw.send(payload)
+        assert isinstance(reply, ErrorReply), reply
+        assert reply.code == "bad_request", reply
+        assert needle in reply.message, reply
+        await still_serving(raw)
+    reply = await raw.send(reg(25))
+    assert reply.__struct_config__.tag == "registered", reply
 
-    spec = tensor_spec(real)
-    assert isinstance(spec, ShmTensor)
-    path = spec.path
-    cases.append((reg(24, path, shape=[4, 512]), "extends to byte"))
-    cases.append((reg(25, path, offset_bytes=2), "not aligned"))
-    cases.append((reg(26, path, shape=[4, 256], stride=[256]), "different lengths"))
+
+def _segment(nbytes: int, seals: int) -> int:
+    fd = os.memfd_create("kvd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _handoff(path: str, payload: bytes, fds: list[int]) -> SegmentsTaken:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                     if fds else [])
+        return msgspec.msgpack.decode(sock.recv(4096), type=SegmentsTaken)
+
+
+async def test_segment_socket_refuses_what_is_not_a_sealed_segment_of_a_session(
+        daemon: RunningDaemon, raw: RawClient, tmp_path: Any) -> None:
+    """The segment socket takes only memfds sealed against shrinking (a truncated mapping
+    would kill the daemon with SIGBUS), for a live session's token, one per id; anything
+    else is answered with the reason, counted, and the socket and the daemon go on."""
+    assert raw.welcome is not None
+    path, token = raw.welcome.segment_socket, raw.welcome.segment_token
+    sealed = _segment(4096, fcntl.F_SEAL_SHRINK)
+    unsealed = _segment(4096, 0)
+    empty = _segment(0, fcntl.F_SEAL_SHRINK)
+    plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(plain, 4096)
+
+    def handoff(ids: list[int], tok: bytes = token) -> bytes:
+        return pack({"token": tok, "segments": ids})
+
+    cases: list[tuple[bytes, list[int], str]] = [
+        (handoff([1]), [unsealed], "sealed against shrinking"),
+        (handoff([1]), [plain], "sealed against shrinking"),
+        (handoff([1]), [empty], "non-empty"),
+        (handoff([1], b"\0" * 16), [sealed], "unknown session"),
+        (handoff([1, 2]), [sealed], "2 segment ids for 1 file descriptors"),
+        (handoff([1]), [], "1 segment ids for 0"),
+        (b"garbage", [sealed], "malformed handoff"),
+        (handoff([1]), [sealed] * 70, "at most 64 segments"),
+        (handoff([1], b"short"), [sealed], "malformed handoff"),
+    ]
     try:
-        for payload, needle in cases:
-            reply = await raw.send(payload)
-            assert isinstance(reply, ErrorReply), reply
-            assert reply.code == "bad_request", reply
-            assert needle in reply.message, reply
+        for payload, fds, needle in cases:
+            taken = await asyncio.to_thread(_handoff, path, payload, fds)
+            assert needle in taken.error, (needle, taken)
             await still_serving(raw)
+        assert await bad_count(raw, "segments") == len(cases)
+        taken = await asyncio.to_thread(_handoff, path, handoff([7]), [sealed])
+        assert taken.error == "", taken
     finally:
-        os.unlink(link)
+        for fd in (sealed, unsealed, empty, plain):
+            os.close(fd)
 
 
 async def test_semantic_errors_keep_serving(daemon: RunningDaemon) -> None:
@@ -322,11 +383,9 @@ def test_cuda_ipc_reference_counter_is_checked_before_torch_sees_it(tmp_path: An
     path = "/dev/shm" + name
     with open(path, "wb") as f:
         f.truncate(REF_COUNTERS_PER_FILE * 8)
-    small = shared_zeros((4, 256), torch.float32)
-    from kvd.client.shm import tensor_spec
-
-    small_spec = tensor_spec(small)
-    assert isinstance(small_spec, ShmTensor)
+    small_name = f"/kvd-test-refcount-small-{os.getpid()}"
+    with open("/dev/shm" + small_name, "wb") as f:
+        f.truncate(4096)
 
     def spec(handle: bytes, offset: int = 0) -> CudaIpcTensor:
         return CudaIpcTensor(
@@ -345,10 +404,11 @@ def test_cuda_ipc_reference_counter_is_checked_before_torch_sees_it(tmp_path: An
             (spec(b"/a\0b"), "not a shared-memory name"),
             (spec("/é".encode()), "not a shared-memory name"),
             (spec(b"/kvd-test-no-such-counter"), "No such file"),
-            (spec(("/" + os.path.basename(small_spec.path)).encode()), "at least"),
+            (spec(small_name.encode()), "at least"),
         ]
         for bad, needle in refused:
             with pytest.raises(BadRequest, match=needle):
                 check_ref_counter(bad)
     finally:
         os.unlink(path)
+        os.unlink("/dev/shm" + small_name)

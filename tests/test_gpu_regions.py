@@ -4,6 +4,7 @@ GPUs, bytes checked; a client that exits takes its mappings with it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import torch
 
 import kvd
 from kvd.framing import HEADER, frame
-from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, ShmTensor, decode_reply
+from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, decode_reply
 from tests.gpu_nodes import running_node
 
 pytestmark = [pytest.mark.gpu,
@@ -148,16 +149,15 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
     with a bad_request; the daemon's CUDA stays usable: a real region registered afterwards
     moves its bytes exactly. (A storage past the client's allocation: branch
     next/ipc-bounds.)"""
-    from kvd.client.shm import cuda_tensor_spec, shared_zeros, tensor_spec
+    from kvd.client.shm import cuda_tensor_spec
     from kvd.memory.cuda_ipc import REF_COUNTERS_PER_FILE
 
     t = torch.arange(8 * 1024, dtype=torch.float32, device="cuda:0").reshape(8, 1024)
     torch.cuda.synchronize()
     spec = cuda_tensor_spec(t)
-    small = shared_zeros((4, 256), torch.float32)  # a real shm file, 4 KiB
-    small_spec = tensor_spec(small)
-    assert isinstance(small_spec, ShmTensor)
-    small_name = "/" + os.path.basename(small_spec.path)
+    small_name = f"/kvd-test-small-{os.getpid()}"  # a real shm file, 4 KiB
+    with open("/dev/shm" + small_name, "wb") as f:
+        f.truncate(4096)
     garbage = bytes(spec.handle[:2]) + bytes(b ^ 0x5A for b in spec.handle[2:])
     cases: list[tuple[dict[str, Any], str]] = [
         (dict(shape=[8, 1 << 20]), "cannot open"),  # the view past its storage (torch)
@@ -169,7 +169,9 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
         (dict(handle=garbage), "cannot open"),
         (dict(gpu_uuid="GPU-00000000-0000-0000-0000-000000000000"), "not visible"),
     ]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    with contextlib.ExitStack() as cleanup, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        cleanup.callback(os.unlink, "/dev/shm" + small_name)
         sock.settimeout(60)
         sock.connect(daemon)
         welcome = _raw_call(sock, {"op": "hello", "req_id": 1,

@@ -15,6 +15,7 @@ import torch
 
 import kvd
 from kvd import KvdClient, shared_empty, shared_zeros
+from kvd.protocol import ShmTensor
 from tests.conftest import ProcessDaemon, ThreadDaemon, wait_until
 
 
@@ -132,7 +133,6 @@ def test_second_signal_forces_exit(sock_dir: str) -> None:
 CHILD = textwrap.dedent(
     """
     import sys, time, torch, kvd
-    from kvd.client.shm import tensor_spec
     c = kvd.KvdClient(sys.argv[1])
     c.connect()
     t = kvd.shared_zeros((32, 4096), torch.uint8)
@@ -142,22 +142,28 @@ CHILD = textwrap.dedent(
     c.publish("pub", r, [4, 5])
     get = c.put("mine", r, [6])                 # stored for a get that never comes
     get.wait(5)
-    print(tensor_spec(t).path, flush=True)
+    print("ready", flush=True)
     c._send(c._b.get("never", r, [7], 60))      # a get left waiting in the daemon
     time.sleep(60)
     """
 )
 
 
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_killed_client_loses_registrations(process_daemon: ProcessDaemon) -> None:
     with KvdClient(process_daemon.socket_path) as watcher:
         free0 = watcher.stats()["pool"]["free_bytes"]
+        fds0 = _open_fds(process_daemon.proc.pid)
         child = subprocess.Popen([sys.executable, "-c", CHILD, process_daemon.socket_path],
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout is not None
-            shm_path = child.stdout.readline().strip()
-            assert shm_path.startswith("/dev/shm/kvd-") and os.path.exists(shm_path)
+            assert child.stdout.readline().strip() == "ready"
+            # its connection, its segment and the region's mapping of it
+            assert _open_fds(process_daemon.proc.pid) >= fds0 + 3
             wait_until(lambda: watcher.stats()["waiting_gets"] == 1)
             stats = watcher.stats()
             assert stats["regions"] == 1 and stats["keys"] == 4 and stats["clients"] == 2
@@ -170,7 +176,9 @@ def test_killed_client_loses_registrations(process_daemon: ProcessDaemon) -> Non
         assert stats["clients"] == 1 and stats["waiting_gets"] == 0
         # Left: the TTL'd offload and the put that arrived for someone else.
         assert stats["keys"] == 2
-        assert not os.path.exists(shm_path)
+        # The segment's descriptor and mapping went with the client (and with them the
+        # segment's memory: a memfd lives while anyone holds it, and nothing has a name).
+        wait_until(lambda: _open_fds(process_daemon.proc.pid) == fds0)
         watcher.delete("kept")
         watcher.delete("mine")
         assert watcher.stats()["pool"]["free_bytes"] == free0
@@ -268,3 +276,29 @@ def test_example_offload_and_get(process_daemon: ProcessDaemon) -> None:
                                              "KVD_SOCKET_PATH": process_daemon.socket_path})
     assert result.returncode == 0, result.stderr
     assert "got it back" in result.stdout
+
+
+def test_a_registered_segment_cannot_shrink_under_the_daemon(
+        process_daemon: ProcessDaemon) -> None:
+    """A daemon touching a mapping whose file was truncated dies of SIGBUS (it did, when CPU
+    tensors were named files in /dev/shm: one client's truncate took every client's daemon
+    down). Segments are sealed memfds: neither the descriptor nor its /proc path can be
+    truncated, and the daemon keeps moving the bytes."""
+    from kvd.client.shm import segment_of, tensor_spec
+
+    with KvdClient(process_daemon.socket_path) as c:
+        t = kvd.shared_zeros((64, 4096), torch.uint8)
+        r = c.register("r", [t])
+        spec = tensor_spec(t)
+        assert isinstance(spec, ShmTensor)
+        seg = segment_of(spec)
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 0)
+        with pytest.raises(PermissionError):
+            os.truncate(f"/proc/self/fd/{seg.fd}", 0)
+        t.fill_(7)
+        c.offload("k", r, list(range(64)))
+        back = kvd.shared_zeros((64, 4096), torch.uint8)
+        c.get("k", c.register("back", [back]), list(range(64)))
+        assert bool((back == 7).all())
+    assert process_daemon.proc.poll() is None

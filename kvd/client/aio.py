@@ -24,6 +24,7 @@ from kvd.client.base import (
     decode_replies,
     result_of,
 )
+from kvd.client.shm import hand_over
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.framing import FramedProtocol, Oversized
 from kvd.protocol import Bye, Reply, encode
@@ -107,6 +108,7 @@ class AsyncKvdClient:
         self._b = RequestBuilder(socket_path, name, timeout_s)
         self._conn: _Connection | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._segments_lock = asyncio.Lock()
         self._dead: DaemonUnavailable | None = None
         self._closed = False
         self.node_id = ""
@@ -144,6 +146,7 @@ class AsyncKvdClient:
                 f"kvd daemon at {self._b.socket_path} did not answer hello: {exc}"
             ) from None
         self.node_id, self.epoch = welcome.node_id, welcome.epoch
+        self._b.welcomed(welcome)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -235,7 +238,14 @@ class AsyncKvdClient:
     async def register(self, name: str, tensors: Sequence[Any], *, block_dim: int = 0,
                        timeout_s: float | None = None) -> Region:
         """Share tensors (from ``kvd.shared_empty``) with the daemon once."""
-        region: Region = await self._call(self._b.register(name, tensors, block_dim, timeout_s))
+        call = self._b.register(name, tensors, block_dim, timeout_s)
+        async with self._segments_lock:
+            segments = self._b.segments_to_hand(call)
+            if segments:  # a blocking sendmsg and its answer: not on this loop
+                await asyncio.to_thread(hand_over, self._b.segment_socket,
+                                        self._b.segment_token, segments, call.timeout_s)
+                self._b.handed(segments)
+        region: Region = await self._call(call)
         return region
 
     async def unregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client.shm import mark_ready, share_with_daemon, tensor_spec
+from kvd.client.shm import Segment, mark_ready, segment_of, tensor_spec
 from kvd.errors import (
     BadRequest,
     DaemonUnavailable,
@@ -188,6 +188,28 @@ class RequestBuilder:
         self.name = name
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
+        # This session's segment socket and secret (Welcome), and the segments it holds.
+        self.segment_socket = ""
+        self.segment_token = b""
+        self._handed: set[int] = set()
+
+    def welcomed(self, welcome: Welcome) -> None:
+        """A new session: its segment socket, and none of our segments yet."""
+        self.segment_socket, self.segment_token = welcome.segment_socket, welcome.segment_token
+        self._handed = set()
+
+    def segments_to_hand(self, call: Call) -> list[Segment]:
+        """The shared-memory segments a register call needs that this session lacks."""
+        needed: dict[int, Segment] = {}
+        for spec in call.msg.tensors:
+            if isinstance(spec, ShmTensor) and spec.segment not in self._handed:
+                needed[spec.segment] = segment_of(spec)
+        if needed and not self.segment_token:
+            raise DaemonUnavailable("client is not connected")
+        return list(needed.values())
+
+    def handed(self, segments: Sequence[Segment]) -> None:
+        self._handed.update(seg.id for seg in segments)
 
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -238,8 +260,6 @@ class RequestBuilder:
         if not tensors:
             raise BadRequest("register needs at least one tensor")
         specs = [tensor_spec(t, i) for i, t in enumerate(tensors)]
-        share_with_daemon({spec.path for spec in specs if isinstance(spec, ShmTensor)},
-                          self.socket_path)
         msg = Register(req_id=self.next_id(), name=name, tensors=specs, block_dim=block_dim)
         return Call(msg, self._t(timeout_s), "region", tuple(tensors))
 

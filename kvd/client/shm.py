@@ -1,44 +1,74 @@
-"""CPU tensors the daemon can map: allocated in shared-memory files by the client library.
+"""CPU tensors the daemon can map: allocated in shared-memory segments by the client library.
 
-``shared_empty`` creates a file ``kvd-<pid>-<n>-<random>`` in the shm directory, maps it,
-and returns a tensor on that mapping. The library remembers which mapping each tensor's
-storage lives in, so ``register`` can describe a tensor (or any view of one) to the daemon
-as (file, byte offset, shape, stride, dtype). A CPU tensor that is not on such a mapping
-cannot be shared and is refused with a message that says how to allocate it.
+``shared_empty`` creates a *segment*: an anonymous shared-memory file (``memfd_create``,
+named ``kvd-<pid>-<n>``) sealed against shrinking and growing, maps it, and returns a
+tensor on that mapping. The library remembers which segment each tensor's storage lives
+in, so ``register`` can describe a tensor (or any view of one) to the daemon as (segment,
+byte offset, shape, stride, dtype); the segment itself goes to the daemon as a file
+descriptor, once per session, over the daemon's segment socket (``hand_over``). A CPU
+tensor that is not in such a segment cannot be shared and is refused with a message that
+says how to allocate it.
 
-The file is unlinked when its last tensor is garbage-collected (or at exit); the daemon
-keeps its own mapping, and unlinks the files of a client that dies without saying bye.
+Why memfds and not named files in /dev/shm: a file can be truncated by whoever may write
+it, and a daemon touching a truncated mapping dies of SIGBUS (every client with it);
+a sealed segment cannot shrink. Nothing is left behind either: a segment goes when the
+last process holding it (by descriptor or mapping) lets go, client crash included, and
+no file permissions or shared /dev/shm are needed for the daemon to map it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import array
+import fcntl
 import itertools
 import mmap
 import os
-import secrets
+import socket
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
-from kvd.errors import BadRequest
-from kvd.protocol import SHM_PREFIX, CudaIpcTensor, DType, ShmTensor, shm_dir
+import msgspec
+
+from kvd.errors import BadRequest, DaemonUnavailable, KvdTimeout
+from kvd.protocol import (
+    MAX_SEGMENTS_PER_HANDOFF,
+    SHM_PREFIX,
+    CudaIpcTensor,
+    DType,
+    SegmentHandoff,
+    SegmentsTaken,
+    ShmTensor,
+)
 
 if TYPE_CHECKING:
     import torch
 
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@dataclass(frozen=True)
+class Segment:
+    id: int  # unique in this process, never reused
+    fd: int  # open for as long as the mapping lives: it is what the daemon is handed
+    nbytes: int
+
+
 _lock = threading.Lock()
-_counter = itertools.count()
-# storage data_ptr -> (path, nbytes); entries leave when the mapping is collected.
-_segments: dict[int, tuple[str, int]] = {}
+_counter = itertools.count(1)
+# storage data_ptr -> its segment, and id -> segment; entries leave when the mapping is
+# collected.
+_segments: dict[int, Segment] = {}
+_by_id: dict[int, Segment] = {}
 
 
-def _forget(ptr: int, path: str) -> None:
+def _forget(ptr: int, seg_id: int, fd: int) -> None:
     with _lock:
         _segments.pop(ptr, None)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        _by_id.pop(seg_id, None)
+    os.close(fd)
 
 
 def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
@@ -53,23 +83,23 @@ def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
     for d in dims:
         numel *= d
     nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
-    name = f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
-    path = os.path.join(shm_dir(), name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o660)
+    seg_id = next(_counter)
+    fd = os.memfd_create(f"{SHM_PREFIX}{os.getpid()}-{seg_id}",
+                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mm = mmap.mmap(fd, nbytes)
     except BaseException:
-        os.unlink(path)
-        raise
-    finally:
         os.close(fd)
+        raise
     base = torch.frombuffer(mm, dtype=torch.uint8)
     ptr = base.untyped_storage().data_ptr()
     with _lock:
-        _segments[ptr] = (path, nbytes)
-    # The mmap lives as long as any tensor on it; when it goes, so does the file.
-    weakref.finalize(mm, _forget, ptr, path)
+        _segments[ptr] = _by_id[seg_id] = Segment(seg_id, fd, nbytes)
+    # The mmap lives as long as any tensor on it; when it goes, so does our descriptor
+    # (the daemon holds its own for as long as it maps the segment).
+    weakref.finalize(mm, _forget, ptr, seg_id, fd)
     return base[: numel * _itemsize(dtype)].view(dtype).view(dims)
 
 
@@ -85,20 +115,51 @@ def _itemsize(dtype: Any) -> int:
     return int(torch.empty(0, dtype=dtype).element_size())
 
 
-def share_with_daemon(paths: set[str], socket_path: str) -> None:
-    """Let a daemon running as another user map these files: give them the group of the
-    daemon's socket directory (``kvd`` under systemd) when we are a member of it, and mode
-    0660 whatever our umask. Best effort: a daemon of the same user needs neither."""
+def segment_of(spec: ShmTensor) -> Segment:
+    """The segment a spec from ``tensor_spec`` (of this process) names."""
+    with _lock:
+        seg = _by_id.get(spec.segment)
+    if seg is None:
+        raise BadRequest(f"segment {spec.segment} is gone (its tensors were freed)")
+    return seg
+
+
+def hand_over(socket_path: str, token: bytes, segments: Sequence[Segment],
+              timeout_s: float) -> None:
+    """Give the daemon a descriptor of each segment (``SegmentHandoff`` with
+    ``SCM_RIGHTS``), for the session ``token`` names; returns once the session has them."""
+    if not socket_path or not token:
+        raise BadRequest("this daemon takes no shared-memory segments (no segment socket in "
+                         "its welcome)")
+    for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
+        _hand_over(socket_path, token, segments[start:start + MAX_SEGMENTS_PER_HANDOFF],
+                   timeout_s)
+
+
+def _hand_over(socket_path: str, token: bytes, segments: Sequence[Segment],
+               timeout_s: float) -> None:
+    payload = msgspec.msgpack.encode(
+        SegmentHandoff(token=token, segments=[seg.id for seg in segments]))
+    fds = array.array("i", [seg.fd for seg in segments])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(socket_path)
+            sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            reply = sock.recv(4096)
+        except TimeoutError:
+            raise KvdTimeout(f"the daemon's segment socket {socket_path} did not answer "
+                             f"within {timeout_s:g}s") from None
+        except OSError as exc:
+            raise DaemonUnavailable(f"cannot hand segments to the daemon at {socket_path}: "
+                                    f"{exc.strerror or exc}") from None
     try:
-        gid = os.stat(os.path.dirname(socket_path)).st_gid
-    except OSError:
-        return
-    mine = gid == os.getegid() or gid in os.getgroups()
-    for path in paths:
-        with contextlib.suppress(OSError):
-            if mine and os.stat(path).st_gid != gid:
-                os.chown(path, -1, gid)
-            os.chmod(path, 0o660)
+        taken = msgspec.msgpack.decode(reply, type=SegmentsTaken)
+    except msgspec.DecodeError:
+        raise DaemonUnavailable(f"the daemon's segment socket {socket_path} answered "
+                                "something else") from None
+    if taken.error:
+        raise BadRequest(f"the daemon refused the segments: {taken.error}")
 
 
 def _dtype_name(dtype: Any, index: int) -> Any:
@@ -171,10 +232,9 @@ def tensor_spec(tensor: torch.Tensor, index: int = 0) -> ShmTensor | CudaIpcTens
             f"tensor {index} is not in shared memory the daemon can map: allocate it with "
             "kvd.shared_empty(shape, dtype) (or kvd.shared_zeros)"
         )
-    path, nbytes = seg
     return ShmTensor(
-        path=path,
-        file_bytes=nbytes,
+        segment=seg.id,
+        file_bytes=seg.nbytes,
         offset_bytes=tensor.data_ptr() - storage.data_ptr(),
         shape=list(tensor.shape),
         stride=list(tensor.stride()),

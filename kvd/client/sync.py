@@ -28,6 +28,7 @@ from kvd.client.base import (
     decode_replies,
     result_of,
 )
+from kvd.client.shm import hand_over
 from kvd.errors import DaemonUnavailable, KvdError
 from kvd.framing import FrameReader, frame
 from kvd.protocol import Reply, encode
@@ -96,6 +97,7 @@ class KvdClient:
         self._frames = FrameReader(MAX_REPLY_BYTES)
         self._dead: DaemonUnavailable | None = None
         self._lock = threading.RLock()
+        self._segments_lock = threading.Lock()
         self._stash: dict[int, Reply] = {}
         self._outstanding: set[int] = set()
         self._closed = False
@@ -133,6 +135,7 @@ class KvdClient:
                 f"kvd daemon at {self._b.socket_path} did not answer hello: {exc}"
             ) from None
         self.node_id, self.epoch = welcome.node_id, welcome.epoch
+        self._b.welcomed(welcome)
 
     def close(self) -> None:
         with self._lock:
@@ -247,7 +250,14 @@ class KvdClient:
     def register(self, name: str, tensors: Sequence[Any], *, block_dim: int = 0,
                  timeout_s: float | None = None) -> Region:
         """Share tensors (from ``kvd.shared_empty``) with the daemon once."""
-        region: Region = self._call(self._b.register(name, tensors, block_dim, timeout_s))
+        call = self._b.register(name, tensors, block_dim, timeout_s)
+        with self._segments_lock:  # two threads registering one new segment: hand it once
+            segments = self._b.segments_to_hand(call)
+            if segments:
+                hand_over(self._b.segment_socket, self._b.segment_token, segments,
+                          call.timeout_s)
+                self._b.handed(segments)
+        region: Region = self._call(call)
         return region
 
     def unregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:

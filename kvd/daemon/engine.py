@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -468,15 +468,19 @@ class Engine:
     # ------------------------------------------------------------ operations
 
     async def register(
-        self, session: int, name: str, tensors: Sequence[TensorSpec], block_dim: int
+        self, session: int, name: str, tensors: Sequence[TensorSpec], block_dim: int,
+        segments: Mapping[int, int] | None = None,
     ) -> Region:
+        """``segments``: the session's shared-memory segments (descriptors by id) its CPU
+        tensors may live in."""
         self._check_accepting()
         self.regions.check_name(session, name)
         if any(isinstance(spec, CudaIpcTensor) for spec in tensors):
             # Opening CUDA IPC handles (and CUDA itself, the first time) takes a while.
-            built = await asyncio.to_thread(build_region_tensors, name, tensors, block_dim)
+            built = await asyncio.to_thread(build_region_tensors, name, tensors, block_dim,
+                                            dict(segments or {}))
         else:
-            built = build_region_tensors(name, tensors, block_dim)
+            built = build_region_tensors(name, tensors, block_dim, segments)
         region = self.regions.add(session, name, *built)
         log.info(
             "region registered session=%d region=%d name=%s tensors=%d blocks=%d",
@@ -822,8 +826,8 @@ class Engine:
 
     # ------------------------------------------------------------ sessions and stats
 
-    async def drop_session(self, session: int, reason: str) -> list[str]:
-        """Release what a client owned; returns its shared-memory files."""
+    async def drop_session(self, session: int, reason: str) -> None:
+        """Release what a client owned."""
         for item in self.store.items():
             if item.owner != session:
                 continue
@@ -831,11 +835,8 @@ class Engine:
                 self.store.remove(item)
             else:
                 item.owner = None  # outlives its owner until its TTL; anyone may delete it
-        files: list[str] = []
         for region in self.regions.owned_by(session):
-            files.extend(region.files)
             await self._drop_region(region, reason=reason)
-        return files
 
     def stats(self) -> dict[str, Any]:
         pool: dict[str, Any] = {**self.pool.stats(), "pinned": self.pool.pinned}

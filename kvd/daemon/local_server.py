@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 from kvd import __version__, timeline
 from kvd.config import Config
 from kvd.daemon.engine import Engine
+from kvd.daemon.segment_server import SegmentServer, segment_socket_path
 from kvd.errors import (
     Cancelled,
     ConfigError,
@@ -37,6 +39,7 @@ from kvd.errors import (
 from kvd.framing import FramedProtocol, Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
+    SEGMENT_TOKEN_BYTES,
     Bye,
     Cancel,
     Delete,
@@ -73,6 +76,9 @@ _SKIP_ABOVE_BYTES = 64 * 1024 * 1024
 # past this the client is cut off (its session closed) rather than buffered without end.
 # Replies are ~100 bytes: no client that reads falls this far behind.
 _MAX_UNREAD_REPLY_BYTES = 16 * 1024 * 1024
+# Segments (file descriptors, kept open) one session may hand over: each region's mapping
+# holds one more while it lives. LimitNOFILE in the systemd unit leaves room for many.
+MAX_SEGMENTS_PER_SESSION = 4096
 
 
 class _Replied:
@@ -110,7 +116,7 @@ class _Connection(FramedProtocol):
         super().connection_lost(exc)
         self.server.connections.discard(self)
         if self.session is not None:
-            self.server.start_close(self.session, "client disconnected", unlink_files=True)
+            self.server.start_close(self.session, "client disconnected")
 
 
 @dataclass(eq=False)
@@ -121,6 +127,10 @@ class Session:
     name: str
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
+    # The secret its segment handoffs carry (Welcome), and the segments handed over:
+    # descriptors by id, closed with the session.
+    token: bytes = b""
+    segments: dict[int, int] = field(default_factory=dict)
 
 
 class LocalServer:
@@ -138,6 +148,10 @@ class LocalServer:
         self._drain_requests: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._server: asyncio.AbstractServer | None = None
+        self._by_token: dict[bytes, Session] = {}
+        self.segment_socket = segment_socket_path(config.socket_path)
+        self._segments = SegmentServer(self.segment_socket, self._loop, self.adopt_segments,
+                                       self.count_bad)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -159,6 +173,12 @@ class LocalServer:
             raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
         finally:
             os.umask(old_umask)
+        try:
+            self._segments.bind()
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"socket_path: cannot listen on {self.segment_socket}: "
+                              f"{exc}") from None
         self._server = await self._loop.create_unix_server(
             lambda: _Connection(self), sock=sock)
         log.info("local socket listening path=%s", path)
@@ -175,8 +195,9 @@ class LocalServer:
         if self._drain_requests:  # let the drain reports go out first
             await asyncio.wait(set(self._drain_requests), timeout=5.0)
         self.stop_reading()
+        await asyncio.to_thread(self._segments.close)
         for session in list(self.sessions.values()):
-            await self._close_session(session, "daemon stopping", unlink_files=False)
+            await self._close_session(session, "daemon stopping")
         if self._closers:
             await asyncio.wait(set(self._closers), timeout=5.0)
         # Replies already queued (a drain report, say) get a moment to leave.
@@ -241,14 +262,34 @@ class LocalServer:
             self._send(conn, ErrorReply(req_id=msg.req_id, code="draining",
                                         message="daemon is draining: no new clients"))
             return
-        session = Session(self._next_sid, conn, msg.pid, msg.name)
+        session = Session(self._next_sid, conn, msg.pid, msg.name,
+                          token=secrets.token_bytes(SEGMENT_TOKEN_BYTES))
         self._next_sid += 1
         conn.session = session
         self.sessions[conn] = session
+        self._by_token[session.token] = session
         log.info("client connected session=%d pid=%d name=%s", session.sid, msg.pid, msg.name)
         self._send(conn, Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
-            node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__))
+            node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__,
+            segment_socket=self.segment_socket, segment_token=session.token))
+
+    def adopt_segments(self, token: bytes, ids: list[int], fds: list[int]) -> str:
+        """A handoff from the segment socket (on the loop): the session ``token`` names
+        takes the descriptors (''), or nothing (the reason; the caller closes them)."""
+        session = self._by_token.get(token)
+        if session is None or session.closing:
+            return "unknown session (say hello on the local socket first)"
+        new = [i for i in ids if i not in session.segments]
+        if len(session.segments) + len(new) > MAX_SEGMENTS_PER_SESSION:
+            return (f"a session holds at most {MAX_SEGMENTS_PER_SESSION} segments; "
+                    "allocate larger tensors, or fewer")
+        for seg_id, fd in zip(ids, fds, strict=True):
+            if seg_id in session.segments:  # handed twice (two threads): one is enough
+                os.close(fd)
+            else:
+                session.segments[seg_id] = fd
+        return ""
 
     # ------------------------------------------------------------ dispatch
 
@@ -284,7 +325,7 @@ class LocalServer:
                     self._done(s, msg.req_id)
                 case Bye():
                     self._done(s, msg.req_id)
-                    self.start_close(s, "client said bye", unlink_files=False)
+                    self.start_close(s, "client said bye")
                 case Get():
                     self._spawn(s, msg.req_id, op, e.get(
                         s.sid, msg.req_id, msg.key, msg.region_id, msg.ids, msg.timeout_s))
@@ -343,7 +384,8 @@ class LocalServer:
             s.tasks.pop(req_id, None)
 
     async def _register(self, s: Session, msg: Register) -> _Replied:
-        r = await self.engine.register(s.sid, msg.name, msg.tensors, msg.block_dim)
+        r = await self.engine.register(s.sid, msg.name, msg.tensors, msg.block_dim,
+                                       s.segments)
         self._send(s.conn, Registered(req_id=msg.req_id, region_id=r.region_id,
                                           num_blocks=r.num_blocks, layout=list(r.layout)))
         return _REPLIED
@@ -377,12 +419,12 @@ class LocalServer:
 
     # ------------------------------------------------------------ sessions
 
-    def start_close(self, session: Session, reason: str, *, unlink_files: bool) -> None:
-        task = self._loop.create_task(self._close_session(session, reason, unlink_files))
+    def start_close(self, session: Session, reason: str) -> None:
+        task = self._loop.create_task(self._close_session(session, reason))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
 
-    async def _close_session(self, session: Session, reason: str, unlink_files: bool) -> None:
+    async def _close_session(self, session: Session, reason: str) -> None:
         if session.closing:
             return
         session.closing = True
@@ -394,15 +436,11 @@ class LocalServer:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=90.0)
-        files = await self.engine.drop_session(session.sid, reason)
-        if unlink_files:
-            for path in files:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # e.g. another user's file in sticky /dev/shm
-                    log.warning("cannot unlink %s of a dead client: %s", path, exc.strerror)
+        await self.engine.drop_session(session.sid, reason)
+        self._by_token.pop(session.token, None)
+        for fd in session.segments.values():  # the regions' mappings hold their own
+            os.close(fd)
+        session.segments.clear()
         log.info("client gone session=%d pid=%d reason=%s", session.sid, session.pid, reason)
 
     def stats(self) -> dict[str, Any]:

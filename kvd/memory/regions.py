@@ -8,19 +8,18 @@ The *layout* of a region is, per tensor, the bytes of one block and the dtype. T
 (or a stored key and a region) are compatible when their layouts are equal; a mismatch is a
 ``LayoutMismatch`` naming both, never a silent reinterpretation.
 
-CPU tensors arrive as shared-memory files (``protocol.ShmTensor``). The daemon maps only
-regular files named ``kvd-*`` directly in the shm directory, opened without following
-links, so a client cannot make the daemon map an arbitrary file. GPU tensors (CUDA IPC)
-will be another kind of spec mapped by the same ``RegionTable.register``.
+CPU tensors arrive as segments (``protocol.ShmTensor``): memfds the client handed over as
+file descriptors (daemon/segment_server.py), sealed so that they can never shrink under
+the daemon's mapping; a spec names one of its session's segments by id, so a client
+cannot make the daemon map anything it did not hand over. GPU tensors (CUDA IPC) are
+another kind of spec, mapped by the same ``RegionTable.register``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-import os
-import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,14 +27,13 @@ import numpy as np
 import torch
 
 from kvd.errors import BadRequest, LayoutMismatch
+from kvd.memory.segments import check_segment
 from kvd.protocol import (
-    SHM_PREFIX,
     CudaIpcTensor,
     DType,
     LayoutEntry,
     ShmTensor,
     TensorSpec,
-    shm_dir,
 )
 
 # Block ids inside the daemon: a 1-D int64 array (what torch indexes with).
@@ -100,30 +98,18 @@ def _extent_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
 
 
 class _ShmMapping:
-    """One mapped shared-memory file; stays alive while any tensor view uses it."""
+    """One mapped segment; stays alive while any tensor view uses it."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        directory, name = os.path.split(path)
-        if directory != shm_dir() or not name.startswith(SHM_PREFIX) or "/" in name:
-            raise BadRequest(
-                f"cannot map {path!r}: CPU tensors must be allocated with kvd.shared_empty "
-                f"(files named {SHM_PREFIX}* in {shm_dir()})"
-            )
+    def __init__(self, segment: int, fd: int, stated_bytes: int) -> None:
+        self.path = f"segment {segment}"  # what messages call it
+        self.nbytes = check_segment(fd)  # (sealed: it stays this size)
+        if stated_bytes != self.nbytes:
+            raise BadRequest(f"segment {segment} holds {self.nbytes} bytes, not "
+                             f"{stated_bytes}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise BadRequest(f"cannot map {path!r}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BadRequest(f"cannot map {path!r}: not a regular file")
-            self.nbytes = st.st_size
-            if self.nbytes == 0:
-                raise BadRequest(f"cannot map {path!r}: empty file")
             self.mm = mmap.mmap(fd, self.nbytes)
-        finally:
-            os.close(fd)
+        except OSError as exc:
+            raise BadRequest(f"cannot map segment {segment}: {exc.strerror}") from None
         self.storage = torch.frombuffer(self.mm, dtype=torch.uint8).untyped_storage()
 
     def tensor(self, spec: ShmTensor) -> torch.Tensor:
@@ -136,7 +122,7 @@ class _ShmMapping:
         end = spec.offset_bytes + _extent_elements(spec.shape, spec.stride) * itemsize
         if end > self.nbytes:
             raise BadRequest(
-                f"tensor extends to byte {end} but {self.path!r} holds {self.nbytes} bytes"
+                f"tensor extends to byte {end} but {self.path} holds {self.nbytes} bytes"
             )
         t = torch.empty(0, dtype=dtype)
         t.set_(self.storage, spec.offset_bytes // itemsize, spec.shape, spec.stride)
@@ -158,7 +144,6 @@ class Region:
     tensors: list[torch.Tensor]  # block dimension first
     num_blocks: int
     layout: Layout
-    files: list[str] = field(default_factory=list)
     mappings: list[Any] = field(default_factory=list, repr=False)
     # (device, event): the client's interprocess events; reads of the region wait for them
     ready_events: list[Any] = field(default_factory=list, repr=False)
@@ -198,8 +183,8 @@ class Region:
 
 
 def _build_tensors(
-    specs: Sequence[TensorSpec], block_dim: int, maps: dict[str, _ShmMapping],
-    events: dict[bytes, Any],
+    specs: Sequence[TensorSpec], block_dim: int, segments: Mapping[int, int],
+    maps: dict[int, _ShmMapping], events: dict[bytes, Any],
 ) -> list[torch.Tensor]:
     tensors = []
     for i, spec in enumerate(specs):
@@ -212,22 +197,30 @@ def _build_tensors(
             if spec.ready_event and spec.ready_event not in events:
                 events[spec.ready_event] = open_ready_event(spec)
             continue
-        mapping = maps.get(spec.path)
+        mapping = maps.get(spec.segment)
         if mapping is None:
-            mapping = maps[spec.path] = _ShmMapping(spec.path)
+            fd = segments.get(spec.segment)
+            if fd is None:
+                raise BadRequest(
+                    f"tensor {i}: segment {spec.segment} was not handed to this daemon "
+                    "(CPU tensors come from kvd.shared_empty, registered by the client "
+                    "library, which hands their segments over first)")
+            mapping = maps[spec.segment] = _ShmMapping(spec.segment, fd, spec.file_bytes)
         tensors.append(mapping.tensor(spec).movedim(block_dim, 0))
     return tensors
 
 
 def build_region_tensors(
-    name: str, specs: Sequence[TensorSpec], block_dim: int
-) -> tuple[list[torch.Tensor], dict[str, _ShmMapping], list[Any]]:
-    """Map a region's tensors (and open its clients' CUDA events) and check they share one
-    block count. No shared state: safe in a thread (CUDA IPC can take a while)."""
-    maps: dict[str, _ShmMapping] = {}
+    name: str, specs: Sequence[TensorSpec], block_dim: int,
+    segments: Mapping[int, int] | None = None,
+) -> tuple[list[torch.Tensor], dict[int, _ShmMapping], list[Any]]:
+    """Map a region's tensors (``segments``: the session's segment descriptors by id; and
+    open its clients' CUDA events) and check they share one block count. No shared state
+    but reads of ``segments``: safe in a thread (CUDA IPC can take a while)."""
+    maps: dict[int, _ShmMapping] = {}
     events: dict[bytes, Any] = {}
     try:
-        tensors = _build_tensors(specs, block_dim, maps, events)
+        tensors = _build_tensors(specs, block_dim, segments or {}, maps, events)
         num_blocks = tensors[0].shape[0]
         for i, t in enumerate(tensors):
             if t.shape[0] != num_blocks:
@@ -254,17 +247,18 @@ class RegionTable:
         return len(self._by_id)
 
     def register(
-        self, owner: int, name: str, specs: Sequence[TensorSpec], block_dim: int
+        self, owner: int, name: str, specs: Sequence[TensorSpec], block_dim: int,
+        segments: Mapping[int, int] | None = None,
     ) -> Region:
         self.check_name(owner, name)
-        return self.add(owner, name, *build_region_tensors(name, specs, block_dim))
+        return self.add(owner, name, *build_region_tensors(name, specs, block_dim, segments))
 
     def check_name(self, owner: int, name: str) -> None:
         if (owner, name) in self._by_name:
             raise BadRequest(f"region {name!r} is already registered by this client")
 
     def add(self, owner: int, name: str, tensors: list[torch.Tensor],
-            maps: dict[str, _ShmMapping], ready_events: list[Any] | None = None) -> Region:
+            maps: dict[int, _ShmMapping], ready_events: list[Any] | None = None) -> Region:
         """Record a region whose tensors ``build_region_tensors`` made (on the loop)."""
         self.check_name(owner, name)
         num_blocks = tensors[0].shape[0]
@@ -282,7 +276,6 @@ class RegionTable:
             tensors=tensors,
             num_blocks=num_blocks,
             layout=layout,
-            files=sorted(maps),
             mappings=list(maps.values()),
             ready_events=ready_events or [],
         )
