@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -119,6 +120,7 @@ class Daemon:
 
     async def _startup(self, stack: contextlib.AsyncExitStack) -> None:
         self._force = asyncio.Event()
+        _raise_open_file_limit()
         check_socket_path(self.config)
         prepare_socket_dir(self.config.socket_path)
         if self.config.timeline_dir:
@@ -297,3 +299,15 @@ def run(config: Config, shutdown_trigger: ShutdownTrigger | None = None) -> int:
     daemon = Daemon(config)
     uvloop.run(daemon.serve(shutdown_trigger))
     return 130 if daemon.forced else 0
+
+
+def _raise_open_file_limit() -> None:
+    """Take the hard limit on open files as the soft one: each client segment costs the
+    daemon two descriptors while mapped (its own, and the mapping's), and the soft
+    default (1024 outside systemd) would cap a node at a few hundred CPU tensors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open files limit %d (was %d)", want, soft)
