@@ -462,6 +462,47 @@ def test_many_chunks_and_spill_to_host_pool() -> None:
         assert cb.stats()["pool"]["used_bytes"] == 0
 
 
+def fails_when_signalled(step: Callable[[], object], proc: subprocess.Popen[bytes],
+                         sig: signal.Signals, what: str) -> None:
+    """Run ``step`` again and again in a thread, send ``sig`` to ``proc`` after a second of
+    it: the loop must end with the error of a lost peer, within 10 s of the signal."""
+    failure: dict[str, object] = {}
+
+    def loop() -> None:
+        try:
+            while True:
+                step()
+        except kvd.KvdError as exc:
+            failure["err"], failure["at"] = exc, time.monotonic()
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    signalled = time.monotonic()
+    worker.join(30)
+    assert not worker.is_alive(), f"{what}: the loop did not notice"
+    err = failure["err"]
+    detected = float(failure["at"]) - signalled  # type: ignore[arg-type]
+    print(f"\n{what}: failed after {detected:.3f}s with {type(err).__name__}: {err}")
+    assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
+    assert detected < 10
+
+
+def until_linked(call: Callable[[], object],
+                 errors: tuple[type[BaseException], ...] = (kvd.PeerUnreachable,)) -> None:
+    """``call`` again every 0.5 s while it fails with ``errors`` (a peer that is back is
+    linked again, and its old channel dropped, within 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            call()
+            return
+        except errors:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+
+
 def test_peer_killed_mid_stream_then_restarted() -> None:
     b_ports = (free_port(), free_port())
     a = start_node(GPU_A)
@@ -473,45 +514,20 @@ def test_peer_killed_mid_stream_then_restarted() -> None:
             torch.cuda.synchronize()
             r_src = ca.register("src", src)
             ca.put("warm", r_src, [0], to=b.address).wait(60)  # channel up
-            failure: dict[str, object] = {}
-
-            def stream() -> None:
-                i = 0
-                try:
-                    while True:  # B keeps every key: its pool fills, then BUSY, or death
-                        ca.put(f"s{i}", r_src, list(range(64)), to=b.address,
-                               ttl_s=1).wait(60)
-                        i += 1
-                except kvd.KvdError as exc:
-                    failure["err"], failure["at"] = exc, time.monotonic()
-
-            sender = threading.Thread(target=stream)
-            sender.start()
-            time.sleep(1.0)
-            b.proc.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            sender.join(30)
-            assert not sender.is_alive(), "the sender did not notice the dead peer"
-            err = failure["err"]
-            detected = float(failure["at"]) - killed  # type: ignore[arg-type]
-            print(f"\npeer SIGKILLed mid-stream: sender failed after {detected:.3f}s with "
-                  f"{type(err).__name__}: {err}")
-            assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
-            assert detected < 10
+            sent = iter(range(1 << 30))
+            # B keeps every key: its pool fills, then BUSY, or death
+            fails_when_signalled(
+                lambda: ca.put(f"s{next(sent)}", r_src, list(range(64)), to=b.address,
+                               ttl_s=1).wait(60),
+                b.proc, signal.SIGKILL, "peer SIGKILLed mid-stream, the sender")
             # A restarted peer (same address) works again, on a new channel.
             b = start_node(GPU_B, ports=b_ports)
             with kvd.KvdClient(b.sock, timeout_s=60) as cb:
                 dst = [torch.zeros_like(src[0], device=DEV_B)]
                 torch.cuda.synchronize()
                 r_dst = cb.register("dst", dst)
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        ca.put("again", r_src, list(range(8)), to=b.address).wait(60)
-                        break
-                    except kvd.PeerUnreachable:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.5)
+                until_linked(lambda: ca.put("again", r_src, list(range(8)),
+                                            to=b.address).wait(60))
                 cb.get("again", r_dst, list(range(8)), timeout_s=60)
                 torch.cuda.synchronize()
                 assert torch.equal(dst[0][:8].cpu(), src[0][:8].cpu())
@@ -539,28 +555,9 @@ def test_lender_killed_mid_pull_then_restarted() -> None:
             r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
             ca.publish("big", r_src, list(range(64)))
             cb.pull("big", a.address, r_dst, list(range(64)), timeout_s=60)  # channel up
-            failure: dict[str, object] = {}
-
-            def stream() -> None:
-                try:
-                    while True:
-                        cb.pull("big", a.address, r_dst, list(range(64)), timeout_s=60)
-                except kvd.KvdError as exc:
-                    failure["err"], failure["at"] = exc, time.monotonic()
-
-            puller = threading.Thread(target=stream)
-            puller.start()
-            time.sleep(1.0)
-            a.proc.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            puller.join(30)
-            assert not puller.is_alive(), "the puller did not notice the dead lender"
-            err = failure["err"]
-            detected = float(failure["at"]) - killed  # type: ignore[arg-type]
-            print(f"\nlender SIGKILLed mid-pull: the pull failed after {detected:.3f}s with "
-                  f"{type(err).__name__}: {err}")
-            assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
-            assert detected < 10
+            fails_when_signalled(
+                lambda: cb.pull("big", a.address, r_dst, list(range(64)), timeout_s=60),
+                a.proc, signal.SIGKILL, "lender SIGKILLed mid-pull, the pull")
             deadline = time.monotonic() + 10
             while True:  # the channel's teardown runs off the loop (~0.5 s)
                 stats = cb.stats()
@@ -577,14 +574,8 @@ def test_lender_killed_mid_pull_then_restarted() -> None:
                 ca2.publish("again", r_again, [5, 6, 7])
                 dst[0].zero_()
                 torch.cuda.synchronize()
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        cb.pull("again", a.address, r_dst, [0, 1, 2], timeout_s=60)
-                        break
-                    except kvd.PeerUnreachable:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.5)
+                until_linked(lambda: cb.pull("again", a.address, r_dst, [0, 1, 2],
+                                             timeout_s=60))
                 torch.cuda.synchronize()
                 assert torch.equal(dst[0][:3].cpu(), src[0][5:8].cpu())
                 assert torch.count_nonzero(dst[0][3:]) == 0
@@ -611,41 +602,17 @@ def test_peer_frozen_mid_stream_then_resumed() -> None:
             r_src, r_dst = ca.register("src", src), cb.register("dst", dst)
             ca.put("warm", r_src, [0], to=b.address).wait(60)  # channel up
             cb.delete("warm")
-            failure: dict[str, object] = {}
-
-            def stream() -> None:
-                i = 0
-                try:
-                    while True:
-                        ca.put(f"s{i}", r_src, list(range(64)), to=b.address,
-                               ttl_s=1).wait(60)
-                        i += 1
-                except kvd.KvdError as exc:
-                    failure["err"], failure["at"] = exc, time.monotonic()
-
-            sender = threading.Thread(target=stream)
-            sender.start()
-            time.sleep(1.0)
-            b.proc.send_signal(signal.SIGSTOP)
-            stopped, frozen = True, time.monotonic()
-            sender.join(30)
-            assert not sender.is_alive(), "the sender did not notice the frozen peer"
-            err = failure["err"]
-            detected = float(failure["at"]) - frozen  # type: ignore[arg-type]
-            print(f"\npeer SIGSTOPped mid-stream: sender failed after {detected:.3f}s with "
-                  f"{type(err).__name__}: {err}")
-            assert isinstance(err, kvd.PeerUnreachable | kvd.KvdTimeout | kvd.TransferFailed)
-            assert detected < 10
+            sent = iter(range(1 << 30))
+            stopped = True  # (from here on: SIGCONT on the way out)
+            fails_when_signalled(
+                lambda: ca.put(f"s{next(sent)}", r_src, list(range(64)), to=b.address,
+                               ttl_s=1).wait(60),
+                b.proc, signal.SIGSTOP, "peer SIGSTOPped mid-stream, the sender")
             b.proc.send_signal(signal.SIGCONT)
             stopped = False
-            deadline = time.monotonic() + 30
-            while True:  # relinks; B may still be dropping its end of the old channel
-                try:
-                    ca.put("again", r_src, [9, 3, 5], to=b.address).wait(60)
-                    break
-                except (kvd.PeerUnreachable, kvd.TransferFailed, kvd.KvdTimeout):
-                    assert time.monotonic() < deadline
-                    time.sleep(0.5)
+            # relinks; B may still be dropping its end of the old channel
+            until_linked(lambda: ca.put("again", r_src, [9, 3, 5], to=b.address).wait(60),
+                         (kvd.PeerUnreachable, kvd.TransferFailed, kvd.KvdTimeout))
             cb.get("again", r_dst, [0, 1, 2], timeout_s=60)
             torch.cuda.synchronize()
             assert torch.equal(dst[0][:3].cpu(), src[0][[9, 3, 5]].cpu())
