@@ -128,9 +128,6 @@ def hand_over(socket_path: str, token: bytes, segments: Sequence[Segment],
               timeout_s: float) -> None:
     """Give the daemon a descriptor of each segment (``SegmentHandoff`` with
     ``SCM_RIGHTS``), for the session ``token`` names; returns once the session has them."""
-    if not socket_path or not token:
-        raise BadRequest("this daemon takes no shared-memory segments (no segment socket in "
-                         "its welcome)")
     for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
         _hand_over(socket_path, token, segments[start:start + MAX_SEGMENTS_PER_HANDOFF],
                    timeout_s)

@@ -80,7 +80,9 @@ class SegmentServer:
         finally:
             os.umask(old_umask)
         self._sock = sock
-        self._thread = threading.Thread(target=self._serve, name="kvd-segments", daemon=True)
+        # Not a daemon thread: close() stops it (the _stopping flag, then the shutdown that
+        # wakes its accept) and joins it with a timeout.
+        self._thread = threading.Thread(target=self._serve, name="kvd-segments")
         self._thread.start()
         log.info("segment socket listening path=%s", self.path)
 

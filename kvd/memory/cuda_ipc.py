@@ -46,7 +46,7 @@ def open_cuda_tensor(spec: CudaIpcTensor, dtype: torch.dtype) -> torch.Tensor:
     device = device_by_uuid(spec.gpu_uuid)
     check_ref_counter(spec)
     try:
-        tensor = rebuild_cuda_tensor(
+        return rebuild_cuda_tensor(
             torch.Tensor, torch.Size(spec.shape), tuple(spec.stride), spec.tensor_offset,
             torch.storage.TypedStorage, dtype, device, spec.handle, spec.storage_size_bytes,
             spec.storage_offset_bytes, False, spec.ref_counter_handle,
@@ -54,7 +54,6 @@ def open_cuda_tensor(spec: CudaIpcTensor, dtype: torch.dtype) -> torch.Tensor:
     except (RuntimeError, TypeError, ValueError) as exc:
         raise BadRequest(f"cannot open the CUDA IPC handle of a tensor on GPU "
                          f"{spec.gpu_uuid}: {exc}") from None
-    return tensor
 
 
 def check_ref_counter(spec: CudaIpcTensor) -> None:
