@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,10 +95,25 @@ def stop_node(node: Node) -> int:
         try:
             node.proc.wait(60)
         except subprocess.TimeoutExpired:
+            stacks = thread_stacks(node.proc.pid)
             node.proc.kill()
             node.proc.wait(10)
-            raise AssertionError("daemon did not stop within 60 s") from None
+            with open(node.log_path, errors="replace") as f:
+                log = f.read()[-6000:]
+            raise AssertionError(f"daemon did not stop within 60 s; its threads:\n{stacks}\n"
+                                 f"its log:\n{log}") from None
     return node.proc.returncode
+
+
+def thread_stacks(pid: int) -> str:
+    """Every thread's Python and native stack (py-spy, where installed): what a daemon
+    that does not stop is waiting on."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(py-spy is not installed)"
+    done = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                          text=True, timeout=60)
+    return done.stdout + done.stderr
 
 
 @contextlib.contextmanager

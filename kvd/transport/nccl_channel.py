@@ -330,7 +330,12 @@ class NcclChannel:
         are to be dropped, or its staging must grow first (growing waits for the GPU)."""
         comm = self._comm
         if (comm is None or self.failed is not None or self._busy or job.blocks is None
-                or job.abandoned):
+                or job.abandoned or not all(t.is_cuda for t in job.blocks.tensors)):
+            # Host memory stays off the loop: a copy between a GPU and pageable memory
+            # (the pool, unpinned by default) or a host-side index_select blocks the caller
+            # until the stream gets there, which is behind the NCCL kernel; a kernel whose
+            # peer froze or died never gets there, and the abort that would end it comes
+            # from this loop (seen: a peer resumed after SIGSTOP hung its daemon for good).
             return False
         try:
             loop = asyncio.get_running_loop()
