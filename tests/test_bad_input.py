@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import fcntl
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -412,3 +413,64 @@ def test_cuda_ipc_reference_counter_is_checked_before_torch_sees_it(tmp_path: An
     finally:
         os.unlink(path)
         os.unlink("/dev/shm" + small_name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
+def test_reference_counter_file_of_another_user_is_refused_saying_why() -> None:
+    """A GPU client of another user than the daemon's: torch made its reference-counter
+    file mode 0600, which the daemon cannot open read-write; it refuses the registration
+    saying that GPU clients must run as its user (CUDA IPC does not map memory between
+    users, measured on the H200 host) instead of passing torch's failure on."""
+    from kvd.errors import BadRequest
+    from kvd.memory.cuda_ipc import REF_COUNTERS_PER_FILE, check_ref_counter
+    from kvd.protocol import CudaIpcTensor
+
+    daemon_uid, client_uid = 64101, 64102  # no accounts needed
+    name = f"/kvd-test-users-{os.getpid()}"
+    spec = CudaIpcTensor(
+        gpu_uuid="GPU-x", handle=b"h" * 66, storage_size_bytes=4096, storage_offset_bytes=0,
+        ref_counter_handle=name.encode(), ref_counter_offset=7, event_handle=b"",
+        event_sync_required=False, tensor_offset=0, shape=[4, 256], stride=[256, 1],
+        dtype="float32")
+
+    def client() -> None:  # as torch does: shm_open(O_CREAT, 0600), then ftruncate
+        fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, REF_COUNTERS_PER_FILE * 8)
+        os.close(fd)
+        check_ref_counter(spec)  # the daemon of the client's own user may open it
+
+    def daemon() -> None:
+        with pytest.raises(BadRequest, match=f"uid {daemon_uid}.* cannot open .*{name}.*"
+                                             f"mode 0600.*must run as the daemon's user"):
+            check_ref_counter(spec)
+
+    try:
+        assert _as_user(client_uid, client_uid, client) == ""
+        assert _as_user(daemon_uid, daemon_uid, daemon) == ""
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink("/dev/shm" + name)
+
+
+def _as_user(uid: int, gid: int, work: Callable[[], None]) -> str:
+    """Run ``work`` in a forked child with these credentials; '' or the child's error."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no exception may escape into pytest's copy of itself
+        status = 0
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            work()
+        except BaseException as exc:  # reported to the parent
+            os.write(write_end, f"{type(exc).__name__}: {exc}".encode())
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as r:
+        error = r.read().decode()
+    os.waitpid(pid, 0)
+    return error

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -144,11 +146,11 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
         daemon: str) -> None:
     """Never trust the wire, GPU side: a CUDA IPC spec whose view lies past its storage,
-    whose reference counter torch would decrement out of bounds or in a file too small for
-    its mapping, whose handle is garbage, or whose GPU the daemon does not see, is refused
-    with a bad_request; the daemon's CUDA stays usable: a real region registered afterwards
-    moves its bytes exactly. (A storage past the client's allocation: branch
-    next/ipc-bounds.)"""
+    whose storage lies past the allocation its handle opens (too large, or at an offset
+    past it), whose reference counter torch would decrement out of bounds or in a file too
+    small for its mapping, whose handle is garbage, or whose GPU the daemon does not see,
+    is refused with a bad_request; the daemon's CUDA stays usable: a real region registered
+    afterwards moves its bytes exactly."""
     from kvd.client.shm import cuda_tensor_spec
     from kvd.memory.cuda_ipc import REF_COUNTERS_PER_FILE
 
@@ -161,6 +163,8 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
     garbage = bytes(spec.handle[:2]) + bytes(b ^ 0x5A for b in spec.handle[2:])
     cases: list[tuple[dict[str, Any], str]] = [
         (dict(shape=[8, 1 << 20]), "cannot open"),  # the view past its storage (torch)
+        (dict(storage_size_bytes=1 << 34, shape=[8, 1 << 20]), "outside the"),
+        (dict(storage_offset_bytes=spec.storage_offset_bytes + (1 << 34)), "outside the"),
         (dict(ref_counter_offset=REF_COUNTERS_PER_FILE), "past the"),
         (dict(ref_counter_handle=b"/kvd-test-no-such-counter"), "No such file"),
         (dict(ref_counter_handle=small_name.encode()), "at least"),
@@ -194,3 +198,77 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
         c.get("k", r_dst, [0, 1, 2], timeout_s=30)
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(d[:3].cpu(), s[[5, 9, 2]].cpu())
+
+
+USERS_CLIENT = """
+import sys, torch, kvd
+src = torch.randn(64, 4096, device="cuda:0")
+dst = torch.zeros_like(src)
+torch.cuda.synchronize()
+try:
+    with kvd.KvdClient(sys.argv[1], timeout_s=60) as c:
+        r_src, r_dst = c.register("src", [src]), c.register("dst", [dst])
+        c.offload("k", r_src, [3, 7])
+        c.get("k", r_dst, [0, 1], timeout_s=30)
+except kvd.BadRequest as exc:
+    print("refused:", exc)
+    raise SystemExit(0)
+torch.cuda.synchronize()
+print("exact" if torch.equal(dst[:2], src[[3, 7]]) else "WRONG BYTES")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start processes as two users")
+def test_gpu_clients_must_run_as_the_daemons_user(tmp_path: Any) -> None:
+    """A daemon of a non-root user (as under systemd) serves GPU clients of its own user,
+    byte-exact; a client of another user, in the group of the socket's directory, is
+    refused at register saying that it must run as the daemon's user (CUDA IPC does not map
+    memory between users: measured here, the first refusal came from the driver), and the
+    daemon keeps serving. (Numeric ids, no accounts needed; the processes run from a copy
+    of the package their users can read.)"""
+    daemon_uid, other_uid, group = 64201, 64202, 64203
+    base = tempfile.mkdtemp(prefix="kvd-users-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        shutil.copytree(os.path.dirname(kvd.__file__), os.path.join(base, "src", "kvd"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        home = os.path.join(base, "home")
+        os.mkdir(home)
+        os.chmod(home, 0o1777)
+        run = os.path.join(base, "run")  # as systemd's RuntimeDirectory= with Group=
+        os.mkdir(run, 0o750)
+        os.chown(run, daemon_uid, group)
+        sock = os.path.join(run, "kvd.sock")
+        env = {**os.environ, "HOME": home, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": ":".join(
+            [os.path.join(base, "src"), *os.environ.get("PYTHONPATH", "").split(":")])}
+        with open(tmp_path / "log", "wb") as log:
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock,
+                 "--node-id", "users", "--peer-port", "0", "--data-port", "0",
+                 "--http-port", "0", "--pool-size-bytes", "256MiB"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=base,
+                user=daemon_uid, group=group, extra_groups=[group])
+        try:
+            def client(uid: int) -> str:
+                done = subprocess.run(
+                    [sys.executable, "-c", USERS_CLIENT, sock], env=env, cwd=base,
+                    capture_output=True, text=True, timeout=120, user=uid, group=uid,
+                    extra_groups=[group])
+                assert done.returncode == 0, done.stderr[-3000:]
+                return done.stdout.strip()
+
+            deadline = time.monotonic() + 90
+            while not os.path.exists(sock):
+                assert daemon.poll() is None and time.monotonic() < deadline, \
+                    (tmp_path / "log").read_text()[-3000:]
+                time.sleep(0.1)
+            assert client(daemon_uid) == "exact"
+            refused = client(other_uid)
+            assert refused.startswith("refused:") and \
+                f"must run as the daemon's user, uid {daemon_uid}" in refused, refused
+            assert client(daemon_uid) == "exact"
+        finally:
+            daemon.terminate()
+            assert daemon.wait(60) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -8,16 +8,20 @@ registers a GPU tensor: a CPU-only daemon never touches CUDA.
 
 torch trusts these fields (they normally come from another torch process), kvd does not:
 torch's release of the mapping decrements an int64 at ``ref_counter_offset`` in the
-shared-memory file the spec names, unchecked, so that is checked here first. (Not yet
-checked: that the storage lies inside the allocation the handle opens; an offset or size
-past it would have the daemon's kernels read and write outside it. The check, through
-``cuMemGetAddressRange``, waits on branch ``next/ipc-bounds`` for a GPU run.)
+shared-memory file the spec names, unchecked, so that is checked first; and it places the
+storage at the spec's offset and size past the start of the allocation the handle opens,
+unchecked, so that the storage lies inside that allocation is checked after, through the
+driver's ``cuMemGetAddressRange`` (torch has no call for it), before any kernel of ours
+reads or writes it. The view inside its storage torch checks itself (``set_``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import stat
+from typing import Any
 
 import torch
 
@@ -28,6 +32,12 @@ from kvd.protocol import CudaIpcTensor
 # torch maps whole whatever the file's size.
 REF_COUNTERS_PER_FILE = 10000
 _SHM_DIR = "/dev/shm"  # where shm_open names live on Linux (glibc)
+# Measured on the H200 host (driver 580): the daemon as one user opened a client's handle
+# only when the client ran as that user too; a client of another user failed with "mapping
+# of buffer object failed", with or without CAP_SYS_PTRACE for the daemon. (torch's
+# reference-counter files, mode 0600, would stop it before that: checked first, with this.)
+ONE_USER = (f"GPU clients must run as the daemon's user, uid {os.geteuid()}: CUDA IPC does "
+            "not map memory between users")
 
 
 def device_by_uuid(uuid: str) -> int:
@@ -46,14 +56,86 @@ def open_cuda_tensor(spec: CudaIpcTensor, dtype: torch.dtype) -> torch.Tensor:
     device = device_by_uuid(spec.gpu_uuid)
     check_ref_counter(spec)
     try:
-        return rebuild_cuda_tensor(
+        tensor = rebuild_cuda_tensor(
             torch.Tensor, torch.Size(spec.shape), tuple(spec.stride), spec.tensor_offset,
             torch.storage.TypedStorage, dtype, device, spec.handle, spec.storage_size_bytes,
             spec.storage_offset_bytes, False, spec.ref_counter_handle,
             spec.ref_counter_offset, spec.event_handle or None, spec.event_sync_required)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise BadRequest(f"cannot open the CUDA IPC handle of a tensor on GPU "
-                         f"{spec.gpu_uuid}: {exc}") from None
+                         f"{spec.gpu_uuid}: {exc} (where the client runs as another user than "
+                         f"the daemon, this is why: {ONE_USER})") from None
+    check_inside_allocation(tensor, device, spec)
+    return tensor
+
+
+def check_inside_allocation(tensor: torch.Tensor, device: int, spec: CudaIpcTensor) -> None:
+    """The storage torch placed at ``storage_offset_bytes`` past the start of the mapping
+    the handle opened must end inside that mapping. The range is asked for the mapping's
+    start, not the storage's: an offset past the mapping could land in another allocation
+    of ours (staging, a pool), whose range would then pass."""
+    start = tensor.untyped_storage().data_ptr()
+    mapping = start - spec.storage_offset_bytes
+    base, size = allocation_range(device, mapping)
+    if not (base <= mapping and start + spec.storage_size_bytes <= base + size):
+        raise BadRequest(
+            f"tensor storage of {spec.storage_size_bytes} bytes at offset "
+            f"{spec.storage_offset_bytes} lies outside the {size - (mapping - base)}-byte "
+            f"allocation its CUDA IPC handle opens (GPU {spec.gpu_uuid})")
+
+
+class _Driver:
+    """The few CUDA driver calls torch does not expose, through ctypes (libcuda is there
+    wherever torch sees a GPU; cuda-python would be one more dependency for four calls)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        p, u64, i = ctypes.POINTER, ctypes.c_uint64, ctypes.c_int
+        self.device_get = _fn(lib.cuDeviceGet, p(i), i)
+        self.retain = _fn(lib.cuDevicePrimaryCtxRetain, p(ctypes.c_void_p), i)
+        self.release = _fn(lib.cuDevicePrimaryCtxRelease_v2, i)
+        self.push = _fn(lib.cuCtxPushCurrent_v2, ctypes.c_void_p)
+        self.pop = _fn(lib.cuCtxPopCurrent_v2, p(ctypes.c_void_p))
+        self.address_range = _fn(lib.cuMemGetAddressRange_v2, p(u64), p(ctypes.c_size_t), u64)
+
+
+def _fn(f: Any, *argtypes: Any) -> Any:
+    f.argtypes, f.restype = list(argtypes), ctypes.c_int
+    return f
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver()
+
+
+def allocation_range(device: int, address: int) -> tuple[int, int]:
+    """(start, size) of the allocation holding ``address`` on GPU ``device`` (torch's
+    index). The GPU's primary context is pushed for the call: the calling thread may have
+    none current (a pool thread, when torch reused a handle it had opened and made no
+    runtime call on it), and the driver then answers CUDA_ERROR_INVALID_CONTEXT."""
+    drv = _driver()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(drv.device_get(ctypes.byref(dev), device), "cuDeviceGet")
+    _check(drv.retain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        _check(drv.push(ctx), "cuCtxPushCurrent")
+        try:
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            err = drv.address_range(ctypes.byref(base), ctypes.byref(size), address)
+        finally:
+            _check(drv.pop(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+    finally:
+        drv.release(dev)
+    if err:
+        raise BadRequest(f"GPU address {address:#x} of a CUDA IPC tensor is in no allocation "
+                         f"(cuMemGetAddressRange: CUDA error {err})")
+    return base.value, size.value
+
+
+def _check(err: int, call: str) -> None:
+    if err:
+        raise RuntimeError(f"{call} failed: CUDA error {err}")
 
 
 def check_ref_counter(spec: CudaIpcTensor) -> None:
@@ -81,6 +163,10 @@ def check_ref_counter(spec: CudaIpcTensor) -> None:
     if not stat.S_ISREG(st.st_mode) or st.st_size < need:
         raise BadRequest(f"reference-counter file {name!r} is not a regular file of at least "
                          f"{need} bytes")
+    if not os.access(_SHM_DIR + name, os.R_OK | os.W_OK):
+        raise BadRequest(
+            f"the daemon (uid {os.geteuid()}) cannot open reference-counter file {name!r} "
+            f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) read-write: {ONE_USER}")
 
 
 def open_ready_event(spec: CudaIpcTensor) -> tuple[int, torch.cuda.Event] | None:
