@@ -272,3 +272,63 @@ def test_gpu_clients_must_run_as_the_daemons_user(tmp_path: Any) -> None:
             assert daemon.wait(60) == 0, (tmp_path / "log").read_text()[-3000:]
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+WARM_CHILD = """
+import numpy as np, torch
+from kvd.transport import gpu_copy
+dev = torch.device("cuda:0")
+spin, loop = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+torch.cuda._sleep(1000)
+torch.cuda.synchronize()
+
+def launched_during_spin(work):
+    # True when ``work`` returned while a 4 s kernel on another stream still ran: its
+    # launches did not wait for it (a first launch that loads a kernel does).
+    with torch.cuda.stream(spin):
+        torch.cuda._sleep(8 * 10**9)
+    with torch.cuda.stream(loop):
+        work()
+    free = not spin.query()
+    torch.cuda.synchronize()
+    return free
+
+x = torch.ones(4096, device=dev)
+print("control, a kernel never launched:", launched_during_spin(lambda: torch.cumsum(x, 0)))
+gpu_copy.warm_up(dev)
+
+ids = torch.tensor([2, 0], device=dev)
+per_dtype = [torch.ones((8, 32), dtype=d, device=dev)
+             for d in (torch.uint8, torch.bfloat16, torch.float16, torch.float32)]
+blocks = torch.ones((6, 3 * gpu_copy.PIECE_BYTES // 8), dtype=torch.int64, device=dev)
+other = torch.ones_like(blocks)
+packed = torch.empty(2 * blocks[0].nbytes, dtype=torch.uint8, device=dev)
+src = gpu_copy.BlockMap([blocks], np.array([5, 1]), dev)
+dst = gpu_copy.BlockMap([other], np.array([0, 4]), dev)
+torch.cuda.synchronize()
+
+def loops_kernels():
+    for t in per_dtype:
+        t.index_copy_(0, ids, torch.index_select(t, 0, ids))
+        t[:, :16].copy_(t[:, 16:])
+        t.zero_()
+    gpu_copy.copy(0, src.pieces(), src=src, dst=packed.data_ptr())
+    gpu_copy.copy(0, src.pieces(), src=packed.data_ptr(), dst=dst)
+    gpu_copy.copy(0, src.pieces(), src=src, dst=dst)
+
+print("after warm_up, the loop's kernels:", launched_during_spin(loops_kernels))
+"""
+
+
+def test_warm_up_loads_the_loops_kernels_before_any_can_wait() -> None:
+    """A kernel's first launch waits for every kernel running on the GPU (the control
+    shows it here); behind an NCCL kernel whose peer froze that is forever, from the event
+    loop. After ``gpu_copy.warm_up`` (the daemon runs it at start) the kernels the loop
+    launches (per-tensor copies in four dtypes, the copy kernel's three variants) launch
+    while a kernel on another stream is still running."""
+    done = subprocess.run([sys.executable, "-c", WARM_CHILD], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n" + done.stdout.strip())
+    assert "control, a kernel never launched: False" in done.stdout, done.stdout
+    assert "after warm_up, the loop's kernels: True" in done.stdout, done.stdout

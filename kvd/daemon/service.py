@@ -138,6 +138,9 @@ class Daemon:
         self.pool_allocated = True
         stack.callback(pool.close)
         gpus = await asyncio.to_thread(self._nccl_gpus)
+        if gpus:
+            self.notifier.status("loading GPU kernels")
+            await asyncio.to_thread(_warm_kernels, gpus)
         gpu_pools: dict[str, HostPool] = {}
         if gpus and self.config.gpu_staging_bytes:
             self.notifier.status("allocating GPU staging")
@@ -311,3 +314,15 @@ def _raise_open_file_limit() -> None:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             log.info("open files limit %d (was %d)", want, soft)
+
+
+def _warm_kernels(gpus: list[str]) -> None:
+    """``gpu_copy.warm_up`` on each GPU before any NCCL kernel can run (see there why)."""
+    import torch
+
+    from kvd.transport import gpu_copy
+
+    started = time.monotonic()
+    for dev in gpus:
+        gpu_copy.warm_up(torch.device(dev))
+    log.info("GPU kernels loaded on %s in %.2fs", ", ".join(gpus), time.monotonic() - started)

@@ -128,7 +128,10 @@ class BlockSet:
     def ids_on(self, device: torch.device) -> torch.Tensor:
         found = self._ids_on.get(device)
         if found is None:
-            found = torch.from_numpy(self.ids).to(device)
+            # non_blocking: a blocking upload from pageable memory waits for the current
+            # stream's earlier work, which in a receive is the NCCL kernel (measured: 505 ms
+            # behind a 0.5 s kernel, 0.2 ms non-blocking). The ids stay alive with self.
+            found = torch.from_numpy(self.ids).to(device, non_blocking=True)
             self._ids_on[device] = found
         return found
 
