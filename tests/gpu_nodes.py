@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import kvd
 
@@ -56,14 +57,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_node(gpu: int | None, *extra: str, ports: tuple[int, int] | None = None) -> Node:
+def start_node(gpu: int | None, *extra: str, ports: tuple[int, int] | None = None,
+               sock: str | None = None, env: dict[str, str] | None = None,
+               **popen: Any) -> Node:
     """A `kvd serve` on GPU ``gpu`` only (``CUDA_VISIBLE_DEVICES``; None: all GPUs),
-    answering pings. Flags in ``extra`` override the defaults here."""
+    answering pings. Flags in ``extra`` override the defaults here; ``sock``: its socket
+    (default: in a directory of its own); ``env`` is added to its environment and
+    ``popen`` goes to ``subprocess.Popen`` (``user=``, ``cwd=``...)."""
     tmp = tempfile.mkdtemp(prefix=f"kvd-g{gpu}-", dir="/tmp")
-    sock = os.path.join(tmp, "kvd.sock")
+    sock = sock or os.path.join(tmp, "kvd.sock")
     peer_port, data_port = ports or (free_port(), free_port())
     log_path = os.path.join(tmp, "log")
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", **nccl_env(os.path.basename(tmp))}
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", **nccl_env(os.path.basename(tmp)),
+           **(env or {})}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     with open(log_path, "wb") as log:
@@ -72,7 +78,7 @@ def start_node(gpu: int | None, *extra: str, ports: tuple[int, int] | None = Non
              "--node-id", f"gpu{gpu}-{peer_port}", "--peer-port", str(peer_port), "--data-port",
              str(data_port), "--http-port", "0", "--pool-size-bytes", "1GiB",
              "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2", *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            stdout=log, stderr=subprocess.STDOUT, env=env, **popen)
     deadline = time.monotonic() + 90
     while True:
         try:

@@ -85,8 +85,10 @@ def check_inside_allocation(tensor: torch.Tensor, device: int, spec: CudaIpcTens
 
 
 class _Driver:
-    """The few CUDA driver calls torch does not expose, through ctypes (libcuda is there
-    wherever torch sees a GPU; cuda-python would be one more dependency for four calls)."""
+    """The few CUDA driver calls torch does not expose, through ctypes on libcuda (there
+    wherever torch sees a GPU). Not through cuda-bindings as ``gpu_copy.peer_stores`` is:
+    that is optional there (without it peer stores are off), while this check must run
+    for every GPU registration, in any install."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
