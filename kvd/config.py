@@ -60,9 +60,11 @@ __all__ = [
     "add_config_arguments",
     "check_socket_path",
     "config_from_args",
+    "fallback_socket_dir",
     "format_size",
     "load_config",
     "parse_size",
+    "socket_dir_problem",
 ]
 
 ENV_PREFIX = "KVD_"
@@ -304,7 +306,63 @@ def default_socket_path(env: Mapping[str, str]) -> str:
     runtime_dir = env.get("XDG_RUNTIME_DIR", "")
     if runtime_dir and os.path.isabs(runtime_dir) and os.path.isdir(runtime_dir):
         return os.path.join(runtime_dir, "kvd", "kvd.sock")
-    return os.path.join(tempfile.gettempdir(), f"kvd-{os.getuid()}", "kvd.sock")
+    return os.path.join(fallback_socket_dir(), "kvd.sock")
+
+
+def fallback_socket_dir() -> str:
+    """The socket's directory without $XDG_RUNTIME_DIR: ``kvd-<uid>`` in the temporary
+    directory, where any user can create it first (see :func:`socket_dir_problem`)."""
+    return os.path.join(tempfile.gettempdir(), f"kvd-{os.getuid()}")
+
+
+def socket_dir_problem(directory: str) -> str | None:
+    """Why a daemon must not listen in ``directory``, an existing directory (None: it may).
+
+    Whoever can change the socket's directory, or one above it, can move or replace the
+    socket, and clients would then hand their tensors to whatever listens in its place. So
+    the directory belongs to this user or to root, and not everyone may write to it; those
+    above it belong to this user or root too, and are not writable by everyone unless
+    sticky (as /tmp). The fallback directory (:func:`fallback_socket_dir`) is stricter: it
+    is a real directory (no symbolic link), of this user, writable by it alone. Group
+    write stays allowed elsewhere: an operator's directory may give the daemon's group
+    that right on purpose.
+    """
+    euid = os.geteuid()
+    if os.path.abspath(directory) == fallback_socket_dir():
+        try:
+            st = os.lstat(directory)
+        except OSError as exc:
+            return f"cannot inspect {directory!r}: {exc.strerror or exc}"
+        fix = ("remove it, or set XDG_RUNTIME_DIR or socket_path to a directory of this "
+               "user's")
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{directory!r} is not a directory (a link, say): {fix}"
+        if st.st_uid != euid:
+            return (f"directory {directory!r} belongs to uid {st.st_uid}, not to this "
+                    f"daemon's user (uid {euid}): that user could move or replace the "
+                    f"socket; {fix}")
+        if st.st_mode & 0o022:
+            return (f"directory {directory!r} is writable by other users (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}): they could move or replace the "
+                    f"socket; chmod go-w it, or {fix}")
+    real = current = os.path.realpath(directory)
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError as exc:
+            return f"cannot inspect {current!r}: {exc.strerror or exc}"
+        what = f"directory {current!r}" + ("" if current == real else
+                                           " (above the socket's)")
+        if st.st_uid not in (euid, 0):
+            return (f"{what} belongs to uid {st.st_uid}, neither this daemon's user "
+                    f"(uid {euid}) nor root: that user could move or replace the socket")
+        if st.st_mode & stat.S_IWOTH and (current == real or not st.st_mode & stat.S_ISVTX):
+            return (f"{what} is writable by every user (mode {stat.S_IMODE(st.st_mode):04o}): "
+                    "anyone could move or replace the socket")
+        up = os.path.dirname(current)
+        if up == current:
+            return None
+        current = up
 
 
 def _default_node_id(env: Mapping[str, str]) -> str:
@@ -505,8 +563,10 @@ def _read_toml(path: str, origin: str) -> dict[str, Any]:
 
 def check_socket_path(config: Config) -> None:
     """Raise ConfigError unless the daemon could bind ``config.socket_path``: its directory
-    exists and is writable, or can be created (the nearest existing ancestor is a writable
-    directory). Creates nothing. :func:`load_config` runs this unless ``check_paths=False``."""
+    exists, is writable and no other user can replace the socket in it
+    (:func:`socket_dir_problem`), or it can be created (the nearest existing ancestor is a
+    writable directory). Creates nothing. :func:`load_config` runs this unless
+    ``check_paths=False``."""
     problem = _socket_path_problem(config.socket_path)
     if problem:
         raise ConfigError(f"socket_path: {problem}")
@@ -540,7 +600,8 @@ def _socket_path_problem(path: str) -> str | None:
                 if current == parent:
                     return f"directory {current!r} is not writable"
                 return f"cannot create directory {parent!r}: {current!r} is not writable"
-            return None
+            # (one still to create is checked once made: prepare_socket_dir)
+            return socket_dir_problem(parent) if current == parent else None
         up = os.path.dirname(current)
         if up == current:  # pragma: no cover - the root always exists
             return f"no existing ancestor directory of {path!r}"

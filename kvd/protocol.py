@@ -1,11 +1,11 @@
 """Messages between clients and the daemon: typed msgspec Structs encoded as msgpack.
 
-Every message is one ZMQ frame holding one tagged Struct. A client's first message is
-``Hello`` with the protocol version; the daemon checks it before anything else. Every
-request carries a ``req_id`` chosen by the client and gets exactly one reply with the same
-``req_id``: a typed result or an ``ErrorReply`` with a wire code from ``kvd.errors``.
-Long operations (``Get``, ``Put``) are ordinary requests whose reply comes late; a client
-can ``Cancel`` one by its ``req_id``.
+Every message is one length-prefixed frame (``kvd.framing``) holding one tagged Struct. A
+client's first message is ``Hello`` with the protocol version; the daemon checks it before
+anything else. Every request carries a ``req_id`` chosen by the client and gets exactly
+one reply with the same ``req_id``: a typed result or an ``ErrorReply`` with a wire code
+from ``kvd.errors``. Long operations (``Get``, ``Put``) are ordinary requests whose reply
+comes late; a client can ``Cancel`` one by its ``req_id``.
 
 Bulk data never travels in these messages: the daemon maps the client's tensors once
 (``Register``) and moves bytes itself. Decoding is validated against the union of request
@@ -346,7 +346,7 @@ Reply = Welcome | Done | Pong | Registered | StatsReply | ErrorReply
 
 # ---------------------------------------------------------------- peer plane
 #
-# Daemon to daemon, over the peer ROUTER (tcp://). Every message about a transfer carries
+# Daemon to daemon, over the peer socket (TCP). Every message about a transfer carries
 # its ``transfer_id``. A push: sender OFFER -> receiver ACCEPT | BUSY | REFUSE; the bytes
 # follow on the channel's data connection; receiver XFER_DONE | XFER_FAILED. A pull is a
 # PULL from the receiver, answered by the owner with an OFFER of the same transfer_id.
@@ -514,12 +514,20 @@ def encode(msg: _Msg | _PeerMsg) -> bytes:
     return _encoder.encode(msg)
 
 
+# msgspec decodes (and skips) nested arrays and maps recursively, and stops with
+# RecursionError at the interpreter's recursion limit (~1000 levels), even inside a field
+# it would refuse. No message of ours nests more than a few levels: deeper is malformed.
+_TOO_DEEP = "nested too deeply"
+
+
 def decode_request(data: bytes | memoryview) -> Request:
     """Decode and validate one request; anything malformed is a ProtocolError."""
     try:
         return _request_decoder.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise ProtocolError(f"malformed request: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"malformed request: {_TOO_DEEP}") from None
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
@@ -527,6 +535,8 @@ def decode_reply(data: bytes | memoryview) -> Reply:
         return _reply_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed reply: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"malformed reply: {_TOO_DEEP}") from None
 
 
 def decode_peer(data: bytes | memoryview) -> PeerMessage:
@@ -535,14 +545,17 @@ def decode_peer(data: bytes | memoryview) -> PeerMessage:
         return _peer_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed peer message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"malformed peer message: {_TOO_DEEP}") from None
 
 
 def salvage_req_id(data: bytes | memoryview) -> int:
     """Best effort: the req_id of a message that failed validation, so the error reply
-    reaches the caller that is waiting for it. Plain msgpack to builtins; 0 if none."""
+    reaches the caller that is waiting for it. Plain msgpack to builtins; 0 if none (or
+    if it nests too deeply to read)."""
     try:
         obj = _loose_decoder.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return 0
     if isinstance(obj, dict):
         req_id = obj.get("req_id")

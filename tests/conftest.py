@@ -1,8 +1,10 @@
 """Real daemons for tests: in the test's loop, in a thread of its own, or as `kvd serve`.
 
 Sockets live in short private temp dirs (a Unix socket path must stay under ~100 bytes).
-Every fixture stops what it started within a bounded time, and checks that the daemon
-ended cleanly.
+Every fixture stops what it started within a bounded time, whatever fails, and checks that
+the daemon ended cleanly. A `kvd serve` not ready in time is killed on the spot; at the
+end of the session any `kvd serve` the tests started and left running is killed and fails
+the run (``no_daemon_left_behind``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,72 @@ import uvloop
 from kvd.client import KvdClient
 from kvd.config import Config, load_config
 from kvd.daemon.service import Daemon
-from kvd.errors import DaemonUnavailable
+from kvd.errors import KvdError
+
+# How long a `kvd serve` may take to answer its first ping: generous (under the
+# per-test timeout), as a loaded machine (the 2-core CI under a full suite) can take tens
+# of seconds to import torch and allocate a pool. A daemon that exits fails at once.
+READY_TIMEOUT_S = 90.0
+# Every process the tests start inherits this variable, set to the session's pid: how the
+# end of the session finds the daemons they left behind, even those whose parent is gone.
+# (Not a KVD_* name: kvd refuses those it does not know.)
+_SESSION_MARK = "PYTEST_KVD_SESSION"
+os.environ[_SESSION_MARK] = str(os.getpid())
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Any]:
     # The daemon runs on uvloop in production; test it there too.
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_daemon_left_behind() -> Iterator[None]:
+    """The safety net, at the end of the session: a `kvd serve` the tests started that
+    still runs is a leak. It is killed, and the run fails naming it (an error at the
+    teardown of the last test), so that the test that left it gets fixed."""
+    yield
+    leaked = leaked_daemons()
+    for pid, _ in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if leaked:
+        lines = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in leaked)
+        pytest.fail(f"{len(leaked)} `kvd serve` started by the tests still ran at the end of "
+                    f"the session (killed now):\n{lines}", pytrace=False)
+
+
+def leaked_daemons() -> list[tuple[int, str]]:
+    """(pid, command line) of each live `kvd serve` started in this session (its
+    environment carries the session's mark), this process's descendants or not."""
+    mark = f"{_SESSION_MARK}={os.environ.get(_SESSION_MARK, '')}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if not _is_serve(argv):
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue  # exited, not yet reaped: holds nothing
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append((int(name), b" ".join(argv).decode(errors="replace").strip()))
+    return found
+
+
+def _is_serve(argv: list[bytes]) -> bool:
+    """`python -m kvd.cli serve ...` or `.../kvd serve ...`."""
+    for i, arg in enumerate(argv[:-1]):
+        if (arg == b"kvd.cli" or arg.endswith(b"/kvd") or arg == b"kvd") and \
+                argv[i + 1] == b"serve":
+            return True
+    return False
 
 
 @pytest.fixture
@@ -68,18 +130,27 @@ class RunningDaemon:
 @pytest.fixture(params=["inproc", "process"])
 async def daemon(request: Any, sock_dir: str) -> AsyncIterator[Any]:
     """A daemon in the test's own event loop, then the same tests against `kvd serve` as a
-    subprocess (use the async client; both expose ``socket_path``)."""
+    subprocess (use the async client; both expose ``socket_path``). A test marked
+    ``in_process_only`` takes the first only."""
     if request.param == "inproc":
         async with running_daemon(make_config(sock_dir)) as d:
             yield d
         return
     proc = ProcessDaemon(sock_dir)
-    await asyncio.to_thread(proc.wait_ready)
     try:
+        await asyncio.to_thread(proc.wait_ready)
         yield proc
     finally:
         code = await asyncio.to_thread(proc.stop)
-        assert code == 0, f"daemon exit code {code}:\n{proc.log()}"
+    assert code == 0, f"daemon exit code {code}:\n{proc.log()}"
+
+
+# For a test of what the daemon's rules do with a request, which a second process changes
+# nothing in (the wire, the engine and the pool are the same code either way): the
+# `daemon` fixture's daemon in the test's loop only. Tests of what crosses processes (the
+# segments' memory, the timing of cancels and of concurrent clients, the socket as `kvd
+# serve` sets it up) keep both. Each `kvd serve` costs a second or two of start-up.
+in_process_only = pytest.mark.parametrize("daemon", ["inproc"], indirect=True)
 
 
 @contextlib.asynccontextmanager
@@ -88,11 +159,17 @@ async def running_daemon(config: Config) -> AsyncIterator[RunningDaemon]:
     d = Daemon(config)
     task = asyncio.create_task(d.serve(shutdown_trigger=stop.wait))
     ready = asyncio.create_task(d.ready.wait())
-    await asyncio.wait([task, ready], timeout=20, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
+    try:
+        await asyncio.wait([task, ready], timeout=READY_TIMEOUT_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # raise the startup error
+        assert d.ready.is_set(), f"daemon not ready in {READY_TIMEOUT_S:g}s"
+    except BaseException:
         ready.cancel()
-        task.result()  # raise the startup error
-    assert d.ready.is_set(), "daemon did not become ready"
+        task.cancel()  # (startup is cancellable: its exit stack releases what it took)
+        await asyncio.wait([task], timeout=30)
+        raise
     try:
         yield RunningDaemon(d, config)
     finally:
@@ -132,7 +209,9 @@ class ThreadDaemon:
 
     def start(self) -> ThreadDaemon:
         self._thread.start()
-        assert self._started.wait(20), "daemon thread did not start"
+        if not self._started.wait(READY_TIMEOUT_S):
+            self.stop()
+            raise AssertionError(f"daemon thread not ready in {READY_TIMEOUT_S:g}s")
         if self._error:
             raise self._error
         return self
@@ -155,12 +234,20 @@ def thread_daemon(sock_dir: str) -> Iterator[ThreadDaemon]:
 
 
 class ProcessDaemon:
-    """`kvd serve` as a subprocess."""
+    """`kvd serve` as a subprocess, its log in ``sock_dir``. Whoever starts one stops it
+    (``stop``) whatever fails, from the moment it is created: ``wait_ready`` kills it
+    when it fails.
 
-    def __init__(self, sock_dir: str, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.socket_path = os.path.join(sock_dir, "kvd.sock")
+    ``socket_path``: its socket (default: ``kvd.sock`` in ``sock_dir``), given with
+    ``--socket-path``, or not (``socket_flag=False``: where the daemon finds it by default,
+    from ``env``)."""
+
+    def __init__(self, sock_dir: str, *extra: str, env: dict[str, str] | None = None,
+                 socket_path: str | None = None, socket_flag: bool = True) -> None:
+        self.socket_path = socket_path or os.path.join(sock_dir, "kvd.sock")
         self.log_path = os.path.join(sock_dir, "daemon.log")
-        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", self.socket_path,
+        where = ["--socket-path", self.socket_path] if socket_flag else []
+        cmd = [sys.executable, "-m", "kvd.cli", "serve", *where,
                "--pool-size-bytes", "64MiB", "--log-level", "info", "--peer-port", "0",
                "--data-port", "0", "--http-port", "0", *extra]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
@@ -169,20 +256,34 @@ class ProcessDaemon:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=full_env)
 
-    def wait_ready(self, timeout_s: float = 30.0) -> ProcessDaemon:
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProcessDaemon:
+        """Until it answers a ping; if it exits first, or does not answer within
+        ``timeout_s``, it is killed and this raises with its log."""
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop(timeout_s=0)
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        last = "no socket file yet"
+        while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited early:\n{self.log()}")
+                raise AssertionError(f"daemon exited early ({self.proc.returncode}):\n"
+                                     f"{self.log()}")
             if os.path.exists(self.socket_path):
                 try:
-                    with KvdClient(self.socket_path, timeout_s=1.0) as c:
+                    with KvdClient(self.socket_path, timeout_s=5.0) as c:
                         c.ping()
-                    return self
-                except DaemonUnavailable:
-                    pass
+                    return
+                except KvdError as exc:  # not listening yet, or too busy to answer in time
+                    last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon not ready in {timeout_s:g}s (last: {last}):\n"
+                                     f"{self.log()}")
             time.sleep(0.05)
-        raise AssertionError(f"daemon not ready in {timeout_s}s:\n{self.log()}")
 
     def log(self) -> str:
         with open(self.log_path, "rb") as f:
@@ -197,32 +298,44 @@ class ProcessDaemon:
         self.proc.send_signal(sig)
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
+        """SIGTERM, and SIGKILL after ``timeout_s`` (0: at once); its exit code."""
+        if self.proc.poll() is None and timeout_s > 0:
             self.proc.send_signal(signal.SIGTERM)
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            code = self.proc.wait(5)
+            code = self.proc.wait(30)
         self._log.close()
         return code
 
 
 def start_daemons(root: str, *names: str, extra: Sequence[str] = ()) -> list[ProcessDaemon]:
-    """A ready `kvd serve` per name, each in its own folder under ``root``, node id = name."""
-    daemons = []
-    for name in names:
-        path = os.path.join(root, name)
-        os.makedirs(path)
-        daemons.append(ProcessDaemon(path, "--node-id", name, *extra).wait_ready())
+    """A ready `kvd serve` per name, each in its own folder under ``root``, node id = name
+    (started together, then waited for; if one fails, all are stopped)."""
+    daemons: list[ProcessDaemon] = []
+    try:
+        for name in names:
+            path = os.path.join(root, name)
+            os.makedirs(path)
+            daemons.append(ProcessDaemon(path, "--node-id", name, *extra))
+        for d in daemons:
+            d.wait_ready()
+    except BaseException:
+        for d in daemons:
+            d.stop(timeout_s=0)
+        raise
     return daemons
 
 
 @pytest.fixture
 def process_daemon(sock_dir: str) -> Iterator[ProcessDaemon]:
-    d = ProcessDaemon(sock_dir).wait_ready()
-    yield d
-    code = d.stop()
+    d = ProcessDaemon(sock_dir)
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        code = d.stop()
     assert code == 0, f"daemon exit code {code}:\n{d.log()}"
 
 

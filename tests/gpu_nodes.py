@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvd
+from tests.conftest import READY_TIMEOUT_S
 
 
 @dataclass
@@ -79,19 +80,31 @@ def start_node(gpu: int | None, *extra: str, ports: tuple[int, int] | None = Non
              str(data_port), "--http-port", "0", "--pool-size-bytes", "1GiB",
              "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2", *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, **popen)
-    deadline = time.monotonic() + 90
+    node = Node(sock, f"127.0.0.1:{peer_port}", proc, log_path)
+    try:
+        _wait_ready(node, gpu)
+    except BaseException:  # not ready in time, or the test was interrupted: no daemon left
+        proc.kill()
+        proc.wait(30)
+        raise
+    return node
+
+
+def _wait_ready(node: Node, gpu: int | None) -> None:
+    """Until it answers a ping: a GPU daemon loads CUDA and its kernels first, which on a
+    loaded machine takes a while; one that exits fails at once."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         try:
-            with kvd.KvdClient(sock, timeout_s=1) as c:
+            with kvd.KvdClient(node.sock, timeout_s=5) as c:
                 c.ping()
-            break
-        except kvd.DaemonUnavailable:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                with open(log_path) as f:
+            return
+        except kvd.KvdError:  # not listening yet, or too busy to answer in time
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                with open(node.log_path) as f:
                     raise AssertionError(f"daemon on GPU {gpu} did not start:\n"
                                          + f.read()[-3000:]) from None
             time.sleep(0.1)
-    return Node(sock, f"127.0.0.1:{peer_port}", proc, log_path)
 
 
 def stop_node(node: Node) -> int:

@@ -30,7 +30,7 @@ from kvd.protocol import (
     Welcome,
     decode_reply,
 )
-from tests.conftest import RunningDaemon, make_config, running_daemon
+from tests.conftest import RunningDaemon, in_process_only, make_config, running_daemon
 
 pack = msgspec.msgpack.encode
 
@@ -119,6 +119,7 @@ async def bad_count(r: RawClient, reason: str) -> int:
     ids=["random", "empty", "truncated", "unknown-op", "wrong-type", "blocks-as-list",
          "huge-timeout", "ragged-blocks", "huge-key", "extra-field", "not-a-map", "bad-req-id"],
 )
+@in_process_only  # the decoder's answers; `kvd serve` gets bad input in the tests below
 async def test_malformed_messages(
     daemon: RunningDaemon, raw: RawClient, payload: bytes, req_id: int, needle: str
 ) -> None:

@@ -13,7 +13,14 @@ import torch
 
 from kvd import KvdClient
 from kvd.errors import BadRequest
-from kvd.integrations.kv_mover import KvMover, LoadOrder, Polled, SendOrder, block_dim_of
+from kvd.integrations.kv_mover import (
+    DiscardOrder,
+    KvMover,
+    LoadOrder,
+    Polled,
+    SendOrder,
+    block_dim_of,
+)
 from tests.conftest import ProcessDaemon
 
 NUM_BLOCKS, LAYERS = 24, 3
@@ -44,6 +51,7 @@ class Side:
         self.seen.released |= got.released
         self.seen.loaded |= got.loaded
         self.seen.failed.update(got.failed)
+        self.seen.causes.update(got.causes)
         return got
 
     def block(self, i: int) -> list[torch.Tensor]:
@@ -126,6 +134,8 @@ def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> No
     d.mover.load(LoadOrder("wrong", "key-wrong", p.address, 3, 0, [5], timeout_s=5))
     drive(p, d, until=lambda: len(d.seen.failed) == 3)
     assert d.seen.failed == {"never": [3, 4], "nopush": [5], "wrong": [5]}
+    assert "no key 'key-nopush' arrived" in d.seen.causes["nopush"]
+    assert d.seen.causes["wrong"] == "bad load order for key 'key-wrong'"
     assert d.mover.stats.load_failures == 3 and not d.seen.loaded
 
     # Lent and never pulled: the lease ends the loan, the staging comes back.
@@ -175,6 +185,40 @@ def test_a_request_in_parts(sides: tuple[Side, Side]) -> None:
     p.mover.send(SendOrder("one", "same", [6], 10, d.address))
     drive(p, d, until=lambda: "one" in d.seen.loaded)
     assert same(d.block(14), p.block(6))
+
+
+def test_keys_the_engine_does_not_need_are_taken_and_dropped(sides: tuple[Side, Side],
+                                                            ) -> None:
+    """Parts of a prompt that decode has cached: one already in its daemon is taken at
+    once, one that comes later the moment it arrives; neither waits in the pool for its
+    lease. A longer one grows the sink, the old sink goes once no discard writes into it,
+    and a part that never comes is given up at its timeout. The engine's blocks and a
+    load beside them are untouched."""
+    p, d = sides
+    client = d.mover.client
+    untouched = [d.block(i) for i in range(NUM_BLOCKS)]
+    p.mover.send(SendOrder("r", "r#p0", [0, 1], 30, d.address, final=False))
+    drive(p, d, until=lambda: client.stats()["keys"] == 1)
+    d.mover.discard(DiscardOrder("r#p0", 2, 10))  # there already
+    d.mover.discard(DiscardOrder("r#p1", 2, 10))  # not yet
+    d.mover.load(LoadOrder("r", "r#p2", None, 2, 0, [20, 21], 10))
+    drive(p, d, until=lambda: d.mover.stats.parts_dropped == 1)
+    assert client.stats()["keys"] == 0
+    p.mover.send(SendOrder("r", "r#p1", [2, 3], 30, d.address, final=False))
+    p.mover.send(SendOrder("r", "r#p2", [4, 5], 30, d.address))
+    drive(p, d, until=lambda: "r" in d.seen.loaded and d.mover.stats.parts_dropped == 2)
+    assert same(d.block(20), p.block(4)) and same(d.block(21), p.block(5))
+    assert all(same(d.block(i), untouched[i]) for i in range(NUM_BLOCKS) if i not in (20, 21))
+
+    d.mover.discard(DiscardOrder("big", 3, 10))  # a larger sink; the old one goes
+    d.mover.discard(DiscardOrder("never", 1, 0.3))
+    p.mover.send(SendOrder("b", "big", [6, 7, 8], 30, d.address))
+    drive(p, d, until=lambda: not d.mover._discards)
+    st = client.stats()
+    assert (st["keys"], st["waiting_gets"], st["pool"]["used_bytes"]) == (0, 0, 0)
+    assert d.mover.stats.parts_dropped == 3 and st["regions"] == 2  # staging + the sink
+    d.mover.discard(DiscardOrder("r#p9", NUM_BLOCKS + 1, 10))  # refused: logged, dropped
+    assert not d.mover._discards and d.mover.stats.load_failures == 0
 
 
 def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:

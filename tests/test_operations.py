@@ -11,7 +11,7 @@ import torch
 
 import kvd
 from kvd import AsyncKvdClient, shared_empty, shared_zeros
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, in_process_only
 
 SHAPE = (32, 16, 2, 64)  # blocks, tokens, heads, head_dim: 4 KiB per block in fp16
 
@@ -55,6 +55,7 @@ async def test_offload_get_round_trip(daemon: RunningDaemon) -> None:
         assert stats["keys"] == 0 and stats["pool"]["used_bytes"] == 0
 
 
+@in_process_only
 async def test_block_dim_not_first(daemon: RunningDaemon) -> None:
     # FlashAttention-style [2, num_blocks, block, heads, dim] with blocks on dim 1.
     shape = (2, 8, 4, 2, 16)
@@ -92,6 +93,7 @@ async def test_put_between_two_clients_get_first(daemon: RunningDaemon) -> None:
         await b.aclose()
 
 
+@in_process_only
 async def test_put_before_get_is_consumed_once(daemon: RunningDaemon) -> None:
     a, b = await client(daemon), await client(daemon)
     try:
@@ -134,6 +136,7 @@ async def test_publish_is_read_in_place(daemon: RunningDaemon) -> None:
         await b.aclose()
 
 
+@in_process_only
 async def test_ttl_expiry_frees_pool(daemon: RunningDaemon) -> None:
     async with AsyncKvdClient(daemon.socket_path) as c:
         r = await c.register("kv", random_tensors(1, seed=6))
@@ -218,6 +221,7 @@ async def test_hundred_concurrent_ops_from_four_clients(daemon: RunningDaemon) -
         assert stats["keys"] == 0 and stats["pool"]["used_bytes"] == 0 and stats["regions"] == 0
 
 
+@in_process_only
 async def test_pool_exhausted_is_retriable_error(daemon: RunningDaemon) -> None:
     async with AsyncKvdClient(daemon.socket_path) as c:
         big = shared_zeros((4, 8 * 2**20), torch.uint8)  # 4 blocks of 8 MiB
@@ -232,6 +236,7 @@ async def test_pool_exhausted_is_retriable_error(daemon: RunningDaemon) -> None:
         await c.offload("k7", r, [0])
 
 
+@in_process_only
 async def test_unregister_fails_waiting_get(daemon: RunningDaemon) -> None:
     async with AsyncKvdClient(daemon.socket_path) as c:
         r = await c.register("kv", random_tensors(1, seed=9))
@@ -264,6 +269,7 @@ async def test_daemon_unavailable_names_socket(sock_dir: str) -> None:
         s.close()
 
 
+@in_process_only
 async def test_wrong_get_does_not_consume_a_put(daemon: RunningDaemon) -> None:
     a, b = await client(daemon), await client(daemon)
     try:

@@ -3,6 +3,7 @@ socket, HTTP probes, and every CLI command against a daemon and against none."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from kvd import KvdClient, shared_zeros
-from tests.conftest import ProcessDaemon, wait_until
+from tests.conftest import READY_TIMEOUT_S, ProcessDaemon, wait_until
 from tests.test_peers import Node, free_port, random_region
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,10 +43,19 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture
 def two_nodes(sock_dir: str) -> Any:
-    a, b = Node(sock_dir, "a"), Node(sock_dir, "b")
-    yield a, b
-    for node in (a, b):
-        node.stop()
+    # Started side by side (each start is mostly its own interpreter's imports); if one
+    # fails, the other is stopped.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(Node, sock_dir, name) for name in ("a", "b")]
+    failed = [exc for f in starting if (exc := f.exception()) is not None]
+    nodes = [f.result() for f in starting if f.exception() is None]
+    try:
+        if failed:
+            raise failed[0]
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 def move_some_data(a: Node, b: Node) -> None:
@@ -144,7 +154,7 @@ def test_readyz_waits_for_the_pool_and_configured_peers(sock_dir: str) -> None:
             seen.extend(json.loads(body)["reasons"])
             return status
 
-        wait_until(answered, timeout_s=30, interval_s=0.01)
+        wait_until(answered, timeout_s=READY_TIMEOUT_S, interval_s=0.01)  # HTTP is up
         # The pool is being allocated: not ready, and it says why.
         wait_until(lambda: any("peer" in r for r in seen) or answered() is None, timeout_s=60)
         assert any("pool" in r for r in seen), seen
@@ -187,7 +197,7 @@ def test_notify_socket_ready_watchdog_stopping(sock_dir: str) -> None:
     notify_path = os.path.join(sock_dir, "notify.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(notify_path)
-    listener.settimeout(30)
+    listener.settimeout(READY_TIMEOUT_S)  # READY=1 comes once the daemon is up
     d = ProcessDaemon(sock_dir, env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000"})
     try:
         messages: list[str] = []

@@ -106,10 +106,11 @@ def test_second_signal_forces_exit(sock_dir: str) -> None:
     # Something the drain must wait for: a put to a peer that is stopped (SIGSTOP), which
     # stays in flight until its connection attempt times out (30 s here).
     os.makedirs(os.path.join(sock_dir, "peer"))
-    peer = ProcessDaemon(os.path.join(sock_dir, "peer")).wait_ready()
-    d = ProcessDaemon(sock_dir, "--drain-grace-s", "60", "--peer-connect-timeout-s", "30"
-                      ).wait_ready()
+    peer = ProcessDaemon(os.path.join(sock_dir, "peer"))
+    d = ProcessDaemon(sock_dir, "--drain-grace-s", "60", "--peer-connect-timeout-s", "30")
     try:
+        peer.wait_ready()
+        d.wait_ready()
         address = peer.peer_address()
         peer.signal(signal.SIGSTOP)
         with KvdClient(d.socket_path) as c:

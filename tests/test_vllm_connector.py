@@ -15,7 +15,12 @@ Runs only where vLLM imports (``.ci/run`` builds a separate virtualenv with
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
+import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +40,7 @@ from vllm.config import (
     set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -49,8 +54,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvd.integrations.kv_mover import LoadOrder, SendOrder
-from kvd.integrations.vllm import KvdConnectorMetadata
+from kvd import KvdClient
+from kvd.integrations.kv_mover import DiscardOrder, LoadOrder, SendOrder
+from kvd.integrations.vllm import KvdConnector, KvdConnectorMetadata
 from tests.conftest import ProcessDaemon, start_daemons
 from tests.gpu_nodes import free_port
 
@@ -106,10 +112,14 @@ class Sched:
         self.s.add_request(req)
         return req
 
-    def step(self, kv: KVConnectorOutput | None = None) -> tuple[Any, KvdConnectorMetadata]:
+    def step(self, kv: KVConnectorOutput | None = None, worker: Any = None,
+             ) -> tuple[Any, KvdConnectorMetadata]:
         """One schedule() and its output: each scheduled request whose prompt is now
-        computed samples token 7 (a prefill chunk samples nothing)."""
+        computed samples token 7 (a prefill chunk samples nothing). With a ``worker``
+        connector, it runs the step's metadata and its output is this step's ``kv``."""
         so = self.s.schedule()
+        if worker is not None:
+            kv = worker_output(worker, so.kv_connector_metadata)
         ids = list(so.num_scheduled_tokens)
         reqs = [self.s.requests[r] for r in ids]
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -274,6 +284,38 @@ def test_consumer_local_prefix_hit_loads_only_the_rest() -> None:
     assert (load.first, load.remote_blocks, len(load.block_ids)) == (2, 3, 1)
 
 
+def test_consumer_drops_the_pushed_parts_it_will_not_load() -> None:
+    """Push flow: parts that decode will not load are ordered dropped (the worker takes
+    each as it comes), so none waits in decode's daemon for prefill's lease to end."""
+    d = Sched("kv_consumer", {"push_part_blocks": 2, "load_timeout_s": 7})
+    prompt = list(range(1, 71))  # 70 tokens: 5 blocks, parts 2 + 2 + 1
+    push = {"do_remote_prefill": True, "kvd_flow": "push"}
+
+    def dropped(key: str) -> list[DiscardOrder]:
+        return [DiscardOrder(f"{key}#p0", 2, 7.0), DiscardOrder(f"{key}#p1", 2, 7.0),
+                DiscardOrder(f"{key}#p2", 1, 7.0)]
+
+    # Prefill's counts do not fit this prompt: decode computes it and drops every part.
+    d.add("misfit", prompt, params={**push, "kvd_key": "m", "kvd_num_tokens": 69})
+    so, meta = d.step()
+    assert so.num_scheduled_tokens == {"misfit": 70} and not meta.loads
+    assert meta.discards == dropped("m")
+    # Aborted before it was scheduled: it never loads.
+    d.add("gone", list(range(100, 170)), params={**push, "kvd_key": "g"})
+    d.s.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    _, meta = d.step()
+    assert meta.discards == dropped("g") and not meta.loads
+    # Prefill's part size wins over decode's own; the pull flow leaves prefill's key alone.
+    d.add("warm", [*range(200, 232), 1])  # caches 2 blocks
+    d.step()
+    d.add("hit", list(range(200, 270)), params={**push, "kvd_key": "h", "kvd_push_parts": 1})
+    d.add("pull", [*range(200, 232), *range(500, 538)], params=remote("pl", 70))
+    _, meta = d.step()
+    assert meta.discards == [DiscardOrder("h#p0", 1, 7.0), DiscardOrder("h#p1", 1, 7.0)]
+    assert [(lo.key, lo.first) for lo in meta.loads] == [("h#p2", 0), ("h#p3", 0),
+                                                          ("h#p4", 0), ("pl", 2)]
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_consumer_failed_load_follows_the_policy(policy: str) -> None:
     d = Sched("kv_consumer", {}, policy=policy)
@@ -343,9 +385,11 @@ def cpu_kv(seed: int, block_dim: int) -> dict[str, torch.Tensor]:
     return {name: whole[i] for i, name in enumerate(LAYERS)}
 
 
-@pytest.mark.parametrize("block_dim", [0, 1])
-def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[ProcessDaemon],
-                                                       block_dim: int) -> None:
+@contextlib.contextmanager
+def worker_connectors(*confs: VllmConfig) -> Iterator[list[Any]]:
+    """Worker connectors as vLLM builds them, one per config: the first through
+    ``ensure_kv_transfer_initialized`` (one worker connector per process is vLLM's rule),
+    the others from the factory that it uses; shut down and torn down after."""
     from vllm.distributed import (
         destroy_distributed_environment,
         destroy_model_parallel,
@@ -358,20 +402,33 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
         get_kv_transfer_group,
     )
 
+    conns: list[Any] = []
+    try:
+        with set_current_vllm_config(confs[0]):
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ensure_model_parallel_initialized(1, 1)
+            ensure_kv_transfer_initialized(confs[0], kv_cache_config())
+            conns.append(get_kv_transfer_group())
+        conns += [KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER,
+                                                      kv_cache_config()) for c in confs[1:]]
+        yield conns
+    finally:
+        for conn in conns[1:]:
+            conn.shutdown()
+        ensure_kv_transfer_shutdown()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[ProcessDaemon],
+                                                       block_dim: int) -> None:
     pd, dd = two_daemons
     p_conf = vllm_config("kv_producer", {"kvd_socket": pd.socket_path})
     d_conf = vllm_config("kv_consumer", {"kvd_socket": dd.socket_path})
-    with set_current_vllm_config(d_conf):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-        ensure_model_parallel_initialized(1, 1)
-        ensure_kv_transfer_initialized(d_conf, kv_cache_config())
-        decode = get_kv_transfer_group()
-    # One worker connector per process is vLLM's rule; the producer comes from the factory
-    # that ensure_kv_transfer_initialized uses.
-    prefill = KVConnectorFactory.create_connector(p_conf, KVConnectorRole.WORKER,
-                                                  kv_cache_config())
-    try:
+    with worker_connectors(d_conf, p_conf) as (decode, prefill):
         p_kv, d_kv = cpu_kv(1, block_dim), cpu_kv(2, block_dim)
         prefill.register_kv_caches(p_kv)
         decode.register_kv_caches(d_kv)
@@ -407,11 +464,6 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
         while "lost" not in (step(decode, KvdConnectorMetadata())[1] or set()):
             assert time.monotonic() < deadline
         assert decode.get_block_ids_with_load_errors() == {50}
-    finally:
-        prefill.shutdown()
-        ensure_kv_transfer_shutdown()
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 def step(conn: Any, meta: KvdConnectorMetadata) -> tuple[set[str] | None, set[str] | None]:
@@ -423,3 +475,201 @@ def step(conn: Any, meta: KvdConnectorMetadata) -> tuple[set[str] | None, set[st
     conn.clear_connector_metadata()
     time.sleep(0.002)
     return done
+
+
+def worker_output(conn: Any, meta: Any) -> KVConnectorOutput:
+    """A worker connector's step on ``meta``, as the KVConnectorOutput vLLM's model runner
+    returns to the scheduler."""
+    sending, recving = step(conn, meta)
+    return KVConnectorOutput(finished_sending=sending or set(),
+                             finished_recving=recving or set(),
+                             invalid_block_ids=conn.get_block_ids_with_load_errors())
+
+
+# ---------------------------------------------------------------- the push flow, both ends
+
+
+def pool_holds(client: KvdClient) -> tuple[int, int, int]:
+    """What a daemon holds: keys, gets waiting for keys, pool bytes in use."""
+    st = client.stats()
+    return st["keys"], st["waiting_gets"], st["pool"]["used_bytes"]
+
+
+@pytest.fixture
+def fresh_daemons(tmp_path: Any) -> Iterator[list[ProcessDaemon]]:
+    ds = start_daemons(str(tmp_path), "p", "d")
+    yield ds
+    for d in ds:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
+def test_push_parts_decode_has_cached_leave_its_pool_at_once(
+        fresh_daemons: list[ProcessDaemon], decode_first: bool) -> None:
+    """Push flow, both schedulers and both worker connectors, a 150-token prompt (10
+    blocks, 5 parts of 2) sent twice, and decode with a local prefix hit: 5 blocks the
+    first time (its own earlier request), 9 the second (the first one's). Decode loads
+    only the parts past its hit, byte for byte, and takes the parts it has cached as they
+    come, whether it learns its hit before prefill pushes (the proxy sent both requests at
+    once) or after the parts are in its daemon (sent with prefill's answer): its daemon
+    holds nothing right after, not until prefill's 30 s lease ends."""
+    pd, dd = fresh_daemons
+    push = {"flow": "push", "push_part_blocks": 2}
+    p_extra = {"kvd_socket": pd.socket_path, "lease_s": 30, **push}
+    d_extra = {"kvd_socket": dd.socket_path, "load_timeout_s": 10, **push}
+    decode_address = dd.peer_address()
+    p = Sched("kv_producer", p_extra, max_batched=64)  # prefill in chunks: parts go early
+    d = Sched("kv_consumer", d_extra)
+    prompt = list(range(1000, 1150))
+    with worker_connectors(vllm_config("kv_consumer", d_extra),
+                           vllm_config("kv_producer", p_extra)) as (dw, pw), \
+            KvdClient(dd.socket_path) as decode_daemon:
+        p_kv, d_kv = cpu_kv(3, 0), cpu_kv(4, 0)
+        pw.register_kv_caches(p_kv)
+        dw.register_kv_caches(d_kv)
+        d.add("warm", [*prompt[:80], 1])  # decode computes and caches 5 blocks itself
+        d.step(worker=dw)
+        discarded: list[str] = []
+        for rnd, hit in enumerate((5, 9)):
+            rid, key = f"r{rnd}", f"proxy/{rnd}"
+            d_params = {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}
+            if decode_first:
+                d.add(rid, prompt, max_tokens=2, params=d_params)
+            p.add(rid, prompt, params={"do_remote_decode": True, "kvd_key": key,
+                                       "kvd_push_to": decode_address})
+            sends: dict[str, list[int]] = {}
+            d_ids: list[int] = []
+            before = {name: t.clone() for name, t in d_kv.items()}
+            deadline = time.monotonic() + 20
+            while rid not in d.finished:
+                assert time.monotonic() < deadline, (sends, d_ids, decode_daemon.stats())
+                sends.update((o.key, o.block_ids) for o in p.step(worker=pw)[1].sends)
+                if not decode_first and rid not in d.s.requests and rid in p.finished:
+                    # Every part is in decode's daemon before decode hears of the request.
+                    if decode_daemon.stats()["keys"] < 5:
+                        continue
+                    d.add(rid, prompt, max_tokens=2,
+                          params=p.finished[rid].kv_transfer_params)
+                if rid not in d.s.requests:
+                    continue
+                _, meta = d.step(worker=dw)
+                discarded += [o.key for o in meta.discards]
+                if not d_ids:
+                    d_ids = list(d.s.kv_cache_manager.get_block_ids(rid)[0])
+                    assert [lo.key for lo in meta.loads] == [
+                        f"{key}#p{j}" for j in range(hit // 2, 5)]
+            # Decode's pool is empty now, not when prefill's lease ends.
+            deadline = time.monotonic() + 5
+            while (left := pool_holds(decode_daemon)) != (0, 0, 0):
+                assert time.monotonic() < deadline, f"keys, waiting gets, pool bytes: {left}"
+                d.step(worker=dw)
+            assert sorted(discarded[-(hit // 2):]) == [f"{key}#p{j}" for j in range(hit // 2)]
+            p_ids = [b for j in range(5) for b in sends[f"{key}#p{j}"]]
+            for name in LAYERS:  # the blocks past the hit came from prefill, byte-exact;
+                for j in range(10):  # the cached ones were not written
+                    want = p_kv[name][p_ids[j]] if j >= hit else before[name][d_ids[j]]
+                    assert torch.equal(d_kv[name][d_ids[j]], want), (rnd, j)
+        stats = dw._mover.stats
+        assert (stats.loads, stats.load_failures, stats.parts_dropped) == (2, 0, 2 + 4)
+        assert discarded == [f"proxy/0#p{j}" for j in range(2)] + [
+            f"proxy/1#p{j}" for j in range(4)]
+
+
+# ---------------------------------------------------------------- what vLLM's log shows
+
+
+@contextlib.contextmanager
+def vllm_log(config: VllmConfig) -> Iterator[io.StringIO]:
+    """What vLLM's own log handler writes meanwhile: its logging set up from ``config`` as
+    each vLLM process does it (an engine, its engine core, its workers), with vLLM's
+    format and level."""
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(config.logging_config)
+    (handler,) = [h for h in logging.getLogger("vllm").handlers if h.name == "vllm"]
+    assert isinstance(handler, logging.StreamHandler)
+    out = io.StringIO()
+    old = handler.setStream(out)
+    try:
+        yield out
+    finally:
+        handler.setStream(old)
+
+
+def vllm_line(level: str, file: str, text: str) -> re.Pattern[str]:
+    """A line in vLLM's format: level, date and time, [file:line], then the message."""
+    return re.compile(rf"{level} \d\d-\d\d \d\d:\d\d:\d\d \[{re.escape(file)}:\d+\] .*{text}")
+
+
+def test_a_daemon_restart_shows_in_vllms_log(tmp_path: Any) -> None:
+    """The connector's lines come out in vLLM's log: the daemon going away, the load that
+    failed for it (at ERROR, with its cause), and "registered again" once a new daemon
+    answers (INFO, which Python's last-resort handler would not print at all)."""
+    folder = str(tmp_path)
+    daemon = ProcessDaemon(folder)  # stopped in finally, even when not ready in time
+    try:
+        daemon.wait_ready()
+        conf = vllm_config("kv_consumer", {"kvd_socket": daemon.socket_path})
+        with worker_connectors(conf) as (conn,):
+            conn.register_kv_caches(cpu_kv(5, 0))
+            assert daemon.stop() == 0, daemon.log()
+            daemon = ProcessDaemon(folder)
+            daemon.wait_ready()
+            with vllm_log(conf) as out:
+                done = step(conn, KvdConnectorMetadata(loads=[
+                    LoadOrder("after-restart", "k", None, 1, 0, [3], 5.0)]))
+                deadline = time.monotonic() + 10
+                while "registered again" not in out.getvalue():
+                    assert time.monotonic() < deadline, out.getvalue()
+                    step(conn, KvdConnectorMetadata())
+            assert done[1] == {"after-restart"} and conn.get_block_ids_with_load_errors() == {3}
+            log = out.getvalue()
+            for line in (vllm_line("ERROR", "kv_mover.py", "went away"),
+                         vllm_line("ERROR", "vllm.py", "request after-restart: its KV did "
+                                   "not load .*kv_load_failure_policy=recompute"),
+                         vllm_line("INFO", "kv_mover.py", "is back: registered again")):
+                assert line.search(log), (line.pattern, log)
+            with KvdClient(daemon.socket_path) as c:
+                assert c.stats()["regions"] == 1  # the engine's staging, on the new daemon
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_failed_load_shows_its_cause_at_error_in_vllms_log(daemon: ProcessDaemon) -> None:
+    """With kv_load_failure_policy=fail the client gets only an error; vLLM's log says
+    which request's KV did not load, why, and what vLLM does about it."""
+    conf = vllm_config("kv_consumer", {"kvd_socket": daemon.socket_path}, policy="fail")
+    with worker_connectors(conf) as (conn,), vllm_log(conf) as out:
+        conn.register_kv_caches(cpu_kv(6, 0))
+        received = step(conn, KvdConnectorMetadata(loads=[
+            LoadOrder("lost", "no-such-key", None, 1, 0, [50], 0.3)]))[1] or set()
+        deadline = time.monotonic() + 10
+        while "lost" not in received:
+            assert time.monotonic() < deadline
+            received |= step(conn, KvdConnectorMetadata())[1] or set()
+    assert conn.get_block_ids_with_load_errors() == {50}
+    line = vllm_line("ERROR", "vllm.py", "request lost: its KV did not load \\(key "
+                     "'no-such-key': no key 'no-such-key' arrived within [0-9.]+s\\); "
+                     "kv_load_failure_policy=fail: vLLM ends the request with an error")
+    assert line.search(out.getvalue()), out.getvalue()
+
+
+# ---------------------------------------------------------------- sleep mode
+
+
+def test_sleep_mode_is_declined() -> None:
+    """The connector says it cannot follow sleep mode's KV remap: the daemon maps the
+    engine's KV in place. vLLM 0.33 asks this (``KVConnectorBase_V1.supports_sleep_mode``,
+    a class method given the transfer config) when ``enable_sleep_mode`` is on, through
+    the connector factory as below, and refuses to start; vLLM 0.32 does not ask."""
+    config = vllm_config("kv_consumer", {})
+    cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
+    assert cls is KvdConnector
+    assert cls.supports_sleep_mode(config.kv_transfer_config) is False
+    base = getattr(KVConnectorBase_V1, "supports_sleep_mode", None)
+    if base is not None:  # the base class has it: the override takes what it takes
+
+        def params(f: Any) -> list[tuple[str, Any]]:
+            return [(p.name, p.kind) for p in inspect.signature(f).parameters.values()]
+
+        assert params(base) == params(cls.supports_sleep_mode)

@@ -53,25 +53,45 @@ class Pair:
         names = ("prefill", "decode")
         self.daemons = dict(zip(names, start_daemons(
             root, *names, extra=("--peer-connect-timeout-s", "2")), strict=True))
-        self.decode_address = self.daemons["decode"].peer_address()
-        sock = self.daemons["prefill"].socket_path
-        self.prefill = engine("kv_producer", sock, multiprocess=True, lease_s=20)
-        # Push: prefill in chunks of 64 tokens, sent in parts of 2 blocks as they are written.
-        self.prefill_push = engine("kv_producer", sock, multiprocess=True, flow="push",
-                                   push_part_blocks=2,
-                                   llm_args={"max_num_batched_tokens": 64,
-                                             "enable_chunked_prefill": True})
-        self.decode = engine("kv_consumer", self.daemons["decode"].socket_path,
-                             multiprocess=False, load_timeout_s=10, push_part_blocks=2)
+        self.engines: list[LLM] = []
         self._decode_strict: LLM | None = None
+        try:  # an engine that fails to start stops what was started before it
+            self.decode_address = self.daemons["decode"].peer_address()
+            sock = self.daemons["prefill"].socket_path
+            self.prefill = self._started(engine("kv_producer", sock, multiprocess=True,
+                                                lease_s=20))
+            # Push: prefill in chunks of 64 tokens, sent in parts of 2 blocks as written.
+            self.prefill_push = self._started(engine(
+                "kv_producer", sock, multiprocess=True, flow="push", push_part_blocks=2,
+                llm_args={"max_num_batched_tokens": 64, "enable_chunked_prefill": True}))
+            self.decode = self._started(engine(
+                "kv_consumer", self.daemons["decode"].socket_path, multiprocess=False,
+                load_timeout_s=10, push_part_blocks=2))
+        except BaseException:
+            self.close()
+            raise
+
+    def _started(self, llm: LLM) -> LLM:
+        self.engines.append(llm)
+        return llm
+
+    def close(self) -> None:
+        """Stop the engines, then the daemons (whatever the engines do)."""
+        try:
+            for llm in self.engines:
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            for d in self.daemons.values():
+                d.stop()
 
     @property
     def decode_strict(self) -> LLM:
         """A second decode (multiprocess, kv_load_failure_policy=fail), made when first
         used: its metrics replace the first decode's in this process's registry."""
         if self._decode_strict is None:
-            self._decode_strict = engine("kv_consumer", self.daemons["decode"].socket_path,
-                                         multiprocess=True, policy="fail", load_timeout_s=2)
+            self._decode_strict = self._started(engine(
+                "kv_consumer", self.daemons["decode"].socket_path, multiprocess=True,
+                policy="fail", load_timeout_s=2))
         return self._decode_strict
 
     def alone(self, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -83,12 +103,10 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     p = Pair(str(tmp_path_factory.mktemp("pair")))
-    yield p
-    for llm in (p.prefill, p.prefill_push, p.decode, p._decode_strict):
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-    for d in p.daemons.values():
-        d.stop()
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 def kvd_counter(llm: LLM, name: str) -> float:
@@ -141,29 +159,37 @@ def test_push_flow_decode_matches_one_instance(pair: Pair) -> None:
 def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
     """What examples/vllm/proxy.py does in the push flow: decode gets the request first,
     under a key the proxy chose and without prefill's counts, and waits; prefill puts to
-    it when it finishes."""
+    it when it finishes. The same prompt a second time: decode has its first 4 blocks
+    cached, loads only the last part and takes the two it has as they come, so its
+    daemon holds nothing after either (not until prefill's lease ends)."""
     prompt = list(range(250, 400))  # 150 tokens: 5 blocks, 3 parts, prefill in 3 chunks
     want = pair.alone([prompt], 6)
-    key = "proxy/concurrent-1"
-    result: dict[str, Any] = {}
+    dropped = decode_mover_stats().parts_dropped
+    for key in ("proxy/concurrent-1", "proxy/concurrent-2"):
+        result: dict[str, Any] = {}
 
-    def run_decode() -> None:
-        out = pair.decode.generate([{"prompt_token_ids": prompt}], greedy(6, {
-            "do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}))[0]
-        result["tokens"] = list(out.outputs[0].token_ids)
+        def run_decode(key: str = key, result: dict[str, Any] = result) -> None:
+            out = pair.decode.generate([{"prompt_token_ids": prompt}], greedy(6, {
+                "do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}))[0]
+            result["tokens"] = list(out.outputs[0].token_ids)
 
-    waiting = threading.Thread(target=run_decode)
-    waiting.start()
-    time.sleep(1.0)  # decode is waiting for its KV now
-    assert waiting.is_alive()
-    handed = pair.prefill_push.generate([{"prompt_token_ids": prompt}], greedy(1, {
-        "do_remote_decode": True, "kvd_push_to": pair.decode_address, "kvd_key": key}))[0]
-    assert handed.kv_transfer_params["kvd_key"] == key
-    assert handed.kv_transfer_params["kvd_push_parts"] == 2
-    waiting.join(30)
-    assert not waiting.is_alive() and [result["tokens"]] == want
-    with KvdClient(pair.daemons["decode"].socket_path) as c:
-        assert c.stats()["keys"] == 0  # every part was taken
+        waiting = threading.Thread(target=run_decode)
+        waiting.start()
+        time.sleep(1.0)  # decode is waiting for its KV now
+        assert waiting.is_alive()
+        handed = pair.prefill_push.generate([{"prompt_token_ids": prompt}], greedy(1, {
+            "do_remote_decode": True, "kvd_push_to": pair.decode_address,
+            "kvd_key": key}))[0]
+        assert handed.kv_transfer_params["kvd_key"] == key
+        assert handed.kv_transfer_params["kvd_push_parts"] == 2
+        waiting.join(30)
+        assert not waiting.is_alive() and [result["tokens"]] == want
+        with KvdClient(pair.daemons["decode"].socket_path) as c:
+            deadline = time.monotonic() + 5
+            while (st := c.stats())["keys"] or st["pool"]["used_bytes"]:
+                assert time.monotonic() < deadline, (key, st["keys"], st["pool"])  # leftovers
+                time.sleep(0.05)
+    assert decode_mover_stats().parts_dropped == dropped + 2
 
 
 def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:

@@ -2,9 +2,12 @@
 
 One Unix socket connection (length-prefixed messages, ``kvd.framing``); replies are
 matched to waiting futures by ``req_id`` as they arrive, so any number of requests can be
-in flight. Every call has a timeout. Cancelling a call (or a ``Transfer``) also cancels it
-in the daemon, which answers only once no more bytes can land in the caller's blocks. A
-daemon that goes away closes the connection: every pending call fails at once.
+in flight. Every call has a timeout. A call that ends before its reply (its task is
+cancelled, its timeout runs out), a ``Transfer.cancel`` and ``aclose`` stop the request in
+the daemon and return only once the daemon says it has ended: no more bytes land in (or
+are read from) its blocks. Where the daemon does not say so within the client's timeout,
+the client drops its connection (``_stop``). A daemon that goes away closes the
+connection: every pending call fails at once.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from kvd.client.base import (
     RequestBuilder,
     decode_replies,
     result_of,
+    stoppable,
 )
 from kvd.client.shm import hand_over
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.framing import FramedProtocol, Oversized
-from kvd.protocol import Bye, Reply, encode
+from kvd.protocol import Bye, Done, Reply, encode
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +64,8 @@ class _Connection(FramedProtocol):
             self._writable.set_result(None)
         self._writable = None
 
-    async def write(self, data: bytes) -> None:
-        """Send one message; wait while the daemon is not taking what was queued before."""
-        if self.lost or not self.send(data):
-            raise OSError("connection closed")
+    async def drained(self) -> None:
+        """Wait while the daemon is not taking what was queued before."""
         if self._writable is not None:
             await asyncio.shield(self._writable)
 
@@ -94,10 +96,12 @@ class AsyncTransfer:
         return int(result_of(self._call, reply, time.perf_counter() - self._started))
 
     async def cancel(self, timeout_s: float | None = None) -> None:
-        """Cancel in the daemon; returns when it is settled (``wait`` then raises
-        ``Cancelled``, unless the transfer had already finished)."""
+        """Cancel in the daemon; returns when it is settled: the daemon reads and writes
+        the blocks no more (``wait`` then raises ``Cancelled``, unless the transfer had
+        finished). ``DaemonUnavailable`` if it could not say so in time: the client is
+        then closed."""
         if not self._future.done():
-            await self._client._call(self._client._b.cancel(self.req_id, timeout_s))
+            await self._client._stop(self.req_id, timeout_s)
 
 
 class AsyncKvdClient:
@@ -149,12 +153,19 @@ class AsyncKvdClient:
         self._b.welcomed(welcome)
 
     async def aclose(self) -> None:
+        """Close the session. Its requests still in flight are stopped first: this
+        returns once the daemon says no more bytes move in their blocks (or, past the
+        client's timeout without that word, with a warning)."""
         if self._closed:
             return
         self._closed = True
         if self._conn is not None and self._dead is None and self.epoch:
-            with contextlib.suppress(KvdError, OSError):
-                await self._call(self._b.bye())
+            in_flight = bool(self._pending)
+            try:
+                await self._call(self._b.bye(in_flight))
+            except (KvdError, OSError) as exc:
+                if in_flight:
+                    log.warning("closing with requests in flight: %s", exc)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(DaemonUnavailable("client closed"))
@@ -170,29 +181,39 @@ class AsyncKvdClient:
     def _on_lost(self) -> None:
         if self._closed:
             return
-        self._dead = self._b.disconnected()
+        self._dead = self._dead or self._b.disconnected()  # (_drop's says more)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(self._dead)
         self._pending.clear()
 
-    async def _send(self, call: Call) -> asyncio.Future[Reply]:
+    def _queue(self, call: Call) -> asyncio.Future[Reply]:
+        """Queue ``call`` on the connection; the future of its reply."""
         if self._conn is None or (self._closed and not isinstance(call.msg, Bye)):
             raise DaemonUnavailable("client is not connected")
         if self._dead is not None:
             raise self._dead
+        if self._conn.lost or not self._conn.send(encode(call.msg)):
+            raise self._dead or self._b.disconnected()
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.msg.req_id] = fut
+        return fut
+
+    async def _send(self, call: Call) -> asyncio.Future[Reply]:
+        """Send ``call``: the future of its reply, once the daemon takes what was queued
+        before. Ended while waiting for that, the request is stopped first (``_abandon``)."""
+        fut = self._queue(call)
+        assert self._conn is not None
         try:
             async with asyncio.timeout(call.timeout_s):
-                await self._conn.write(encode(call.msg))
+                await self._conn.drained()
         except TimeoutError:
-            self._pending.pop(call.msg.req_id, None)
+            await self._abandon(call, fut)
             raise DaemonUnavailable(
                 f"cannot reach kvd daemon at {self._b.socket_path}") from None
-        except OSError:
-            self._pending.pop(call.msg.req_id, None)
-            raise self._dead or self._b.disconnected() from None
+        except asyncio.CancelledError:
+            await self._abandon(call, fut)
+            raise
         return fut
 
     async def _call(self, call: Call) -> Any:
@@ -202,20 +223,85 @@ class AsyncKvdClient:
             async with asyncio.timeout(call.timeout_s):
                 reply = await fut
         except TimeoutError:
-            self._pending.pop(call.msg.req_id, None)
-            self._cancel_remote(call)
-            raise self._b.unavailable(type(call.msg).__name__.lower(), call.timeout_s) from None
+            fut = await self._abandon(call, fut)
+            if not fut.done() or fut.cancelled() or fut.exception() is not None:
+                raise self._b.unavailable(type(call.msg).__name__.lower(),
+                                          call.timeout_s) from None
+            reply = fut.result()  # it came while the daemon stopped the request
         except asyncio.CancelledError:
-            self._pending.pop(call.msg.req_id, None)
-            self._cancel_remote(call)
+            await self._abandon(call, fut)
             raise
         return result_of(call, reply, time.perf_counter() - started)
 
-    def _cancel_remote(self, call: Call) -> None:
-        """Tell the daemon to drop a request we stopped waiting for (fire and forget)."""
-        if self._conn is None or self._closed or call.kind in ("none", "rtt", "stats"):
-            return
-        self._conn.send(encode(self._b.cancel(call.msg.req_id, None).msg))
+    async def _abandon(self, call: Call, fut: asyncio.Future[Reply]) -> asyncio.Future[Reply]:
+        """We stop waiting for ``call`` (cancelled, or out of time): stop it in the daemon
+        first, unless it has been answered or is one the daemon answers at once
+        (``_stop``). Returns the future its reply, if it came meanwhile, is in."""
+        req_id = call.msg.req_id
+        if fut.cancelled() and self._pending.get(req_id) is fut:
+            # Cancelling the task that awaited it cancelled it: a new one takes the reply.
+            fut = self._pending[req_id] = asyncio.get_running_loop().create_future()
+        try:
+            if not fut.done() and stoppable(call):
+                with contextlib.suppress(DaemonUnavailable):  # dropped: the caller's error
+                    await self._stop(req_id, None)
+        finally:
+            self._pending.pop(req_id, None)
+        return fut
+
+    async def _stop(self, target: int, timeout_s: float | None) -> None:
+        """Cancel request ``target`` in the daemon and return once the daemon says it has
+        ended (its reply, then the cancel's): no more bytes land in or are read from its
+        blocks. Without that word within ``timeout_s`` (the client's by default) the
+        connection is dropped (``_drop``) and ``DaemonUnavailable`` says what that leaves.
+        A cancel of the calling task does not cut this bounded wait short: it is raised
+        after."""
+        if self._dead is not None:
+            raise self._dead  # the daemon has closed the session, or we dropped it
+        call = self._b.cancel(target, timeout_s)
+        # Closing: the Bye stops every request, and aclose fails the target's future once
+        # the daemon has said so. That is waited for rather than a cancel's answer.
+        confirm = self._pending.get(target) if self._closed else self._queue(call)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + call.timeout_s
+        interrupted = False
+        while confirm is not None and not confirm.done() and (
+                left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait([confirm], timeout=left)
+            except asyncio.CancelledError:
+                interrupted = True
+        self._pending.pop(call.msg.req_id, None)
+        why = ""
+        if self._closed or confirm is None:
+            pass
+        elif not confirm.done():
+            why = f"no answer to its cancel within {call.timeout_s:g}s"
+        elif confirm.cancelled() or confirm.exception() is not None:
+            why = "the connection was lost"
+        elif not isinstance(reply := confirm.result(), Done):
+            why = getattr(reply, "message", type(reply).__name__)
+        err = self._drop(target, why) if why else None
+        if interrupted:
+            raise asyncio.CancelledError
+        if err is not None:
+            raise err
+
+    def _drop(self, target: int, why: str) -> DaemonUnavailable:
+        """Close the connection of a client whose request ``target`` the daemon did not
+        confirm stopped: the daemon then cancels every request of the session and keeps
+        its regions mapped until they end. What is in flight fails now."""
+        err = self._b.unconfirmed(target, why)
+        log.warning("%s", err.message)
+        if self._dead is None:
+            self._dead = err
+        if self._conn is not None:
+            self._conn.close(abort=True)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._dead)
+        self._pending.clear()
+        return err
 
     # ------------------------------------------------------------ operations
 

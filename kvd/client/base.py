@@ -67,13 +67,31 @@ log = logging.getLogger(__name__)
 # timeout (get, put), so the daemon's precise error arrives before the client gives up.
 REPLY_MARGIN_S = 5.0
 HELLO_TIMEOUT_S = 5.0
+# How long closing waits for the daemon to close the session when no request is in flight
+# (with requests in flight: the client's timeout, as they must stop first).
+BYE_TIMEOUT_S = 5.0
 
 
 def default_socket_path() -> str:
-    """The socket a daemon with default settings listens on (``KVD_SOCKET_PATH`` wins)."""
-    from kvd.config import default_socket_path as from_config
+    """The socket a daemon with default settings listens on (``KVD_SOCKET_PATH`` wins).
 
-    return os.environ.get("KVD_SOCKET_PATH") or from_config(os.environ)
+    ``ConfigError`` when that is in the fallback directory (``kvd-<uid>`` in the temporary
+    directory) and the daemon would refuse it: any user can make that directory first, and
+    a socket of theirs in it would get this client's tensors."""
+    from kvd.config import default_socket_path as from_config
+    from kvd.config import fallback_socket_dir, socket_dir_problem
+    from kvd.errors import ConfigError
+
+    explicit = os.environ.get("KVD_SOCKET_PATH")
+    if explicit:
+        return os.path.abspath(explicit)  # as the daemon reads it
+    path = from_config(os.environ)
+    directory = os.path.dirname(path)
+    if directory == fallback_socket_dir() and os.path.lexists(directory):
+        problem = socket_dir_problem(directory)
+        if problem:
+            raise ConfigError(f"default socket path {path}: {problem}")
+    return path
 
 
 @dataclass(frozen=True)
@@ -246,8 +264,11 @@ class RequestBuilder:
         wait_s = min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
         return Call(msg, wait_s, "welcome")
 
-    def bye(self) -> Call:
-        return Call(Bye(req_id=self.next_id()), 0.5, "none")
+    def bye(self, in_flight: bool) -> Call:
+        """The daemon answers once it has closed the session: its requests ended, no more
+        bytes move in its blocks."""
+        wait_s = self.timeout_s if in_flight else min(self.timeout_s, BYE_TIMEOUT_S)
+        return Call(Bye(req_id=self.next_id()), wait_s, "none")
 
     def ping(self, timeout_s: float | None) -> Call:
         return Call(Ping(req_id=self.next_id()), self._t(timeout_s), "rtt")
@@ -321,7 +342,24 @@ class RequestBuilder:
         return Call(Drain(req_id=self.next_id(), grace_s=grace_s), wait_s, "stats")
 
     def cancel(self, target: int, timeout_s: float | None) -> Call:
+        """The daemon answers once ``target`` has ended (its own reply goes first)."""
         return Call(Cancel(req_id=self.next_id(), target=target), self._t(timeout_s), "none")
+
+    def unconfirmed(self, target: int, why: str) -> DaemonUnavailable:
+        """The error of a client that stopped waiting for request ``target`` without the
+        daemon's word that it ended: the client drops its connection, and says what that
+        leaves."""
+        return DaemonUnavailable(
+            f"kvd daemon at {self.socket_path} did not confirm that request {target} "
+            f"stopped ({why}): the connection is closed and the registrations are gone. The "
+            "daemon stops the client's requests before it releases the regions, but until "
+            "then bytes may still move in that request's blocks: create a new client")
+
+
+def stoppable(call: Call) -> bool:
+    """Whether ``call`` runs as a task in the daemon that a ``Cancel`` stops (a get, put,
+    pull, lend, offload, register ...), as opposed to one answered at once."""
+    return call.kind not in ("none", "rtt", "stats", "welcome")
 
 
 def result_of(call: Call, reply: Reply, rtt_s: float) -> Any:

@@ -5,7 +5,10 @@ one blocking Unix socket (length-prefixed messages, ``kvd.framing``). A reply fo
 request that arrives while waiting (a ``Transfer`` still in flight) is kept until its owner
 asks. One lock makes a client safe to share between threads; for concurrency within a
 thread, use the async client. A daemon that goes away closes the connection: every wait
-then fails at once.
+then fails at once. A call that ends before its reply (its timeout, an exception such as
+``KeyboardInterrupt``), ``Transfer.cancel`` and ``close`` stop the request in the daemon
+and return once it says no more bytes move in the request's blocks; without that word in
+the client's timeout, the connection is dropped (``KvdClient._stop``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,14 @@ from kvd.client.base import (
     connect_unix,
     decode_replies,
     result_of,
+    stoppable,
 )
 from kvd.client.shm import hand_over
 from kvd.errors import DaemonUnavailable, KvdError
 from kvd.framing import FrameReader, frame
-from kvd.protocol import Reply, encode
+from kvd.protocol import Done, Reply, encode
 
 log = logging.getLogger(__name__)
-
-# How long a cancel of a request we stopped waiting for may take to write (it is ~30
-# bytes: the socket's buffer takes it at once unless the daemon stopped reading).
-_CANCEL_WRITE_S = 1.0
 
 
 class Transfer:
@@ -81,9 +81,12 @@ class Transfer:
         return int(self._result)
 
     def cancel(self, timeout_s: float | None = None) -> None:
-        """Cancel in the daemon; returns when it is settled."""
+        """Cancel in the daemon; returns when it is settled: the daemon reads and writes
+        the blocks no more (``wait`` then raises ``Cancelled``, unless the transfer had
+        finished). ``DaemonUnavailable`` if it could not say so in time: the client is
+        then closed."""
         if not self.done():
-            self._client._call(self._client._b.cancel(self.req_id, timeout_s))
+            self._client._stop(self.req_id, timeout_s)
 
 
 class KvdClient:
@@ -138,12 +141,19 @@ class KvdClient:
         self._b.welcomed(welcome)
 
     def close(self) -> None:
+        """Close the session. Its requests still in flight are stopped first: this
+        returns once the daemon says no more bytes move in their blocks (or, past the
+        client's timeout without that word, with a warning)."""
         with self._lock:
             if self._closed:
                 return
             if self._sock is not None and self.epoch and self._dead is None:
-                with contextlib.suppress(KvdError, OSError):
-                    self._call(self._b.bye())
+                in_flight = bool(self._outstanding - set(self._stash))
+                try:
+                    self._call(self._b.bye(in_flight))
+                except (KvdError, OSError) as exc:
+                    if in_flight:
+                        log.warning("closing with requests in flight: %s", exc)
             self._closed = True
             if self._sock is not None:
                 self._sock.close()
@@ -204,7 +214,7 @@ class KvdClient:
         except OSError:
             data = b""
         if not data:
-            self._dead = self._b.disconnected()
+            self._dead = self._dead or self._b.disconnected()
             return
         for reply in decode_replies(self._frames.feed(data)):
             if reply.req_id in self._outstanding:
@@ -213,21 +223,75 @@ class KvdClient:
     def _call(self, call: Call) -> Any:
         with self._lock:
             started = time.perf_counter()
+            req_id = call.msg.req_id
             self._send(call)
-            reply = self._wait_reply(call.msg.req_id, call.timeout_s)
+            try:
+                reply = self._wait_reply(req_id, call.timeout_s)
+            except KvdError:
+                raise  # the connection is gone
+            except BaseException:  # KeyboardInterrupt and the like end the call here
+                self._abandon(call)
+                raise
             if reply is None:
-                self._outstanding.discard(call.msg.req_id)
-                self._cancel_remote(call)
-                raise self._b.unavailable(type(call.msg).__name__.lower(), call.timeout_s)
+                reply = self._abandon(call)  # (it may have come while the daemon stopped it)
+                if reply is None:
+                    raise self._b.unavailable(type(call.msg).__name__.lower(),
+                                              call.timeout_s)
             return result_of(call, reply, time.perf_counter() - started)
 
-    def _cancel_remote(self, call: Call) -> None:
-        if self._sock is None or self._dead is not None or call.kind in (
-                "none", "rtt", "stats"):
-            return
-        with contextlib.suppress(KvdError):
-            self._write(frame(encode(self._b.cancel(call.msg.req_id, None).msg)),
-                        _CANCEL_WRITE_S)
+    def _abandon(self, call: Call) -> Reply | None:
+        """We stop waiting for ``call``: stop it in the daemon first, unless it has been
+        answered or is one the daemon answers at once (``_stop``). Its reply, if any."""
+        req_id = call.msg.req_id
+        try:
+            if stoppable(call) and req_id not in self._stash:
+                with contextlib.suppress(DaemonUnavailable):  # dropped: the caller's error
+                    self._stop(req_id, None)
+        finally:
+            self._outstanding.discard(req_id)
+        return self._stash.pop(req_id, None)
+
+    def _stop(self, target: int, timeout_s: float | None) -> None:
+        """Cancel request ``target`` in the daemon and return once the daemon says it has
+        ended (its reply, stashed, then the cancel's): no more bytes land in or are read
+        from its blocks. Without that word within ``timeout_s`` (the client's by default),
+        or when the wait is interrupted, the connection is dropped (``_drop``): the daemon
+        then stops the session's requests, and ``DaemonUnavailable`` says what that
+        leaves."""
+        if self._dead is not None:
+            raise self._dead  # the daemon has closed the session, or we dropped it
+        call = self._b.cancel(target, timeout_s)
+        with self._lock:
+            why = ""
+            try:
+                self._send(call)
+                reply = self._wait_reply(call.msg.req_id, call.timeout_s)
+            except KvdError as exc:
+                why = exc.message
+            except BaseException:
+                self._drop(target, "the wait for its cancel was interrupted")
+                raise
+            else:
+                if reply is None:
+                    self._outstanding.discard(call.msg.req_id)
+                    why = f"no answer to its cancel within {call.timeout_s:g}s"
+                elif not isinstance(reply, Done):
+                    why = getattr(reply, "message", type(reply).__name__)
+            if why:
+                raise self._drop(target, why)
+
+    def _drop(self, target: int, why: str) -> DaemonUnavailable:
+        """Close the connection of a client whose request ``target`` the daemon did not
+        confirm stopped: the daemon then cancels every request of the session and keeps
+        its regions mapped until they end. Every wait fails from now on."""
+        err = self._b.unconfirmed(target, why)
+        log.warning("%s", err.message)
+        if self._dead is None:
+            self._dead = err
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        return err
 
     # ------------------------------------------------------------ operations
 

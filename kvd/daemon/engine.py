@@ -16,7 +16,6 @@ Rules that keep memory honest:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +27,7 @@ import torch
 from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.busy_poll import BusyPoll
-from kvd.daemon.futures import on_loop
+from kvd.daemon.futures import on_loop, wait_out
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
 from kvd.errors import (
@@ -249,8 +248,7 @@ class Engine:
             except asyncio.CancelledError:
                 outcome = "cancelled"
                 if not cfut.cancel():
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(afut), timeout=60.0)
+                    await wait_out(afut, 60.0)
                 raise
         finally:
             del self._copies_in_flight[id(afut)]
@@ -328,8 +326,7 @@ class Engine:
                                  f"{deadline - submitted:.0f}s") from None
         except asyncio.CancelledError:
             outcome = "cancelled"
-            with contextlib.suppress(Exception):  # bytes already on their way land first
-                await asyncio.wait_for(asyncio.shield(done), timeout=60.0)
+            await wait_out(done, 60.0)  # bytes already on their way land first
             raise
         finally:
             del self._copies_in_flight[id(done)]
@@ -543,8 +540,12 @@ class Engine:
         self.prepare_gpu_blocks(ours, region.layout)
         try:
             async with asyncio.timeout(timeout_s):
-                result = await waiter.future
+                # Shielded: a cancel must not cancel the future itself, which would
+                # hide a put still writing into our blocks from _settle_abandoned.
+                result = await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and waiter.stop_delivery is not None:
+                waiter.stop_delivery()  # (past a timeout, bytes on their way still land)
             late = await self._settle_abandoned(waiter)
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -559,19 +560,23 @@ class Engine:
 
     async def _settle_abandoned(self, waiter: Waiter) -> _Delivered | None:
         """A get is leaving (timeout or cancel). If a put is writing into its blocks, wait
-        for that copy so nothing lands after the reply; hand back an unread claim."""
+        for that copy so nothing lands after the reply; hand back an unread claim. A
+        cancel during that wait (after a timeout) is raised once it is over."""
+        cancelled = False
         if waiter.delivering and not waiter.future.done():
-            await asyncio.wait([waiter.future], timeout=60.0)
+            cancelled = await wait_out(waiter.future, 60.0)
+        late: _Delivered | None = None
         if not waiter.future.done() or waiter.future.cancelled():
             waiter.future.cancel()
-            return None
-        if waiter.future.exception() is not None:
-            return None
-        result = waiter.future.result()
-        if isinstance(result, _Delivered):
-            return result
-        self._unclaim(result)
-        return None
+        elif waiter.future.exception() is None:
+            result = waiter.future.result()
+            if isinstance(result, _Delivered):
+                late = result
+            else:
+                self._unclaim(result)
+        if cancelled:
+            raise asyncio.CancelledError
+        return late
 
     def _unclaim(self, item: Item) -> None:
         item.readers -= 1
@@ -686,8 +691,7 @@ class Engine:
         except asyncio.CancelledError:
             # Withdrawn by the owner: a read in progress still finishes before we answer.
             self.store.remove(item)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(freed), 60.0)
+            await wait_out(freed, 60.0)
             raise
 
     def unpublish(self, session: int, key: str) -> None:
@@ -735,6 +739,12 @@ class Engine:
         blocks = BlockSet.packed(pool.view(block), layout, num_blocks)
         return Arrival(key, layout, num_blocks, expires_at, blocks, pool_block=block,
                        pool=pool)
+
+    def get_waits_for(self, key: str, layout: Layout, num_blocks: int) -> bool:
+        """Whether a get waits for ``key`` in blocks that fit ``num_blocks`` of ``layout``:
+        ``arrival`` puts such bytes there, whatever room the pools have."""
+        return any(_unfit(key, layout, num_blocks, w.region, w.idx) is None
+                   for w in self.store.waiters(key))
 
     def _staging_for(self, nbytes: int, gpu: str | None) -> tuple[HostPool, PoolBlock]:
         """GPU staging on ``gpu`` if it has room, else the host pool (spill)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -50,3 +50,20 @@ def _copy(src: concurrent.futures.Future[T], dest: asyncio.Future[T]) -> None:
         dest.set_exception(exc)
     else:
         dest.set_result(src.result())
+
+
+async def wait_out(fut: asyncio.Future[Any], timeout_s: float) -> bool:
+    """Wait until ``fut`` settles (at most ``timeout_s``), and let no cancel cut the wait
+    short: for work that must end before its request answers, such as bytes still landing
+    in a client's blocks (a second cancel, or one after a timeout, would otherwise answer
+    while they land). True if a cancel came meanwhile: the caller raises it once done.
+    ``fut``'s outcome is left to its owner."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    cancelled = False
+    while not fut.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait([fut], timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled

@@ -15,7 +15,6 @@ stops reading its replies is cut off once ``_MAX_UNREAD_REPLY_BYTES`` of them wa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -25,18 +24,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd import __version__, timeline
-from kvd.config import Config
+from kvd.config import Config, socket_dir_problem
+from kvd.daemon.accepting import Acceptor, Throttled
 from kvd.daemon.engine import Engine
 from kvd.daemon.segment_server import SegmentServer, segment_socket_path
+from kvd.daemon.socket_files import BoundFile, bind_unix, remove_bound
 from kvd.errors import (
     Cancelled,
     ConfigError,
     DaemonUnavailable,
     InternalError,
     KvdError,
+    KvdTimeout,
     ProtocolError,
 )
-from kvd.framing import FramedProtocol, Oversized
+from kvd.framing import FrameBudget, FramedProtocol, Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
     SEGMENT_TOKEN_BYTES,
@@ -79,6 +81,9 @@ _MAX_UNREAD_REPLY_BYTES = 16 * 1024 * 1024
 # Segments (file descriptors, kept open) one session may hand over: each region's mapping
 # holds one more while it lives. LimitNOFILE in the systemd unit leaves room for many.
 MAX_SEGMENTS_PER_SESSION = 4096
+# How long a cancel, or a session's close, waits for requests to stop (what they wait for
+# once cancelled, a copy or the bytes on the wire, is bounded too: 60 s for a copy).
+_CANCEL_WAIT_S = 90.0
 
 
 class _Replied:
@@ -93,7 +98,8 @@ class _Connection(FramedProtocol):
 
     def __init__(self, server: LocalServer) -> None:
         super().__init__(server.config.max_message_bytes, _SKIP_ABOVE_BYTES,
-                         write_limit=_MAX_UNREAD_REPLY_BYTES)
+                         write_limit=_MAX_UNREAD_REPLY_BYTES, budget=server.frame_budget,
+                         bad_messages=server.bad_messages, what="local socket")
         self.server = server
         self.session: Session | None = None
 
@@ -135,21 +141,27 @@ class Session:
 
 class LocalServer:
     def __init__(self, config: Config, engine: Engine, epoch: int,
-                 daemon: Any = None) -> None:
+                 daemon: Any = None, frame_budget: FrameBudget | None = None) -> None:
         self.daemon = daemon  # for the peer plane's figures in stats
+        self.frame_budget = frame_budget  # shared with the peer port (kvd.framing)
         self.config = config
         self.engine = engine
         self.epoch = epoch
         self.bad_messages: dict[str, int] = {}
+        # Bad messages are each answered and counted, and logged at most once per reason
+        # every few seconds: a client sending nothing else cannot flood the log.
+        self._bad_logs: dict[str, Throttled] = {}
         self.sessions: dict[_Connection, Session] = {}
         self.connections: set[_Connection] = set()
         self._next_sid = 1
         self._closers: set[asyncio.Task[None]] = set()
         self._drain_requests: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
-        self._server: asyncio.AbstractServer | None = None
+        self._server: Acceptor | None = None  # accepts on the local socket
+        self._accepting: set[asyncio.Task[None]] = set()
         self._by_token: dict[bytes, Session] = {}
         self.segment_socket = segment_socket_path(config.socket_path)
+        self._bound: BoundFile | None = None  # the socket file bound here: removed at close
         self._segments = SegmentServer(self.segment_socket, self._loop, self.adopt_segments,
                                        self.count_bad)
 
@@ -157,16 +169,16 @@ class LocalServer:
 
     async def bind(self) -> None:
         path = self.config.socket_path
+        # The path is this daemon's (service.py holds its PathClaim); a socket that answers
+        # anyway is a daemon that takes no claim (an older kvd): leave it alone too.
         if os.path.exists(path) and _socket_answers(path):
             raise ConfigError(f"socket_path: another daemon is serving {path}")
+        prepare_socket_dir(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o117)  # socket mode 0660
         try:
-            prepare_socket_dir(path)
-            # A socket file left by a daemon that died (a live one answered above).
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            sock.bind(path)
+            # (a socket file there was left by a daemon that died: a live one answered above)
+            self._bound = bind_unix(sock, path)
             sock.listen(128)
         except OSError as exc:
             sock.close()
@@ -179,9 +191,21 @@ class LocalServer:
             sock.close()
             raise ConfigError(f"socket_path: cannot listen on {self.segment_socket}: "
                               f"{exc}") from None
-        self._server = await self._loop.create_unix_server(
-            lambda: _Connection(self), sock=sock)
+        sock.setblocking(False)
+        self._server = Acceptor(sock, "socket_path", self._take)
         log.info("local socket listening path=%s", path)
+
+    def _take(self, sock: socket.socket, _addr: Any) -> None:
+        task = self._loop.create_task(self._admit(sock))
+        self._accepting.add(task)
+        task.add_done_callback(self._accepting.discard)
+
+    async def _admit(self, sock: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(lambda: _Connection(self), sock)
+        except OSError as exc:
+            log.info("client connection lost before it was taken: %s", exc)
+            sock.close()
 
     def stop_reading(self) -> None:
         """No new clients, no new requests (replies still go out)."""
@@ -209,8 +233,8 @@ class LocalServer:
                 await asyncio.sleep(0.01)
             if transport is not None:
                 transport.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket_path)
+        remove_bound(self._bound)  # ours only: a daemon refused at start bound none
+        self._bound = None
 
     def pending_tasks(self) -> list[asyncio.Task[None]]:
         return [t for s in self.sessions.values() for t in s.tasks.values()]
@@ -222,7 +246,8 @@ class LocalServer:
 
     def _bad(self, conn: _Connection, reason: str, req_id: int, err: KvdError) -> None:
         self.count_bad(reason)
-        log.warning("bad message reason=%s req_id=%d: %s", reason, req_id, err.message)
+        self._bad_logs.setdefault(reason, Throttled(log)).warning(
+            "bad message reason=%s req_id=%d: %s", reason, req_id, err.message)
         self._send(conn, ErrorReply(req_id=req_id, code=err.code, message=err.message))
 
     def on_message(self, conn: _Connection, payload: bytes | Oversized) -> None:
@@ -324,8 +349,9 @@ class LocalServer:
                     e.delete(s.sid, msg.key)
                     self._done(s, msg.req_id)
                 case Bye():
-                    self._done(s, msg.req_id)
-                    self.start_close(s, "client said bye")
+                    # Answered once the session is closed: its requests have ended and no
+                    # more bytes move in its blocks, which the client may then reuse.
+                    self.start_close(s, "client said bye", reply_to=msg.req_id)
                 case Get():
                     self._spawn(s, msg.req_id, op, e.get(
                         s.sid, msg.req_id, msg.key, msg.region_id, msg.ids, msg.timeout_s))
@@ -396,10 +422,16 @@ class LocalServer:
         self._send(s.conn, StatsReply(req_id=req_id, stats=report))
 
     async def _cancel(self, s: Session, target: int) -> int:
+        """Done once ``target`` has ended: its reply went out first, and no more bytes
+        land in (or are read from) its blocks. An error if it did not end in time."""
         task = s.tasks.get(target)
         if task is not None:
             task.cancel()
-            await asyncio.wait([task], timeout=90.0)
+            await asyncio.wait([task], timeout=_CANCEL_WAIT_S)
+            if not task.done():
+                raise KvdTimeout(f"request {target} did not stop within "
+                                 f"{_CANCEL_WAIT_S:g}s of its cancel; it may still move "
+                                 "bytes")
         return 0
 
     # ------------------------------------------------------------ replies
@@ -419,12 +451,13 @@ class LocalServer:
 
     # ------------------------------------------------------------ sessions
 
-    def start_close(self, session: Session, reason: str) -> None:
-        task = self._loop.create_task(self._close_session(session, reason))
+    def start_close(self, session: Session, reason: str, reply_to: int | None = None) -> None:
+        task = self._loop.create_task(self._close_session(session, reason, reply_to))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
 
-    async def _close_session(self, session: Session, reason: str) -> None:
+    async def _close_session(self, session: Session, reason: str,
+                             reply_to: int | None = None) -> None:
         if session.closing:
             return
         session.closing = True
@@ -435,18 +468,28 @@ class LocalServer:
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=90.0)
+            await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
         await self.engine.drop_session(session.sid, reason)
         self._by_token.pop(session.token, None)
         for fd in session.segments.values():  # the regions' mappings hold their own
             os.close(fd)
         session.segments.clear()
         log.info("client gone session=%d pid=%d reason=%s", session.sid, session.pid, reason)
+        if reply_to is not None:
+            if any(not t.done() for t in tasks):  # not confirmed: the client says so
+                self._send(session.conn, ErrorReply(
+                    req_id=reply_to, code=KvdTimeout.code, message=(
+                        f"requests of the session did not stop within {_CANCEL_WAIT_S:g}s; "
+                        "they may still move bytes")))
+            else:
+                self._done(session, reply_to)
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         stats["clients"] = len(self.sessions)
         stats["bad_messages"] = dict(self.bad_messages)
+        if self.frame_budget is not None:
+            stats["frame_budget"] = self.frame_budget.stats()
         stats["epoch"] = self.epoch
         stats["in_flight"] = len(self.pending_tasks())
         peers = getattr(self.daemon, "peers", None)
@@ -458,13 +501,19 @@ class LocalServer:
 
 
 def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory (first thing at startup: an unusable path is a
-    config error before anything else happens)."""
+    """Create the socket's directory, and refuse one that another user could change
+    (``socket_dir_problem``: checked once it exists, so one made meanwhile by someone else
+    is caught too). First thing at startup: an unusable path is a config error before
+    anything else happens."""
+    directory = os.path.dirname(path)
     try:
-        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+        os.makedirs(directory, mode=0o750, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"socket_path: cannot create the directory of {path}: "
                           f"{exc.strerror}") from None
+    problem = socket_dir_problem(directory)
+    if problem:
+        raise ConfigError(f"socket_path: {problem}")
 
 
 def _socket_answers(path: str) -> bool:

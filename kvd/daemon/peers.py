@@ -14,8 +14,14 @@ A link ends when its connection closes (a peer that exits or dies: at once), or 
 is silent for longer than ``peer_grace_s`` (a hung peer; heartbeats go both ways every
 ``heartbeat_interval_s``, and any message counts as a sign of life). Its transfers then
 fail with ``PeerUnreachable`` (through ``on_link_lost``) and its channels are aborted. A
-``PeerHello`` with a new epoch from a known address means the peer restarted: the old link
-dies the same way and the new one replaces it.
+``PeerHello`` claiming the address of a link whose connection lives (open, and heard within
+the grace) is refused: without TLS anyone could claim it. A peer that restarted closed its
+old connection when it died (or falls silent past the grace); its hello is taken then, and
+the old link dies the same way.
+
+Connections on either port that have not linked yet (no hello, no data token) are
+bounded together (``MAX_UNLINKED_CONNECTIONS``), and the accept loops outlive a shortage
+of descriptors (``daemon/accepting.py``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from typing import Any, TypeVar
 
 from kvd import timeline
 from kvd.config import Config
+from kvd.daemon.accepting import Acceptor, Throttled
 from kvd.daemon.auth import TlsContexts, load_tls
 from kvd.errors import BadRequest, ConfigError, KvdError, PeerUnreachable, ProtocolError
-from kvd.framing import FramedProtocol, Oversized
+from kvd.framing import FrameBudget, FramedProtocol, Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -62,13 +69,20 @@ MAX_PEER_MESSAGE_BYTES = 1 << 20  # larger ones end the connection
 # Control messages queued for a peer that does not read them: past this the link is
 # declared dead rather than buffered without end (they are ~100 bytes each).
 _MAX_UNSENT_BYTES = 16 * 1024 * 1024
+# Accepted connections not linked yet (before their PeerHello, or their data token), on
+# both ports together: past this a new one is closed at once. Linking takes a round trip,
+# so a cluster starting at once stays far below it; a flood of silent connections cannot
+# take every descriptor the daemon has (each one lasts peer_connect_timeout_s at most).
+MAX_UNLINKED_CONNECTIONS = 64
 
 
 class _PeerConnection(FramedProtocol):
     """One control connection to a peer: messages in (to the plane), messages out."""
 
     def __init__(self, plane: PeerPlane, outgoing: bool) -> None:
-        super().__init__(MAX_PEER_MESSAGE_BYTES, write_limit=_MAX_UNSENT_BYTES)
+        super().__init__(MAX_PEER_MESSAGE_BYTES, write_limit=_MAX_UNSENT_BYTES,
+                         budget=plane.frame_budget, bad_messages=plane.bad_messages,
+                         what="peer")
         self.plane = plane
         self.link: PeerLink | None = None
         self.peer = "?"
@@ -76,6 +90,7 @@ class _PeerConnection(FramedProtocol):
         self.welcome: asyncio.Future[PeerWelcome] | None = (
             plane._loop.create_future() if outgoing else None)
         self.early: list[bytes] = []  # messages behind the welcome, until the link is made
+        self.silence_timer: asyncio.TimerHandle | None = None  # no hello yet: see _expire_silent
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -94,6 +109,11 @@ class _PeerConnection(FramedProtocol):
         super().connection_lost(exc)
         self.plane._connections.discard(self)
         self.plane._on_closed(self)
+
+    def stop_timer(self) -> None:
+        if self.silence_timer is not None:
+            self.silence_timer.cancel()
+            self.silence_timer = None
 
 
 @dataclass(eq=False)
@@ -135,7 +155,8 @@ class PeerPlane:
                  on_link_lost: Callable[[PeerLink, KvdError], None],
                  gpus: Sequence[str] = (),
                  on_link_up: Callable[[PeerLink], None] | None = None,
-                 nccl_blocking_calls: bool = False) -> None:
+                 nccl_blocking_calls: bool = False,
+                 frame_budget: FrameBudget | None = None) -> None:
         self.config = config
         self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
         # Told to peers too: our channels can split for blocking calls (config and NCCL).
@@ -144,7 +165,9 @@ class PeerPlane:
         self.on_message = on_message
         self.on_link_lost = on_link_lost
         self.on_link_up = on_link_up
+        self.frame_budget = frame_budget  # shared with the local socket (kvd.framing)
         self.bad_messages: dict[str, int] = {}
+        self._bad_logs: dict[str, Throttled] = {}  # per reason (see _bad)
         self.links: dict[str, PeerLink] = {}  # by address
         self._by_token: dict[bytes, PeerLink] = {}
         self._connections: set[_PeerConnection] = set()
@@ -154,11 +177,16 @@ class PeerPlane:
         self._linking: dict[str, asyncio.Task[PeerLink]] = {}
         self._warmups: set[asyncio.Task[None]] = set()
         self._admitting: set[asyncio.Task[None]] = set()
+        # Accepted connections not linked yet (see MAX_UNLINKED_CONNECTIONS): a peer
+        # connection, or a data connection's socket, until it links or closes.
+        self._unlinked: set[object] = set()
+        self._refusing = Throttled(log)
         self._loop = asyncio.get_running_loop()
         self.tls = load_tls(config)
         self._listener: socket.socket | None = None
         self._data_listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._acceptors: list[Acceptor] = []
         self.address = ""
         self.data_port = 0
         self.configured = [a.strip() for a in config.peers.split(",") if a.strip()]
@@ -173,18 +201,20 @@ class PeerPlane:
         self._data_listener = _listen(cfg.peer_host, cfg.data_port, "data_port")
         self.data_port = self._data_listener.getsockname()[1]
         self._tasks = [
-            self._loop.create_task(self._heartbeat_loop(), name="kvd-peer-heartbeat"),
-            self._loop.create_task(self._accept_peers(), name="kvd-peer-accept"),
-            self._loop.create_task(self._accept_loop(), name="kvd-data-accept"),
-        ]
+            self._loop.create_task(self._heartbeat_loop(), name="kvd-peer-heartbeat")]
+        self._acceptors = [Acceptor(self._listener, "peer_port", self._take_peer),
+                           Acceptor(self._data_listener, "data_port", self._take_data)]
         log.info("peer socket listening address=%s data_port=%d tls=%s", self.address,
                  self.data_port, "on" if self.tls else "off")
 
     async def close(self) -> None:
+        for acceptor in self._acceptors:
+            acceptor.close()
         tasks = [*self._tasks, *self._warmups, *self._linking.values(), *self._admitting]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *(a.wait_closed() for a in self._acceptors),
+                             return_exceptions=True)
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
         await asyncio.sleep(0)
@@ -415,7 +445,8 @@ class PeerPlane:
             if channel is not None:
                 channel.abort(error)
         self.on_link_lost(link, error)
-        for callback in link.on_lost:
+        callbacks, link.on_lost = link.on_lost, []  # what they hold goes with the link
+        for callback in callbacks:
             callback(link, error)
         if link.connecting is not None and not link.connecting.done():
             link.connecting.set_exception(error)
@@ -428,33 +459,57 @@ class PeerPlane:
 
     # ------------------------------------------------------------ reading
 
-    async def _accept_peers(self) -> None:
-        """Take connections on the peer port; each passes the TLS handshake (when
-        configured) before it may say anything."""
-        assert self._listener is not None
-        while True:
-            sock, addr = await self._loop.sock_accept(self._listener)
-            task = self._loop.create_task(self._admit_peer(sock, addr))
-            self._admitting.add(task)
-            task.add_done_callback(self._admitting.discard)
+    def _room_for(self, sock: socket.socket, addr: Any, port: str) -> bool:
+        """Whether one more connection may wait to link (MAX_UNLINKED_CONNECTIONS); if
+        not, it is closed now, counted and logged."""
+        if len(self._unlinked) < MAX_UNLINKED_CONNECTIONS:
+            return True
+        sock.close()
+        self.bad_messages["unlinked_limit"] = self.bad_messages.get("unlinked_limit", 0) + 1
+        self._refusing.warning(
+            "%s: connection from=%s closed: %d connections are waiting to link already "
+            "(the most); a flood of connections that do not link, or peers that do not "
+            "finish their handshake", port, _host_port(addr), len(self._unlinked))
+        return False
 
-    async def _admit_peer(self, sock: socket.socket, addr: Any) -> None:
+    def _take_peer(self, sock: socket.socket, addr: Any) -> None:
+        """A connection on the peer port: it passes the TLS handshake (when configured)
+        before it may say anything, and must say PeerHello in time."""
+        if not self._room_for(sock, addr, "peer_port"):
+            return
+        conn = _PeerConnection(self, outgoing=False)
+        self._unlinked.add(conn)
+        task = self._loop.create_task(self._admit_peer(conn, sock, addr))
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+
+    async def _admit_peer(self, conn: _PeerConnection, sock: socket.socket,
+                          addr: Any) -> None:
         try:
-            _, conn = await self._loop.connect_accepted_socket(
-                lambda: _PeerConnection(self, outgoing=False), sock,
-                ssl=self.tls.server if self.tls else None,
+            # The protocol is made here and handed in: with TLS, what the call returns is
+            # the TLS layer's protocol, not ours.
+            await self._loop.connect_accepted_socket(
+                lambda: conn, sock, ssl=self.tls.server if self.tls else None,
                 ssl_handshake_timeout=self.config.peer_connect_timeout_s if self.tls else None)
-            # A connection that never says hello is not kept (a port scan, a stuck peer).
-            self._loop.call_later(self.config.peer_connect_timeout_s, self._expire_silent, conn)
         except (OSError, ssl.SSLError, TimeoutError) as exc:
+            self._unlinked.discard(conn)
             refused = isinstance(exc, ssl.SSLCertVerificationError)
             reason = "auth" if refused else "handshake"
             self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
             log.warning("peer connection refused from=%s: %s", _host_port(addr),
                         "certificate not in tls_allowed_certs_file" if refused else repr(exc))
             sock.close()
+            return
+        except BaseException:
+            self._unlinked.discard(conn)
+            raise
+        if conn.link is None and conn.transport is not None:
+            # A connection that never says hello is not kept (a port scan, a stuck peer).
+            conn.silence_timer = self._loop.call_later(
+                self.config.peer_connect_timeout_s, self._expire_silent, conn)
 
     def _expire_silent(self, conn: _PeerConnection) -> None:
+        conn.silence_timer = None
         if conn.link is None and conn.transport is not None:
             self.bad_messages["no_hello"] = self.bad_messages.get("no_hello", 0) + 1
             log.warning("peer connection from=%s closed: no peer_hello within %gs", conn.peer,
@@ -462,6 +517,8 @@ class PeerPlane:
             conn.close()
 
     def _on_closed(self, conn: _PeerConnection) -> None:
+        self._unlinked.discard(conn)
+        conn.stop_timer()
         if conn.welcome is not None and not conn.welcome.done():
             conn.welcome.set_exception(PeerUnreachable(
                 f"peer {conn.peer} closed the connection during the handshake"))
@@ -478,7 +535,10 @@ class PeerPlane:
 
     def _bad(self, reason: str, conn: _PeerConnection, err: KvdError) -> None:
         self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
-        log.warning("bad peer message reason=%s from=%s: %s", reason, conn.peer, err.message)
+        # Answered and counted each time, logged at most once per reason every few
+        # seconds: a peer sending nothing else cannot flood the log.
+        self._bad_logs.setdefault(reason, Throttled(log)).warning(
+            "bad peer message reason=%s from=%s: %s", reason, conn.peer, err.message)
         conn.send(encode(PeerError(code=err.code, message=err.message)))
 
     def _on_message(self, conn: _PeerConnection, payload: bytes | Oversized) -> None:
@@ -536,6 +596,12 @@ class PeerPlane:
 
             fut.set_exception(error_from_code(msg.code, f"peer refused: {msg.message}"))
 
+    def _answers(self, link: PeerLink) -> bool:
+        """The link's connection is open and the peer was heard within its grace."""
+        transport = link.conn.transport if link.conn is not None else None
+        return (link.alive and transport is not None and not transport.is_closing()
+                and self._loop.time() - link.last_seen <= self.config.peer_grace_s)
+
     def _on_hello(self, conn: _PeerConnection, hello: PeerHello) -> None:
         if conn.welcome is not None:
             self._bad("unexpected", conn, ProtocolError("peer_hello on a link we opened"))
@@ -548,6 +614,17 @@ class PeerPlane:
         if conn.link is not None:
             self._bad("duplicate_hello", conn, ProtocolError("already said peer_hello"))
             return
+        old = self.links.get(hello.address)
+        if old is not None and self._answers(old):
+            # Without TLS anyone can claim an address: the link that holds it keeps it
+            # while it answers. A peer that restarted closed its old connection when it
+            # died (or falls silent past the grace), and its new hello is taken then.
+            self._bad("takeover", conn, PeerUnreachable(
+                f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
+                f"and that connection is alive: refused until it closes or is silent for "
+                f"{self.config.peer_grace_s:g}s"))
+            conn.close()
+            return
         token = secrets.token_bytes(32)
         link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
                         data_port=hello.data_port, token_for_them=token,
@@ -555,6 +632,8 @@ class PeerPlane:
                         last_seen=self._loop.time(), devices=list(hello.devices),
                         nccl_blocking_calls=hello.nccl_blocking_calls)
         conn.link = link
+        self._unlinked.discard(conn)
+        conn.stop_timer()
         self._add_link(link)
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
                  link.node_id, link.epoch)
@@ -563,11 +642,14 @@ class PeerPlane:
 
     # ------------------------------------------------------------ data connections
 
-    async def _accept_loop(self) -> None:
-        assert self._data_listener is not None
-        while True:
-            conn, addr = await self._loop.sock_accept(self._data_listener)
-            self._loop.create_task(self._admit_data(conn, addr))
+    def _take_data(self, sock: socket.socket, addr: Any) -> None:
+        if not self._room_for(sock, addr, "data_port"):
+            return
+        self._unlinked.add(sock)
+        task = self._loop.create_task(self._admit_data(sock, addr))
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+        task.add_done_callback(lambda _t: self._unlinked.discard(sock))
 
     async def _admit_data(self, conn: socket.socket, addr: Any) -> None:
         conn.setblocking(False)
@@ -607,6 +689,9 @@ class PeerPlane:
             self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
             log.warning("data connection refused from=%s: %r", addr, exc)
             conn.close()
+        except asyncio.CancelledError:  # the daemon is stopping
+            conn.close()
+            raise
 
     # ------------------------------------------------------------ heartbeats
 

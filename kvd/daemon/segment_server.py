@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvd.daemon.accepting import Throttled, accept_error
+from kvd.daemon.socket_files import BoundFile, bind_unix, remove_bound
 from kvd.errors import BadRequest
 from kvd.memory.segments import check_segment
 from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, SegmentHandoff, SegmentsTaken
@@ -64,15 +66,16 @@ class SegmentServer:
         self._readers = concurrent.futures.ThreadPoolExecutor(
             _READERS, thread_name_prefix="kvd-segments")
         self._stopping = False
+        self._bound: BoundFile | None = None  # the socket file bound here: removed at close
+        self._accept_failed = Throttled(log)
 
     def bind(self) -> None:
         """Listen (mode 0660, like the local socket, whose directory it shares)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old_umask = os.umask(0o117)
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)  # left by a daemon that died (the local socket checked)
-            sock.bind(self.path)
+            # (a file there was left by a daemon that died: the path is this daemon's)
+            self._bound = bind_unix(sock, self.path)
             sock.listen(64)
         except OSError:
             sock.close()
@@ -96,8 +99,8 @@ class SegmentServer:
         if self._thread is not None:
             self._thread.join(10)
         self._readers.shutdown(wait=True, cancel_futures=True)  # (each read is bounded)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        remove_bound(self._bound)  # ours only: a daemon refused at start bound none
+        self._bound = None
 
     # ------------------------------------------------------------ the thread
 
@@ -110,7 +113,8 @@ class SegmentServer:
             except OSError as exc:
                 if self._stopping:
                     return
-                log.warning("segment socket: accept failed: %s", exc)
+                self._accept_failed.warning("segment socket: accept failed: %s",
+                                            accept_error(exc))
                 time.sleep(0.1)  # (out of descriptors, say: not a busy loop meanwhile)
                 continue
             try:

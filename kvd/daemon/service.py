@@ -1,9 +1,9 @@
 """The daemon's life: start up, serve until told to stop, drain, shut down.
 
-Startup acquires in order (host pool, copy worker, local socket) on an ``AsyncExitStack``
-so teardown runs in reverse whatever failed. ``serve`` takes an injectable
-``shutdown_trigger`` (tests pass ``event.wait``); without one it installs SIGTERM/SIGINT
-handlers: the first signal drains (refuse new work, finish in-flight within
+Startup acquires in order (the socket path's claim, host pool, copy worker, local socket)
+on an ``AsyncExitStack`` so teardown runs in reverse whatever failed. ``serve`` takes an
+injectable ``shutdown_trigger`` (tests pass ``event.wait``); without one it installs
+SIGTERM/SIGINT handlers: the first signal drains (refuse new work, finish in-flight within
 ``drain_grace_s``, exit 0), a second one forces the exit.
 """
 
@@ -28,9 +28,11 @@ from kvd.daemon.local_server import LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.notify import Notifier
-from kvd.daemon.peers import PeerPlane
+from kvd.daemon.peers import MAX_PEER_MESSAGE_BYTES, PeerPlane
+from kvd.daemon.socket_files import PathClaim
 from kvd.daemon.transfers import PeerTransfers
 from kvd.errors import Draining
+from kvd.framing import FrameBudget, frame_budget_bytes
 from kvd.memory.pool import HostPool
 from kvd.transport.local import CopyWorker
 from kvd.transport.nccl import (
@@ -123,6 +125,11 @@ class Daemon:
         _raise_open_file_limit()
         check_socket_path(self.config)
         prepare_socket_dir(self.config.socket_path)
+        # The socket path is ours before anything is allocated: a second daemon on it is
+        # refused here, and removes nothing of the first one's (socket_files.py).
+        claim = PathClaim(self.config.socket_path)
+        claim.take()
+        stack.callback(claim.release)  # last: after the sockets are removed
         if self.config.timeline_dir:
             timeline.start(self.config.timeline_dir)
             stack.callback(timeline.stop)
@@ -153,12 +160,15 @@ class Daemon:
         self.engine = Engine(self.config, pool, worker, self.metrics, gpu_pools,
                              await asyncio.to_thread(self._busy_poll_window_s))
         transfers: list[PeerTransfers] = []
+        # The bytes of unfinished messages, the local socket's and the peer port's together.
+        frames = FrameBudget(frame_budget_bytes(self.config.max_message_bytes,
+                                                MAX_PEER_MESSAGE_BYTES))
         self.peers = PeerPlane(
             self.config, self.epoch,
             on_message=lambda link, msg: transfers[0].on_message(link, msg),
             on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err),
             gpus=gpus, on_link_up=lambda link: transfers[0].on_link_up(link),
-            nccl_blocking_calls=bool(gpus) and self._blocking_calls())
+            nccl_blocking_calls=bool(gpus) and self._blocking_calls(), frame_budget=frames)
         nccl = NcclLinks(self.config, self.peers) if gpus else None
         self.transfers = PeerTransfers(self.engine, self.peers, nccl)
         transfers.append(self.transfers)
@@ -166,7 +176,8 @@ class Daemon:
         stack.push_async_callback(self.peers.close)
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
-        self.local = LocalServer(self.config, self.engine, self.epoch, self)
+        self.local = LocalServer(self.config, self.engine, self.epoch, self,
+                                 frame_budget=frames)
         stack.push_async_callback(self.local.close)
         await self.local.bind()
         self.peers.bind()

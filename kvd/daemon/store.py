@@ -77,6 +77,9 @@ class Waiter:
     future: asyncio.Future[Any]
     blocks: BlockSet  # region's blocks idx in wire order, made (and mapped) ahead
     delivering: bool = False  # a put is copying straight into our blocks
+    # Set while a peer's bytes come straight into our blocks: a cancelled get calls it
+    # to have the rest dropped (it still waits for a chunk being written).
+    stop_delivery: Callable[[], None] | None = None
 
 
 class KeyStore:
@@ -136,6 +139,10 @@ class KeyStore:
             queue.remove(waiter)
         if not queue:
             del self._waiters[key]
+
+    def waiters(self, key: str) -> list[Waiter]:
+        """The gets still waiting for ``key``, oldest first (they stay in the queue)."""
+        return [w for w in self._waiters.get(key, ()) if not w.future.done()]
 
     def next_waiter(self, key: str) -> Waiter | None:
         """The oldest waiter for ``key`` still waiting, removed from the queue."""

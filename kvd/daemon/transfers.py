@@ -20,7 +20,9 @@ blocks it asked for.
 
 Every log line carries the transfer id and key. A lost link fails every transfer with that
 peer (``PeerUnreachable``); late bytes never land in memory that was given back: cancelled
-receive jobs are discarded by the channel, and a cancelled send waits for its bytes.
+receive jobs are discarded by the channel, and a cancelled send waits for its bytes. A
+cancel never contradicts the receiver: a push cancelled once all its bytes went reports
+what the receiver answers to its XFER_CANCEL (``_verdict``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from kvd import timeline
 from kvd.daemon.engine import Arrival, Engine
-from kvd.daemon.futures import on_loop
+from kvd.daemon.futures import on_loop, wait_out
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
 from kvd.daemon.waiting_pulls import WaitingPull, WaitingPulls
@@ -119,6 +121,7 @@ class _Outgoing:
     eager_channel: int = 0  # the NCCL channel nccl_job was queued on with the offer
     no_eager: bool = False  # after a BUSY: offer again without sending first
     offer_pending: bool = False  # an offer is out and not answered yet
+    accepted: bool = False  # the receiver ACCEPTed an offer: it waits for the bytes
     replies: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
 
@@ -150,6 +153,7 @@ class _PullWait:
     future: asyncio.Future[int]
     blocks: BlockSet  # the destination, prepared while the request is out
     offered: bool = False  # the owner's OFFER came: bytes are (about to be) on their way
+    link: PeerLink | None = None  # where the request went: only that peer answers it
 
 
 @dataclass
@@ -255,9 +259,8 @@ class PeerTransfers:
                 # read from the client's blocks after we answer.
                 if isinstance(job, SendJob):
                     job.stop.set()
-                try:
-                    await asyncio.wait_for(asyncio.shield(afut), 60.0)
-                except (Exception, asyncio.CancelledError):
+                await wait_out(afut, 60.0)
+                if not afut.done() or afut.cancelled() or afut.exception() is not None:
                     raise asyncio.CancelledError from None
                 # Every byte had gone out before the stop was seen: the transfer
                 # completes, and its result, not a cancellation, is the truth.
@@ -276,7 +279,23 @@ class PeerTransfers:
             outcome = "cancelled"
             self._give_up(out)
             await self._wait_started(out)
-            raise
+            if not self._may_have_arrived(out):
+                raise
+            # Every byte may have reached the receiver, which keeps them unless our
+            # XFER_CANCEL came first: its answer, not the cancel, says what happened.
+            kept = await self._verdict(out)
+            if kept is False:
+                raise
+            _uncancel()
+            if kept is None:
+                raise TransferFailed(
+                    f"transfer {tid} of key {key!r} was cancelled after its bytes went, and "
+                    f"{link.address} did not say whether it kept them") from None
+            outcome = "done"
+            self.counters.bytes_sent += nbytes
+            log.info("transfer done though cancelled (the receiver had every byte) "
+                     "transfer_id=%d key=%s to=%s bytes=%d", tid, key, link.address, nbytes)
+            return nbytes
         except TimeoutError:
             outcome = "timeout"
             self._give_up(out)
@@ -403,7 +422,7 @@ class PeerTransfers:
 
     def _send_started(self, out: _Outgoing, fut: concurrent.futures.Future[int]) -> None:
         """A send job now reads the client's regions: they stay mapped until it ends."""
-        self.engine.hold_regions(out.regions, on_loop(fut))
+        self.engine.hold_regions(out.regions, _ended(fut))
 
     async def _wait_started(self, out: _Outgoing) -> None:
         """A send the ACCEPT started must end before the pusher answers: no byte may be
@@ -416,11 +435,48 @@ class PeerTransfers:
                 if job.future.cancel():
                     continue
                 job.stop.set()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(on_loop(job.future)), 60.0)
+            await wait_out(_ended(job.future), 60.0)
 
     def _give_up(self, out: _Outgoing) -> None:
         self.plane.send(out.link, XferCancel(transfer_id=out.transfer_id))
+
+    def _may_have_arrived(self, out: _Outgoing) -> bool:
+        """After a cancel, once its sends stopped or ended: could every byte have reached
+        a receiver that keeps them? Only if a send ran to its end (or did not end in time)
+        for an offer the receiver accepted or has yet to answer. A send stopped half way
+        (a CANCELLED chunk), or never started, delivers nothing."""
+        jobs: list[SendJob | NcclJob] = [j for j in (out.tcp_job,) if j is not None]
+        if out.eager_job is not None and not out.eager_answered:
+            jobs.append(out.eager_job)  # (once accepted, it is out.tcp_job)
+        if out.nccl_job is not None and (out.accepted or out.offer_pending):
+            jobs.append(out.nccl_job)
+        return any(not job.future.done()
+                   or (not job.future.cancelled() and job.future.exception() is None)
+                   for job in jobs)
+
+    async def _verdict(self, out: _Outgoing) -> bool | None:
+        """Whether the receiver kept the bytes of a transfer we cancelled after they went:
+        True (XFER_DONE), False (XFER_FAILED, or BUSY / REFUSE of the offer they went
+        with), None (no answer in time, or the link went). The receiver answers at once
+        (an ACCEPT first, if that was still to come); another cancel does not stop this
+        bounded wait, as the answer decides what the transfer reports."""
+        until = max(out.deadline, self._loop.time() + 2 * self.engine.config.peer_grace_s)
+        while True:
+            try:
+                async with asyncio.timeout_at(until):
+                    reply = await out.replies.get()
+            except TimeoutError:
+                return None
+            except asyncio.CancelledError:
+                if self._loop.time() >= until:
+                    return None
+                continue
+            if isinstance(reply, XferDone):
+                return True
+            if isinstance(reply, XferFailed | Busy | Refuse):
+                return False
+            if isinstance(reply, KvdError):
+                return None
 
     def _remember_abandoned(self, out: _Outgoing) -> None:
         tid = out.transfer_id
@@ -521,7 +577,11 @@ class PeerTransfers:
             wait_for_key_s = 0.0
         tid = _new_id()
         wait = _PullWait(key, region, idx, self._loop.create_future(),
-                         BlockSet(region.tensors, idx.numpy()))
+                         BlockSet(region.tensors, idx.numpy()), link=link)
+        # Settled by whatever ends the pull (its bytes, a refusal, the link's loss), maybe
+        # once nothing awaits it (cancelled, timed out): its error is the pull's to report,
+        # not "never retrieved".
+        wait.future.add_done_callback(_retrieved)
         self._pulls[tid] = wait
         try:
             self.plane.send(link, PullRequest(transfer_id=tid, key=key, dst_dev=CPU_DEVICE,
@@ -551,8 +611,7 @@ class PeerTransfers:
             incoming = self._incoming.get((id(link), tid))
             if incoming is not None:
                 self._forget(incoming)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(wait.future), 60.0)
+                await wait_out(wait.future, 60.0)
             raise
         finally:
             self._pulls.pop(tid, None)
@@ -577,7 +636,7 @@ class PeerTransfers:
                 self.plane.send(link, ChannelDown(channel=msg.channel, reason=(
                     f"{self.engine.config.node_id} has no NCCL")))
         elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
-            pull = self._pulls.get(msg.transfer_id)
+            pull = self._pull_of(link, msg.transfer_id)
             if pull is not None and isinstance(msg, Refuse):
                 if not pull.future.done():
                     pull.future.set_exception(error_from_code(
@@ -599,7 +658,9 @@ class PeerTransfers:
                     self._abandoned.pop(msg.transfer_id, None)
                 return
             if isinstance(msg, Accept) and out is not None:
-                out.replies.put_nowait(self._on_accept(link, msg, out))
+                answer = self._on_accept(link, msg, out)
+                out.accepted = answer is msg
+                out.replies.put_nowait(answer)
                 return
             if out is None:
                 self.plane.bad_messages["unknown_transfer"] = (
@@ -614,12 +675,36 @@ class PeerTransfers:
             self.nccl.warm_up(link)
 
     def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
+        """Everything of the link ends with it: its waiting pulls are dropped, its sends
+        fail (their tasks end, releasing their reads), its receives fail as their channels
+        are aborted, and offers given up are forgotten."""
         self._waiting_pulls.drop_link(link)
         for out in list(self._outgoing.values()):
             if out.link is link:
                 out.replies.put_nowait(error)
+        for tid in [t for t, gone in self._abandoned.items() if gone[0] is link]:
+            del self._abandoned[tid]
         if self.nccl is not None:
             self.nccl.on_link_lost(link, error)
+
+    def _pull_of(self, link: PeerLink, tid: int) -> _PullWait | None:
+        """Our pull with id ``tid``, if it went to ``link`` (only its owner answers it)."""
+        pull = self._pulls.get(tid)
+        return pull if pull is not None and pull.link is link else None
+
+    def _fail_pull(self, pull: _PullWait | None, err: KvdError) -> None:
+        """We refused the offer that answers ``pull`` (no bytes of it land): the pull
+        fails now, not at its timeout."""
+        if pull is not None and not pull.future.done():
+            pull.future.set_exception(err)
+
+    def _in_use(self, link: PeerLink, tid: int) -> bool:
+        """Whether ``tid`` names a transfer still live with ``link``: ids are the peer's to
+        choose, and must differ while live (its messages say which transfer they are
+        about; a second transfer under one id would be mistaken for the first)."""
+        out = self._outgoing.get(tid)
+        return ((id(link), tid) in self._incoming or self._waiting_pulls.holds(link, tid)
+                or (out is not None and out.link is link))
 
     def _refuse(self, link: PeerLink, tid: int, err: KvdError, bad: str | None = None) -> None:
         if bad is not None:
@@ -668,6 +753,8 @@ class PeerTransfers:
             self.plane.send(link, Busy(transfer_id=tid, retry_after_s=0.0))
         else:
             self._refuse(link, tid, problem, "bad_offer")
+            if not self._in_use(link, tid):
+                self._fail_pull(self._pull_of(link, tid), problem)
         return None
 
     def _queue_nccl_receive(self, channel: NcclChannel, offer: Offer,
@@ -691,31 +778,36 @@ class PeerTransfers:
         are already queued on (the receive goes there)."""
         tid = offer.transfer_id
         layout = tuple(offer.layout)
-        if (id(link), tid) in self._incoming:
+        pull = self._pull_of(link, tid)
+        if self._in_use(link, tid) or (pull is not None and pull.offered):
             self._refuse(link, tid, ProtocolError(f"transfer id {tid} is already in use"),
                          "duplicate_transfer")
-            return False
-        if offer.nbytes != wire_bytes(layout, offer.num_blocks):
-            self._refuse(link, tid, ProtocolError(
-                f"offer of {offer.nbytes} bytes does not match {offer.num_blocks} blocks of "
-                f"its layout ({wire_bytes(layout, offer.num_blocks)} bytes)"), "bad_offer")
-            return False
+            return False  # (a pull it answers goes on: bytes may be landing for it)
+        problem: KvdError | None = None
+        bad: str | None = "bad_offer"
         sender_nccl = offer.src_dev != CPU_DEVICE
-        if sender_nccl and not offer.src_dev.startswith("cuda:"):
-            self._refuse(link, tid, ProtocolError(f"bad device {offer.src_dev!r}"), "bad_offer")
-            return False
-        if offer.src_gpu and (self.nccl is None or not sender_nccl):
-            self._refuse(link, tid, BadRequest(
+        if offer.nbytes != wire_bytes(layout, offer.num_blocks):
+            problem = ProtocolError(
+                f"offer of {offer.nbytes} bytes does not match {offer.num_blocks} blocks of "
+                f"its layout ({wire_bytes(layout, offer.num_blocks)} bytes)")
+        elif sender_nccl and not offer.src_dev.startswith("cuda:"):
+            problem = ProtocolError(f"bad device {offer.src_dev!r}")
+        elif offer.src_gpu and (self.nccl is None or not sender_nccl):
+            problem, bad = BadRequest(
                 f"{link.address} offers GPU blocks, but {self.engine.config.node_id} has no "
-                "GPU with NCCL (GPU memory does not go over TCP)"))
-            return False
-        if offer.nbytes > self.engine.pool.capacity_bytes and tid not in self._pulls and (
-                not offer.src_gpu):
-            self._refuse(link, tid, PoolExhausted(
+                "GPU with NCCL (GPU memory does not go over TCP)"), None
+        elif (offer.nbytes > self.engine.pool.capacity_bytes and pull is None
+              and not offer.src_gpu
+              and not self.engine.get_waits_for(offer.key, layout, offer.num_blocks)):
+            # No room for it, ever: unless a get waits for it (its blocks are the room)
+            # or a pull asked for it (the puller's are), or GPU staging may take it.
+            problem = PoolExhausted(
                 f"offer of {offer.nbytes} bytes exceeds the whole pool "
-                f"({self.engine.pool.capacity_bytes} bytes)"), "bad_offer")
+                f"({self.engine.pool.capacity_bytes} bytes)")
+        if problem is not None:
+            self._refuse(link, tid, problem, bad)
+            self._fail_pull(pull, problem)
             return False
-        pull = self._pulls.get(tid)
         try:
             if pull is not None:
                 if offer.key != pull.key or layout != pull.region.layout or (
@@ -748,7 +840,9 @@ class PeerTransfers:
             return False
         incoming = _Incoming(tid, offer.key, link, arrival, job)
         # The job may start writing before _receive runs: hold the regions from now on.
-        self.engine.hold_regions(incoming.regions, on_loop(job.future))
+        self.engine.hold_regions(incoming.regions, _ended(job.future))
+        if arrival.waiter is not None:  # a cancelled get drops the rest (Engine.get)
+            arrival.waiter.stop_delivery = lambda: self._forget(incoming)
         self._incoming[(id(link), tid)] = incoming
         self.plane.send(link, accept)
         self._spawn(self._receive(incoming, pull))
@@ -835,9 +929,11 @@ class PeerTransfers:
                     # The get these bytes answer replies first: its client is what a
                     # decode step waits for, and each send on a local socket costs its
                     # receiver's wake-up (~30-40 us on the CI machine); the sender's
-                    # confirmation follows one turn of the loop later. (A pull's reply
-                    # would need two turns, through asyncio.shield: measured on the CI
-                    # machine, no gain that stood out of its noise.)
+                    # confirmation follows two turns of the loop later, as the get awaits
+                    # its waiter through asyncio.shield (Engine.get: a cancel must not
+                    # reach the waiter). (A pull's reply would need two turns too:
+                    # measured on the CI machine, no gain that stood out of its noise.)
+                    await asyncio.sleep(0)
                     await asyncio.sleep(0)
             finally:
                 self.plane.send(link, XferDone(transfer_id=tid, nbytes=nbytes))
@@ -874,6 +970,13 @@ class PeerTransfers:
     def _on_pull_request(self, link: PeerLink, req: PullRequest,
                          wait_until: float | None = None) -> None:
         tid = req.transfer_id
+        if tid in self._outgoing or self._in_use(link, tid):
+            # A send is known by its id alone until it ends: a second request under a
+            # live id would take the first one's place, and leave that one to wait out
+            # its deadline holding a read of its key.
+            self._refuse(link, tid, ProtocolError(f"transfer id {tid} is already in use"),
+                         "duplicate_transfer")
+            return
         try:
             item = self.engine.readable(req.key, tuple(req.layout), req.num_blocks)
         except UnknownKey as err:
@@ -898,6 +1001,8 @@ class PeerTransfers:
 
         async def serve() -> None:
             try:
+                if not link.alive:  # lost before this ran (on_link_lost did not see it)
+                    return
                 item.bytes_read += await self._push(link, tid, req.key, source, item.layout,
                                                     item.num_blocks, None, deadline, regions)
             except KvdError:
@@ -963,6 +1068,20 @@ def _as_kvd_error(exc: BaseException, what: str) -> KvdError:
     if isinstance(exc, asyncio.CancelledError):
         return Cancelled(f"{what} cancelled")
     return TransferFailed(f"{what}: {exc!r}")
+
+
+def _ended(cfut: concurrent.futures.Future[Any]) -> asyncio.Future[Any]:
+    """A loop future that settles when ``cfut`` does, for what waits only for the end
+    (regions held while a job runs). Whoever awaits the job reports its error: here it is
+    marked retrieved, so that dropping this future logs no "exception never retrieved"."""
+    afut = on_loop(cfut)
+    afut.add_done_callback(_retrieved)
+    return afut
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _uncancel() -> None:

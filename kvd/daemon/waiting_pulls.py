@@ -76,6 +76,9 @@ class WaitingPulls:
         if pull is not None:
             self._forget(pull)
 
+    def holds(self, link: PeerLink, transfer_id: int) -> bool:
+        return (id(link), transfer_id) in self._by_id
+
     def drop_link(self, link: PeerLink) -> None:
         for pull in [p for p in self._by_id.values() if p.link is link]:
             self._forget(pull)

@@ -13,19 +13,29 @@ never blocks:
 - ``load(order)``: blocks arrive under a key into the request's new blocks: pulled from
   the prefill daemon (pull flow, retried while the key is not lent yet) or taken from
   this daemon when the prefill daemon pushes them (push flow).
+- ``discard(order)``: a key pushed to this daemon that the engine does not need (a part
+  of a prompt it has cached itself) is taken and dropped: at once if it is there, the
+  moment it arrives if not, so that it never waits in the daemon's pool for its lease.
 - ``poll()``: what finished since the last call: sends whose blocks the engine may free,
-  loads that completed, loads that failed (with the block ids that hold no valid data).
+  loads that completed, loads that failed (with the block ids that hold no valid data and
+  the cause).
 
 GPU tensors are registered in place (CUDA IPC) and move without copies. CPU tensors of an
 engine are private memory the daemon cannot map, so they go through a *staging* region in
 shared memory: a send copies the blocks into staging slots (the engine's blocks are free
 at once), a load lands in staging and is copied into the blocks. A load whose first blocks
 are already cached locally (a prefix hit) also goes through staging, so that only the
-missing blocks are written. Every wait has a deadline: a send is withdrawn when its lease
-ends, a load fails when its timeout passes. If the daemon goes away (restarted, upgraded),
-what was in flight fails, new orders fail at once, and the mover connects and registers
-again by itself as soon as a daemon answers on the socket: kvd restarts without the
-engine restarting.
+missing blocks are written. A discarded key is taken by a get into a *sink*: blocks
+shaped like the engine's, as many as the largest key discarded, in memory like staging's,
+which all discards share (nobody reads what lands there). Every wait has a deadline: a
+send is withdrawn when its lease ends, a load fails when its timeout passes, a discard is
+given up when its timeout passes. If the daemon goes away (restarted, upgraded), what was
+in flight fails, new orders fail at once, and the mover connects and registers again by
+itself as soon as a daemon answers on the socket: kvd restarts without the engine
+restarting.
+
+Log lines go to the logger the caller gives (the vLLM connector's, so that they reach
+vLLM's log), else to this module's.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 
 import torch
 
+from kvd.client.base import Region
 from kvd.client.shm import shared_empty
 from kvd.client.sync import KvdClient, Transfer
 from kvd.errors import BadRequest, DaemonUnavailable, KvdError, UnknownKey
@@ -91,10 +102,22 @@ class LoadOrder:
 
 
 @dataclass
+class DiscardOrder:
+    """Take ``key`` (``num_blocks`` blocks, pushed to this daemon) and drop its bytes: a
+    part of a prompt that this engine has cached itself. Taken at once if it is there,
+    else the moment it arrives, until ``timeout_s`` has passed."""
+
+    key: str
+    num_blocks: int
+    timeout_s: float
+
+
+@dataclass
 class Polled:
     released: set[str] = field(default_factory=set)  # sends: the engine may free the blocks
     loaded: set[str] = field(default_factory=set)  # loads that completed
     failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
+    causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
 
 
 @dataclass
@@ -108,6 +131,7 @@ class MoverStats:
     load_failures: int = 0
     load_seconds: float = 0.0  # summed over completed loads
     pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
+    parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
 
     def as_dict(self) -> dict[str, int | float]:
         return dict(self.__dict__)
@@ -186,6 +210,7 @@ class _LoadGroup:
     ended: int = 0
     failed_blocks: list[int] = field(default_factory=list)
     failed: bool = False
+    cause: str = ""  # the first part's failure
 
 
 @dataclass(eq=False)
@@ -205,11 +230,30 @@ class _Load:
     retry_at: float = 0.0
 
 
+@dataclass(eq=False)
+class _Sink:
+    """A region that discarded keys are written into, shared by all discards."""
+
+    region: Region
+    num_blocks: int
+    users: int = 0  # discards whose get writes into it
+
+
+@dataclass(eq=False)
+class _Discard:
+    order: DiscardOrder
+    deadline: float
+    sink: _Sink | None = None
+    transfer: Transfer | None = None
+
+
 class KvMover:
     """The worker side of a connector: one daemon client, one registration, no blocking."""
 
     def __init__(self, client: KvdClient, layers: Sequence[torch.Tensor], num_blocks: int,
-                 staging_blocks: int, name: str = "kv") -> None:
+                 staging_blocks: int, name: str = "kv",
+                 logger: logging.Logger | None = None) -> None:
+        self.log = logger or log
         if not layers:
             raise BadRequest("no KV tensors to register")
         self.client = client
@@ -232,11 +276,13 @@ class KvMover:
         self._staging_region: Any = None
         self._wide_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (layer, staging)
         self._slots = _Slots(0)
+        self._sink: _Sink | None = None  # the one new discards write into
         self._register()
         self.connected = True  # False from when the daemon goes away until one is back
         self._reconnect_at = 0.0
         self._sends: dict[str, _Send] = {}  # by key
         self._loads: dict[str, _Load] = {}  # by key
+        self._discards: dict[str, _Discard] = {}  # by key
         self._send_groups: dict[str, _SendGroup] = {}  # by request
         self._load_groups: dict[str, _LoadGroup] = {}  # by request
         self._done = Polled()
@@ -245,8 +291,9 @@ class KvMover:
     def _register(self) -> None:
         """Register with the daemon: GPU tensors in place, CPU ones through staging.
         Staging is made anew each time (memory an old daemon may still hold is not
-        reused)."""
+        reused), and so is the sink."""
         self._staging, self._staging_region, self._slots = None, None, _Slots(0)
+        self._sink = None
         if self.direct:
             self.region = self.client.register(self._name, self._tensors,
                                                block_dim=self.block_dims[0])
@@ -257,8 +304,9 @@ class KvMover:
 
     def _note(self, err: KvdError) -> None:
         if isinstance(err, DaemonUnavailable) and self.connected:
-            log.error("kvd daemon at %s went away: failing what is in flight, and trying "
-                      "every %gs to reach it again", self.client.socket_path, RECONNECT_S)
+            self.log.error("kvd daemon at %s went away: failing what is in flight, and "
+                           "trying every %gs to reach it again", self.client.socket_path,
+                           RECONNECT_S)
             self.connected = False
 
     def _recover(self) -> None:
@@ -270,7 +318,9 @@ class KvMover:
             self._end_send(send)
         for load in list(self._loads.values()):
             self._end_load(load)
-            self._load_ended(load, ok=False)
+            self._load_ended(load, ok=False, cause="the kvd daemon went away")
+        for discard in list(self._discards.values()):
+            self._end_discard(discard)
         now = time.monotonic()
         if now < self._reconnect_at:
             return
@@ -286,24 +336,26 @@ class KvMover:
         try:
             self._register()
         except KvdError as err:
-            log.error("kvd: registering with the restarted daemon failed: %s", err)
+            self.log.error("kvd: registering with the restarted daemon failed: %s", err)
             return
         self.connected = True
-        log.info("kvd daemon at %s is back: registered again", client.socket_path)
+        self.log.info("kvd daemon at %s is back: registered again", client.socket_path)
 
     # ------------------------------------------------------------ staging
 
+    def _blocks_like_layers(self, n: int) -> list[torch.Tensor]:
+        """``n`` blocks shaped like one block of each layer, in memory the daemon can map
+        (shared memory for CPU tensors, the same GPU for GPU tensors)."""
+        if self.direct:
+            return [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    for t in self.layers]
+        return [shared_empty((n, *t.shape[1:]), t.dtype) for t in self.layers]
+
     def _make_staging(self) -> None:
-        """Slots shaped like one block of each layer, in memory the daemon can map (shared
-        memory for CPU tensors, the same GPU for GPU tensors)."""
         n = self._staging_blocks
         if n <= 0:
             raise BadRequest("staging_blocks must be positive for CPU KV tensors")
-        if self.direct:
-            tensors = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                       for t in self.layers]
-        else:
-            tensors = [shared_empty((n, *t.shape[1:]), t.dtype) for t in self.layers]
+        tensors = self._blocks_like_layers(n)
         self._staging = tensors
         self._staging_region = self.client.register("kv-staging", tensors)
         self._wide_pairs = [_wide_pair(t, st) for t, st in zip(self.layers, tensors,
@@ -337,8 +389,8 @@ class KvMover:
         group.final = group.final or order.final
         if order.key in self._sends:
             self.stats.send_failures += 1
-            log.error("kvd send %s: key %r is already being sent: not sending",
-                      order.req_id, order.key)
+            self.log.error("kvd send %s: key %r is already being sent: not sending",
+                           order.req_id, order.key)
             if group.final and not group.open:
                 del self._send_groups[order.req_id]
                 self._done.released.add(order.req_id)
@@ -347,8 +399,8 @@ class KvMover:
         send = self._sends[order.key] = _Send(order, time.monotonic() + order.lease_s)
         if not self._valid(order.block_ids):
             self.stats.send_failures += 1
-            log.error("kvd send %s: block ids %s outside 0..%d: not sending", order.req_id,
-                      order.block_ids, self.num_blocks - 1)
+            self.log.error("kvd send %s: block ids %s outside 0..%d: not sending",
+                           order.req_id, order.block_ids, self.num_blocks - 1)
             self._end_send(send)
             return
         self._advance_send(send)
@@ -364,10 +416,10 @@ class KvMover:
         if (order.key in self._loads
                 or len(order.block_ids) != order.remote_blocks - order.first
                 or order.first < 0 or not self._valid(order.block_ids)):
-            log.error("kvd load %s of %r: blocks %s for %d remote blocks from %d, or the key "
-                      "is loading already: not loading", order.req_id, order.key,
-                      order.block_ids, order.remote_blocks, order.first)
-            self._load_ended(load, ok=False)
+            self.log.error("kvd load %s of %r: blocks %s for %d remote blocks from %d, or the "
+                           "key is loading already: not loading", order.req_id, order.key,
+                           order.block_ids, order.remote_blocks, order.first)
+            self._load_ended(load, ok=False, cause=f"bad load order for key {order.key!r}")
             return
         self._loads[order.key] = load
         self._advance_load(load)
@@ -379,6 +431,8 @@ class KvMover:
             self._advance_send(send)
         for load in list(self._loads.values()):
             self._advance_load(load)
+        for discard in list(self._discards.values()):
+            self._advance_discard(discard)
         done, self._done = self._done, Polled()
         return done
 
@@ -395,13 +449,13 @@ class KvMover:
                 self.stats.bytes_sent += nbytes
                 if nbytes == 0 and order.push_to is None:
                     self.stats.sends_unread += 1
-                    log.warning("kvd send %s: key %s was not pulled within its %gs lease",
-                                order.req_id, order.key, order.lease_s)
+                    self.log.warning("kvd send %s: key %s was not pulled within its %gs "
+                                     "lease", order.req_id, order.key, order.lease_s)
                 self._end_send(send)
         except KvdError as err:
             self._note(err)
             self.stats.send_failures += 1
-            log.error("kvd send %s (key %s) failed: %s", order.req_id, order.key, err)
+            self.log.error("kvd send %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_send(send)
 
     def _start_send(self, send: _Send) -> None:
@@ -476,14 +530,15 @@ class KvMover:
             self._load_ended(load, ok=True)
         except KvdError as err:
             self._note(err)
-            log.error("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
+            # The request's failure, with its first cause, is the caller's to log (poll).
+            self.log.warning("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
-            self._load_ended(load, ok=False)
+            self._load_ended(load, ok=False, cause=f"key {order.key!r}: {err}")
 
-    def _load_ended(self, load: _Load, ok: bool) -> None:
+    def _load_ended(self, load: _Load, ok: bool, cause: str = "") -> None:
         """Count a part; once every part of the request has ended (none can write into
         its blocks any more), report the request loaded, or failed with the blocks of
-        the parts that failed."""
+        the parts that failed and the first part's cause."""
         order = load.order
         group = self._load_groups.get(order.req_id)
         if group is None:
@@ -492,12 +547,14 @@ class KvMover:
         if not ok:
             group.failed = True
             group.failed_blocks.extend(order.block_ids)
+            group.cause = group.cause or cause
         if group.ended < group.expected:
             return
         del self._load_groups[order.req_id]
         if group.failed:
             self.stats.load_failures += 1
             self._done.failed[order.req_id] = group.failed_blocks
+            self._done.causes[order.req_id] = group.cause
         else:
             self.stats.loads += 1
             self.stats.load_seconds += time.monotonic() - group.started
@@ -531,20 +588,87 @@ class KvMover:
             self._slots.give(load.slots)
             load.slots = None
 
+    # ------------------------------------------------------------ discards
+
+    def discard(self, order: DiscardOrder) -> None:
+        """Start taking a key this engine does not need (never raises: a bad order is
+        logged and dropped)."""
+        if (order.key in self._discards or order.key in self._loads
+                or not 0 < order.num_blocks <= self.num_blocks):
+            self.log.error("kvd discard of %r (%d blocks): a key already being loaded or "
+                           "discarded, or more blocks than the engine has: not taking it",
+                           order.key, order.num_blocks)
+            return
+        discard = self._discards[order.key] = _Discard(order,
+                                                       time.monotonic() + order.timeout_s)
+        self._advance_discard(discard)
+
+    def _advance_discard(self, discard: _Discard) -> None:
+        order = discard.order
+        try:
+            if discard.transfer is None:
+                left = discard.deadline - time.monotonic()
+                if left <= 0:
+                    raise KvdError(f"not started within {order.timeout_s:g}s")
+                sink = discard.sink = self._sink_for(order.num_blocks)
+                sink.users += 1
+                discard.transfer = self.client.start_get(
+                    order.key, sink.region, range(order.num_blocks), timeout_s=left)
+                return
+            if not discard.transfer.done():
+                return
+            discard.transfer.wait(0)
+            self.stats.parts_dropped += 1
+        except KvdError as err:
+            self._note(err)
+            # Not taken (prefill never sent it, or not in time): if it comes after all, it
+            # stays in the daemon's pool until its lease ends, like any unclaimed put.
+            self.log.info("kvd: part %s, cached here, was not taken: %s", order.key, err)
+        self._end_discard(discard)
+
+    def _sink_for(self, num_blocks: int) -> _Sink:
+        """The sink, made (again, larger) when it has fewer blocks than asked; a smaller
+        one goes once no discard writes into it."""
+        sink = self._sink
+        if sink is None or sink.num_blocks < num_blocks:
+            if sink is not None and sink.users == 0:
+                self._unregister_sink(sink)
+            self._sink = None
+            # Named by size: a smaller one may still be registered, taking a discard.
+            region = self.client.register(f"kv-discard-{num_blocks}",
+                                          self._blocks_like_layers(num_blocks))
+            sink = self._sink = _Sink(region, num_blocks)
+        return sink
+
+    def _unregister_sink(self, sink: _Sink) -> None:
+        with contextlib.suppress(KvdError):  # a daemon that went away dropped it already
+            self.client.unregister(sink.region)
+
+    def _end_discard(self, discard: _Discard) -> None:
+        self._discards.pop(discard.order.key, None)
+        sink, discard.sink = discard.sink, None
+        if sink is not None:
+            sink.users -= 1
+            if sink is not self._sink and sink.users == 0 and self.connected:
+                self._unregister_sink(sink)
+
     # ------------------------------------------------------------ shutdown
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Withdraw what is in flight (bounded), then close the client: the daemon drops
         this client's registrations."""
-        items: list[_Send | _Load] = [*self._sends.values(), *self._loads.values()]
+        items: list[_Send | _Load | _Discard] = [
+            *self._sends.values(), *self._loads.values(), *self._discards.values()]
         for item in items:
             if item.transfer is not None and not item.transfer.done():
                 try:
                     item.transfer.cancel(timeout_s)
                 except KvdError as err:
-                    log.warning("kvd: cancelling %s at shutdown: %s", item.order.req_id, err)
+                    self.log.warning("kvd: cancelling key %s at shutdown: %s",
+                                     item.order.key, err)
         self._sends.clear()
         self._loads.clear()
+        self._discards.clear()
         self._send_groups.clear()
         self._load_groups.clear()
         self.client.close()

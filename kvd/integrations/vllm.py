@@ -28,11 +28,16 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
   ``{"do_remote_prefill": true, "kvd_flow": "push", "kvd_key": <the same key>}``, so that
   decode is already waiting when the blocks come. Decode claims the prompt's tokens that it
   has not cached as an asynchronous load, pulls (or takes the pushed) blocks into its own,
-  and reports the request done. A load that fails or times out is reported as invalid
-  blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or fail the request).
+  and reports the request done. Pushed parts that it has cached itself (or all of them,
+  when it computes the prompt itself) it takes and drops, so that none waits in its
+  daemon's pool. A load that fails or times out is logged at ERROR with its cause and
+  reported as invalid blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or
+  fail the request).
 
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
-The data path is ``kvd.integrations.kv_mover``, which knows nothing about vLLM.
+Inside vLLM it logs under vLLM's own ``vllm`` logger, so that its lines come out in
+vLLM's log. The data path is ``kvd.integrations.kv_mover``, which knows nothing about
+vLLM.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import (
+    DiscardOrder,
     KvMover,
     LoadOrder,
     MoverStats,
@@ -69,6 +75,10 @@ try:
     from vllm.v1.request import RequestStatus
 
     _VLLM_ERROR: ImportError | None = None
+    # vLLM configures one logger, "vllm" (its handler, format and level; propagation stops
+    # there): a logger outside that tree reaches no handler in a vLLM process, so INFO
+    # lines vanish and the rest go bare to stderr. The connector and its mover log here.
+    log = logging.getLogger(f"vllm.{__name__}")
 except ImportError as exc:  # kvd never depends on vLLM: only using the classes needs it
     _VLLM_ERROR = exc
 
@@ -76,6 +86,10 @@ if TYPE_CHECKING:
     import torch
 
 FLOWS = ("pull", "push")
+_POLICY_OUTCOME = {  # what vLLM does with a failed load, per kv_load_failure_policy
+    "fail": "kv_load_failure_policy=fail: vLLM ends the request with an error",
+    "recompute": "kv_load_failure_policy=recompute: what did not load is computed here",
+}
 _NAMES = ("KvdConnector", "KvdConnectorMetadata", "KvdConnectorStats", "KvdPromMetrics")
 
 
@@ -205,6 +219,7 @@ if _VLLM_ERROR is None:
 
         sends: list[SendOrder] = field(default_factory=list)
         loads: list[LoadOrder] = field(default_factory=list)
+        discards: list[DiscardOrder] = field(default_factory=list)
 
     @dataclass
     class KvdConnectorStats(KVConnectorStats):
@@ -244,6 +259,7 @@ if _VLLM_ERROR is None:
             "load_failures": "KV loads through kvd that failed (reported as invalid blocks)",
             "load_seconds": "Seconds spent in completed KV loads through kvd",
             "pull_retries": "KV pulls through kvd that found no key yet and went again",
+            "parts_dropped": "Pushed KV parts this engine had cached: taken from kvd, dropped",
         }
 
         def __init__(self, vllm_config: Any, metric_types: dict[type, type],
@@ -272,12 +288,14 @@ if _VLLM_ERROR is None:
             self.settings = Settings.parse(transfer.kv_connector_extra_config)
             self.engine_id = transfer.engine_id or secrets.token_hex(8)
             self.is_producer = bool(transfer.is_kv_producer)
+            self.failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
             self.block_size = vllm_config.cache_config.block_size
             self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
                                else vllm_config.cache_config.num_gpu_blocks)
             # scheduler side
             self._sends: list[SendOrder] = []
             self._loads: list[LoadOrder] = []
+            self._discards: list[DiscardOrder] = []
             self._pushing: dict[str, _Pushing] = {}
             self.address = self.settings.kvd_address or ""
             # worker side
@@ -324,27 +342,50 @@ if _VLLM_ERROR is None:
                                      num_external_tokens: int) -> None:
             if self.is_producer and self.settings.flow == "push":
                 self._track_push(request)
-            if num_external_tokens <= 0:
-                return
-            remote = _remote_prefill(request)
+            try:
+                remote = RemotePrefill.of(request.kv_transfer_params)
+            except BadRequest:
+                return  # get_num_new_matched_tokens said why; decode computes the prompt
             if remote is None:
                 return
             request.kv_transfer_params["do_remote_prefill"] = False  # load it once only
-            ids = blocks.get_block_ids()[0]
             n = blocks_for(len(request.prompt_token_ids), self.block_size)
+            parts = self._parts(remote, n)
+            if num_external_tokens <= 0:  # decode computes the prompt itself
+                self._drop_pushed(remote, parts)
+                return
+            ids = blocks.get_block_ids()[0]
             first = n - blocks_for(num_external_tokens, self.block_size)
+            # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
+            self._drop_pushed(remote, [p for p in parts if p[2] <= first])
+            wanted = [p for p in parts if p[2] > first]
+            for key, lo, hi in wanted:
+                self._loads.append(LoadOrder(
+                    req_id=request.request_id, key=key, source=remote.source,
+                    remote_blocks=hi - lo, first=max(first - lo, 0),
+                    block_ids=list(ids[max(lo, first):hi]),
+                    timeout_s=self.settings.load_timeout_s, parts=len(wanted)))
+
+        def _parts(self, remote: RemotePrefill, n: int) -> list[tuple[str, int, int]]:
+            """The keys a request's ``n`` blocks come under, with the blocks each holds."""
             ranges = [(0, n)]
             if remote.source is None:  # pushed: in the parts prefill sends them in
                 part_blocks = (self.settings.push_part_blocks if remote.push_parts is None
                                else remote.push_parts)
                 ranges = part_ranges(n, part_blocks)
-            wanted = [(j, lo, hi) for j, (lo, hi) in enumerate(ranges) if hi > first]
-            for j, lo, hi in wanted:
-                self._loads.append(LoadOrder(
-                    req_id=request.request_id, key=part_key(remote.key, j, len(ranges)),
-                    source=remote.source, remote_blocks=hi - lo, first=max(first - lo, 0),
-                    block_ids=list(ids[max(lo, first):hi]),
-                    timeout_s=self.settings.load_timeout_s, parts=len(wanted)))
+            return [(part_key(remote.key, j, len(ranges)), lo, hi)
+                    for j, (lo, hi) in enumerate(ranges)]
+
+        def _drop_pushed(self, remote: RemotePrefill, parts: list[tuple[str, int, int]],
+                         ) -> None:
+            """Parts that decode will not load. Pushed ones are taken and dropped by the
+            worker, whether they came before this or come later: left alone, each would
+            hold the daemon's pool until prefill's lease ends. (A pull-flow key stays at
+            prefill, whose lease ends it.)"""
+            if remote.source is not None:
+                return
+            for key, lo, hi in parts:
+                self._discards.append(DiscardOrder(key, hi - lo, self.settings.load_timeout_s))
 
         def _track_push(self, request: Any) -> None:
             """Prefill, push flow: remember the request so that its parts can go as soon
@@ -393,13 +434,15 @@ if _VLLM_ERROR is None:
         def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
             if self._pushing:
                 self._send_written_parts()
-            meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads)
-            self._sends, self._loads = [], []
+            meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads,
+                                        discards=self._discards)
+            self._sends, self._loads, self._discards = [], [], []
             return meta
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
             pushing = self._pushing.pop(request.request_id, None)
+            self._drop_unloaded(request)
             params = request.kv_transfer_params
             if not (self.is_producer and isinstance(params, dict)
                     and params.get("do_remote_decode")):
@@ -443,6 +486,26 @@ if _VLLM_ERROR is None:
                 "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
             }
 
+        def _drop_unloaded(self, request: Any) -> None:
+            """A request that ends before decode ordered its load (aborted while it waited
+            to be scheduled) wants none of the parts pushed for it."""
+            try:
+                remote = RemotePrefill.of(request.kv_transfer_params)
+            except BadRequest:
+                return
+            if remote is not None:
+                request.kv_transfer_params["do_remote_prefill"] = False
+                n = blocks_for(len(request.prompt_token_ids), self.block_size)
+                self._drop_pushed(remote, self._parts(remote, n))
+
+        @classmethod
+        def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+            """No: vLLM (0.33 on) then refuses ``enable_sleep_mode`` with this connector at
+            start. The daemon maps GPU KV in place (CUDA IPC), and sleep frees or remaps
+            that memory under the mapping; registering again after wake-up, as after a
+            daemon restart, has not been run where sleep mode runs (CUDA, ROCm)."""
+            return False
+
         # ------------------------------------------------------------ worker side
 
         def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -456,7 +519,7 @@ if _VLLM_ERROR is None:
             layers = list(kv_caches.values())
             self._mover = KvMover(self._client, layers, self.num_blocks,
                                   self.settings.staging_blocks,
-                                  name=f"vllm-{self.engine_id}")
+                                  name=f"vllm-{self.engine_id}", logger=log)
             log.info("kvd: registered %d KV tensors (%d blocks, %s, %s)", len(layers),
                      self.num_blocks, layers[0].device,
                      "in place" if self._mover.direct else
@@ -473,6 +536,8 @@ if _VLLM_ERROR is None:
                 self._mover.send(replace(order, key=order.key + self._key_suffix))
             for load in meta.loads:
                 self._mover.load(replace(load, key=load.key + self._key_suffix))
+            for discard in meta.discards:
+                self._mover.discard(replace(discard, key=discard.key + self._key_suffix))
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             return  # loads are asynchronous: the scheduler runs a request once it is in
@@ -489,8 +554,13 @@ if _VLLM_ERROR is None:
             if self._mover is None:
                 return None, None
             polled = self._mover.poll()
-            for blocks in polled.failed.values():
+            for req_id, blocks in polled.failed.items():
                 self._load_errors.update(blocks)
+                # With policy "fail" the client sees only an error: the cause is here.
+                log.error("kvd: request %s: its KV did not load (%s); %s", req_id,
+                          polled.causes.get(req_id, "cause unknown"),
+                          _POLICY_OUTCOME.get(self.failure_policy,
+                                              f"kv_load_failure_policy={self.failure_policy}"))
             # A failed load is finished too: its blocks are reported invalid.
             recving = polled.loaded | set(polled.failed)
             return polled.released or None, recving or None

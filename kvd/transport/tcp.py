@@ -141,10 +141,16 @@ class Channel:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.error("channel %s worker did not stop within %.1fs", self.name, timeout_s)
+        else:
+            self.on_broken = None  # (a closure over the link: let the link go now)
+            self._release()
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+    def _release(self) -> None:
+        """Drop the worker's buffers (it has stopped)."""
 
     def _wait_socket(self) -> socket.socket:
         if not self._attached.wait(self.io_timeout_s):
@@ -262,8 +268,10 @@ class RecvChannel(Channel):
         self._current: RecvJob | None = None  # the transfer whose chunks are arriving
         self._writing = False  # bytes are going into the current job's views right now
         self._stopping = False
+        # Where discarded bytes are read to: made on first use (most links never discard),
+        # dropped when the channel closes.
+        self._scratch: memoryview | None = None
         super().__init__(name, chunk_bytes, io_timeout_s, on_broken)
-        self._scratch = memoryview(bytearray(max(chunk_bytes, _SCRATCH_BYTES)))
 
     def expect(self, job: RecvJob) -> concurrent.futures.Future[int]:
         """Register a job before telling the sender to go."""
@@ -431,10 +439,17 @@ class RecvChannel(Channel):
         if abandoned:
             _settle(job.future, error=Cancelled(f"transfer {job.transfer_id} cancelled"))
 
+    def _release(self) -> None:
+        self._scratch = None
+
     def _discard(self, sock: socket.socket, nbytes: int) -> None:
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = memoryview(
+                bytearray(max(self.chunk_bytes, _SCRATCH_BYTES)))
         while nbytes:
-            n = min(nbytes, len(self._scratch))
-            self._recv_exactly(sock, [self._scratch[:n]])
+            n = min(nbytes, len(scratch))
+            self._recv_exactly(sock, [scratch[:n]])
             nbytes -= n
 
     def _recv_exactly(self, sock: socket.socket, views: Sequence[memoryview],

@@ -1,0 +1,274 @@
+"""The peer plane against hostile or unlucky input: a flood of connections while descriptors
+run out, links that come and go, TLS connections that say nothing, a hello that claims a
+linked peer's address. `kvd serve` subprocesses on loopback; what is checked is what a
+peer or an operator sees: connections answered or closed, bytes that arrive, the log,
+the daemon's memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvd import shared_empty, shared_zeros
+from kvd.daemon.auth import load_tls
+from kvd.daemon.peers import MAX_UNLINKED_CONNECTIONS
+from kvd.errors import PeerUnreachable
+from kvd.protocol import PROTOCOL_VERSION, PeerError, PeerWelcome
+from tests.conftest import make_config, wait_until
+from tests.test_peers import BLOCK, Node, RawPeer, random_region, tls_setup
+
+MiB = 2**20
+
+
+@pytest.fixture
+def make_node(sock_dir: str) -> Iterator[Callable[..., Node]]:
+    """``make_node(name, *flags)``: a `kvd serve` with a client; all stopped at the end."""
+    started: list[Node] = []
+
+    def make(name: str, *extra: str) -> Node:
+        started.append(Node(sock_dir, name, *extra))
+        return started[-1]
+
+    yield make
+    for node in started:
+        code = node.stop()
+        assert code in (0, -9), f"{node.dir}: exit code {code}\n{node.proc.log()}"
+
+
+def hello(address: str, node_id: str, epoch: int) -> dict[str, object]:
+    return {"op": "peer_hello", "protocol_version": PROTOCOL_VERSION, "node_id": node_id,
+            "epoch": epoch, "address": address, "data_port": 1,
+            "data_token": os.urandom(32), "devices": ["cpu"]}
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/PID/status (VmRSS: kB)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def burst(target: tuple[str, int] | str, n: int) -> list[socket.socket]:
+    """``n`` connections begun at once, without waiting for any (past the listener's
+    backlog they stay half-open, or are refused: either way the daemon is busy)."""
+    family = socket.AF_UNIX if isinstance(target, str) else socket.AF_INET
+    socks = []
+    for _ in range(n):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionRefusedError):
+            s.connect(target)
+        socks.append(s)
+    return socks
+
+
+def transfer_checked(src: Node, dst: Node, key: str, seed: int, deadline_s: float) -> None:
+    """A put from ``src`` to ``dst`` (retried while the link cannot be made, until
+    ``deadline_s`` on the monotonic clock), then the bytes as ``dst`` has them."""
+    data = random_region(2, seed)
+    region = src.client.register(key, [data])
+    while True:
+        try:
+            src.client.put(key, region, [0, 1], to=dst.address, timeout_s=5).wait(10)
+            break
+        except PeerUnreachable:
+            assert time.monotonic() < deadline_s, f"{src.dir} never linked to {dst.dir}"
+            time.sleep(0.2)
+    got = shared_zeros((2, BLOCK), torch.uint8)
+    dst.client.get(key, dst.client.register(f"{key}-dst", [got]), [0, 1], timeout_s=5)
+    assert torch.equal(got, data)
+
+
+def test_accept_loops_survive_running_out_of_descriptors(
+        make_node: Callable[..., Node]) -> None:
+    """A burst of connections to the peer port, the data port and the local socket while
+    the daemon is out of descriptors: each listener says so in the log and keeps
+    accepting; once the burst is gone a new peer links, both ways, and moves bytes."""
+    a = make_node("a", "--peer-connect-timeout-s", "1")
+    b = make_node("b")
+    host, port = a.address.rsplit(":", 1)
+    data_port = a.client.stats()["peer"]["data_port"]
+    pid = a.proc.proc.pid
+    # Room for a link and a registration once the burst is gone, but not for the burst
+    # (below MAX_UNLINKED_CONNECTIONS too: the descriptors run out first).
+    limit = open_fds(pid) + 24
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
+    flood = [*burst((host, int(port)), 300), *burst((host, data_port), 300),
+             *burst(a.proc.socket_path, 300)]
+    try:
+        # The last descriptor the limit allows is taken (they are given lowest first).
+        wait_until(lambda: max(map(int, os.listdir(f"/proc/{pid}/fd"))) == limit - 1,
+                   timeout_s=10)
+        time.sleep(0.5)  # each listener has connections waiting: it tries, and fails
+    finally:
+        for s in flood:
+            s.close()
+    deadline = time.monotonic() + 20
+    transfer_checked(b, a, "b-to-a", 1, deadline)  # b dials a: a's accept loops
+    transfer_checked(a, b, "a-to-b", 2, deadline)
+    assert a.client.ping() > 0
+    log = a.proc.log()
+    for listener in ("peer_port", "data_port", "socket_path"):
+        assert (f"{listener}: accept failed: [Errno 24] Too many open files "
+                f"(open file limit {limit}: raise LimitNOFILE)") in log, listener
+
+
+def test_connections_waiting_to_link_are_bounded(make_node: Callable[..., Node]) -> None:
+    """Silent connections to the peer port: past MAX_UNLINKED_CONNECTIONS the next ones
+    are closed at once, counted and logged; the daemon holds no more than that, and once
+    they are gone a peer links again."""
+    a = make_node("a", "--peer-connect-timeout-s", "3")
+    host, port = a.address.rsplit(":", 1)
+    pid = a.proc.proc.pid
+    before = open_fds(pid)
+    extra = 40
+    flood = [socket.create_connection((host, int(port)), timeout=5)
+             for _ in range(MAX_UNLINKED_CONNECTIONS + extra)]
+    try:
+        bad = wait_until(lambda: (s := a.client.stats()["peer"]["bad_messages"]).get(
+            "unlinked_limit", 0) >= extra and s, timeout_s=5)
+        assert bad["unlinked_limit"] == extra, bad
+        assert open_fds(pid) - before <= MAX_UNLINKED_CONNECTIONS + 4
+        closed = 0
+        for s in flood[-extra:]:  # the last ones in are the ones closed
+            s.settimeout(2)
+            with contextlib.suppress(ConnectionResetError):
+                closed += s.recv(1) == b""
+        assert closed == extra
+        assert "connections are waiting to link already (the most)" in a.proc.log()
+    finally:
+        for s in flood:
+            s.close()
+    wait_until(lambda: open_fds(pid) <= before, timeout_s=5)
+    peer = RawPeer(a.address)
+    try:
+        assert isinstance(peer.ask(hello("127.0.0.1:1", "late", 1)), PeerWelcome)
+    finally:
+        peer.close()
+
+
+def test_link_churn_gives_its_memory_back(make_node: Callable[..., Node]) -> None:
+    """Fake peers that say hello and leave: each link's state goes with it (its receive
+    channel's thread, and its buffers: once about 4 MiB a link, kept)."""
+    a = make_node("a", "--peer-grace-s", "60")
+    pid = a.proc.proc.pid
+
+    def churn(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            peer = RawPeer(a.address)
+            try:
+                reply = peer.ask(hello(f"127.0.0.1:{20000 + i}", f"churn{i}", i + 1))
+                assert isinstance(reply, PeerWelcome)
+            finally:
+                peer.close()
+        wait_until(lambda: a.client.stats()["peer"]["links"] == [], timeout_s=10)
+
+    churn(0, 5)  # what the first links allocate once (a thread arena, say)
+    time.sleep(0.5)  # (their channels are closed off the loop)
+    rss_kb = proc_status(pid, "VmRSS")
+    links = 60
+    churn(5, links)
+
+    def grown_mib() -> float:
+        return (proc_status(pid, "VmRSS") - rss_kb) / 1024
+
+    try:  # (their channels are closed off the loop: give it a moment)
+        wait_until(lambda: grown_mib() < 32, timeout_s=10)
+    except AssertionError:
+        raise AssertionError(f"RSS grew {grown_mib():.0f} MiB over {links} links") from None
+    assert a.client.stats()["peer"]["bad_messages"] == {}
+
+
+def test_a_silent_tls_connection_is_closed(make_node: Callable[..., Node],
+                                           sock_dir: str) -> None:
+    """Under TLS, a connection that passes the TLS handshake and never says hello is
+    closed after peer_connect_timeout_s, as without TLS."""
+    _, args = tls_setup(sock_dir, {"a": ["x"], "x": ["a"]})
+    a = make_node("a", *args["a"], "--peer-connect-timeout-s", "1")
+    flags = dict(zip(args["x"][::2], args["x"][1::2], strict=True))
+    tls = load_tls(make_config(sock_dir, tls_cert_file=flags["--tls-cert-file"],
+                               tls_key_file=flags["--tls-key-file"],
+                               tls_allowed_certs_file=flags["--tls-allowed-certs-file"]))
+    assert tls is not None
+    host, port = a.address.rsplit(":", 1)
+    with tls.client.wrap_socket(socket.create_connection((host, int(port)), timeout=5),
+                                server_hostname=host) as conn:
+        conn.settimeout(8)
+        t0 = time.monotonic()
+        try:
+            with contextlib.suppress(ssl.SSLEOFError, ConnectionResetError):
+                assert conn.recv(1) == b""
+        except TimeoutError:
+            pytest.fail("the daemon kept a silent TLS connection open for 8 s")
+        assert time.monotonic() - t0 < 4.5
+    bad = a.client.stats()["peer"]["bad_messages"]
+    assert bad.get("no_hello") == 1, bad
+    assert "Traceback" not in a.proc.log()
+
+
+def test_a_hello_taking_over_a_live_link_is_refused(make_node: Callable[..., Node]) -> None:
+    """A second hello claiming a linked peer's address with a new epoch, while that
+    link's connection lives, is refused: the transfer in flight on the link completes
+    byte-exact. A peer that really restarted (its old connection gone) is taken."""
+    a = make_node("a", "--pool-size-bytes", "512MiB")
+    b = make_node("b", "--pool-size-bytes", "512MiB")
+    transfer_checked(a, b, "first", 3, time.monotonic() + 10)
+    (link,) = b.client.stats()["peer"]["links"]
+    assert link["address"] == a.address
+    big = shared_empty((2, 128 * MiB), torch.uint8)
+    big.view(torch.int64).copy_(torch.arange(big.numel() // 8).view(2, -1))
+    region = a.client.register("big", [big])
+    thief = RawPeer(b.address)  # connected already: its hello lands at once
+    try:
+        transfer = a.client.put("big", region, [0, 1], to=b.address, timeout_s=60)
+        wait_until(lambda: b.client.stats()["transfers"]["in_flight_in"] == 1,
+                   interval_s=0.002)
+        reply = thief.ask(hello(a.address, link["node_id"], link["epoch"] + 1))
+        transfer.wait(30)
+        assert isinstance(reply, PeerError), reply
+        assert reply.code == "peer_unreachable" and "linked already" in reply.message
+    finally:
+        thief.close()
+    got = shared_zeros((2, 128 * MiB), torch.uint8)
+    b.client.get("big", b.client.register("got", [got]), [0, 1], timeout_s=10)
+    assert torch.equal(got, big)
+    stats = b.client.stats()["peer"]
+    assert [(x["address"], x["epoch"]) for x in stats["links"]] == [
+        (a.address, link["epoch"])]
+    assert stats["bad_messages"].get("takeover") == 1, stats["bad_messages"]
+
+    # A restart: the new hello is refused while the old connection lives, and taken
+    # once it has closed (a process that dies closes its connections).
+    old = RawPeer(b.address)
+    try:
+        assert isinstance(old.ask(hello("127.0.0.1:1", "r", 1)), PeerWelcome)
+        early = RawPeer(b.address)
+        try:
+            assert isinstance(early.ask(hello("127.0.0.1:1", "r", 2)), PeerError)
+        finally:
+            early.close()
+    finally:
+        old.close()
+    wait_until(lambda: all(x["address"] != "127.0.0.1:1"
+                           for x in b.client.stats()["peer"]["links"]), timeout_s=5)
+    new = RawPeer(b.address)
+    try:
+        assert isinstance(new.ask(hello("127.0.0.1:1", "r", 2)), PeerWelcome)
+        epochs = {x["address"]: x["epoch"] for x in b.client.stats()["peer"]["links"]}
+        assert epochs == {a.address: link["epoch"], "127.0.0.1:1": 2}
+    finally:
+        new.close()
