@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from kvd.client import KvdClient, shared_zeros
-from kvd.errors import DaemonUnavailable
+from kvd.errors import DaemonUnavailable, KvdError
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], socket_path: str, timeout_s: float) -> None:
@@ -26,10 +26,10 @@ def _wait_ready(proc: subprocess.Popen[bytes], socket_path: str, timeout_s: floa
             raise DaemonUnavailable(f"daemon exited with code {proc.returncode} at startup")
         if os.path.exists(socket_path):
             try:
-                with KvdClient(socket_path, timeout_s=1.0) as c:
+                with KvdClient(socket_path, timeout_s=5.0) as c:
                     c.ping()
                 return
-            except DaemonUnavailable:
+            except KvdError:  # not listening yet, or too busy to answer in time
                 pass
         time.sleep(0.05)
     raise DaemonUnavailable(f"daemon did not come up on {socket_path} in {timeout_s:g}s")
@@ -50,7 +50,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"starting daemon: {' '.join(cmd[2:])}")
         daemon = subprocess.Popen(cmd)
         try:
-            _wait_ready(daemon, sock, 30.0)
+            _wait_ready(daemon, sock, 90.0)  # a loaded machine imports torch slowly
             with KvdClient(sock, name="prefill") as prefill, \
                     KvdClient(sock, name="decode") as decode:
                 src = [shared_zeros(shape, torch.float16) for _ in range(layers)]

@@ -31,10 +31,8 @@ from kvd.framing import HEADER, FrameReader, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
-    Heartbeat,
     Offer,
     PeerError,
-    PeerMessage,
     PeerWelcome,
     Pong,
     PullRequest,
@@ -42,10 +40,10 @@ from kvd.protocol import (
     Reply,
     Welcome,
     XferCancel,
-    decode_peer,
     decode_reply,
 )
 from tests.conftest import ProcessDaemon, wait_until
+from tests.test_peers import RawPeer
 
 pack = msgspec.msgpack.encode
 MiB = 1 << 20
@@ -104,18 +102,15 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-class RawPeer:
+class FakeDaemon(RawPeer):
     """A fake daemon on the peer port: says what it likes. It listens on a data port of its
     own (the daemon dials it), and holds what is dialled there unread."""
 
     def __init__(self, address: str) -> None:
-        host, port = address.rsplit(":", 1)
         self.data = socket.create_server(("127.0.0.1", 0))
         self.data_port = self.data.getsockname()[1]
         self.address = f"127.0.0.1:{self.data_port}"  # what it calls itself
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.frames = FrameReader(1 << 20)
-        self.pending: list[bytes] = []
+        super().__init__(address)
 
     def hello(self, node_id: str) -> None:
         reply = self.ask({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
@@ -124,27 +119,8 @@ class RawPeer:
                           "devices": ["cpu"]})
         assert isinstance(reply, PeerWelcome), reply
 
-    def send(self, obj: object) -> None:
-        self.sock.sendall(frame(obj if isinstance(obj, bytes) else pack(obj)))
-
-    def recv(self) -> PeerMessage:
-        """The next message that is not a heartbeat."""
-        while True:
-            while not self.pending:
-                data = self.sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionError("the daemon closed the connection")
-                self.pending += [p for p in self.frames.feed(data) if isinstance(p, bytes)]
-            msg = decode_peer(self.pending.pop(0))
-            if not isinstance(msg, Heartbeat):
-                return msg
-
-    def ask(self, obj: object) -> PeerMessage:
-        self.send(obj)
-        return self.recv()
-
     def close(self) -> None:
-        self.sock.close()
+        super().close()
         self.data.close()
 
 
@@ -257,7 +233,7 @@ def test_a_pull_whose_offer_the_puller_refuses_fails_at_once(
     """The owner (here a fake one) answers a pull with an offer the puller cannot take:
     the puller refuses it, and its pull fails then, with the reason, not at its timeout."""
     b = daemons("b", "--peer-grace-s", "60")
-    owner = RawPeer(b.address)
+    owner = FakeDaemon(b.address)
     try:
         owner.hello("owner")
         dst = shared_zeros((4, BLOCK), torch.uint8)
@@ -300,7 +276,7 @@ def test_a_reused_transfer_id_is_refused_and_a_lost_link_frees_its_state(
     region = random_region(1, 4)
     a.client.offload("off", a.client.register("kv", [region]), [0])
     assert a.stats()["pool"]["used_bytes"] == BLOCK
-    peer = RawPeer(a.address)
+    peer = FakeDaemon(a.address)
     try:
         peer.hello("reuser")
         tid = 77
@@ -368,7 +344,7 @@ def test_unfinished_messages_are_bounded_for_all_connections_together(
         conns.append(filler)
         filler.sock.sendall(HEADER.pack(32 * MiB) + chunk * 23 + chunk[: MiB // 2])
         wait_until(lambda: a.stats()["frame_budget"]["held_bytes"] >= 63 * MiB + MiB // 2)
-        peer = RawPeer(a.address)
+        peer = FakeDaemon(a.address)
         try:
             with pytest.raises(ConnectionError):  # (not a timeout: that is an OSError too)
                 peer.send(HEADER.pack(MiB) + chunk[:-8])  # no frame(): a partial one
@@ -415,7 +391,7 @@ def test_deep_nesting_is_refused_on_both_sockets(daemons: Callable[..., Node]) -
         local.close()
     assert a.stats()["bad_messages"]["malformed"] == 51
 
-    peer = RawPeer(a.address)
+    peer = FakeDaemon(a.address)
     try:
         for _ in range(50):  # before its hello, and after
             answer = peer.ask(deep_request(1, 100_000))
