@@ -1,20 +1,23 @@
 """``KvdClient``: the blocking twin of ``AsyncKvdClient``, same methods and results.
 
 Requests are built by the shared ``RequestBuilder``; this shell only sends and waits, on
-one blocking Unix socket (length-prefixed messages, ``kvd.framing``). A reply for another
-request that arrives while waiting (a ``Transfer`` still in flight) is kept until its owner
-asks. One lock makes a client safe to share between threads; for concurrency within a
-thread, use the async client. A daemon that goes away closes the connection: every wait
-then fails at once. A call that ends before its reply (its timeout, an exception such as
-``KeyboardInterrupt``), ``Transfer.cancel`` and ``close`` stop the request in the daemon
-and return once it says no more bytes move in the request's blocks; without that word in
-the client's timeout, the connection is dropped (``KvdClient._stop``).
+one blocking Unix socket (length-prefixed messages, ``kvd.framing``). A client is safe to
+share between threads, and any number of them can have calls in flight on it at once, each
+waiting only for its own reply: a lock held only while writing keeps messages whole, and
+one waiting thread at a time reads the socket, keeping each reply for its owner (a waiting
+thread, or a ``Transfer`` not yet asked) and waking the others (``KvdClient._wait_reply``).
+For concurrency within a thread, use the async client. A daemon that goes away closes the
+connection: every wait then fails at once. A call that ends before its reply (its timeout,
+an exception such as ``KeyboardInterrupt``), ``Transfer.cancel`` and ``close`` stop the
+request in the daemon and return once it says no more bytes move in the request's blocks;
+without that word in the client's timeout, the connection is dropped (``KvdClient._stop``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import socket
 import threading
@@ -35,7 +38,7 @@ from kvd.client.base import (
 from kvd.client.shm import hand_over
 from kvd.errors import DaemonUnavailable, KvdError
 from kvd.framing import FrameReader, frame
-from kvd.protocol import Done, Reply, encode
+from kvd.protocol import Bye, Done, Reply, encode
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Transfer:
         self.key: str = call.msg.key
 
     def done(self) -> bool:
+        """Whether it has ended; never waits (another thread's wait included)."""
         if not self._finished:
             reply = self._client._wait_reply(self.req_id, 0.0, poll_only=True)
             if reply is not None:
@@ -90,20 +94,39 @@ class Transfer:
 
 
 class KvdClient:
-    """Talk to the local daemon: ``with KvdClient() as c: c.ping()``."""
+    """Talk to the local daemon: ``with KvdClient() as c: c.ping()``.
+
+    Safe to share between threads: calls from several threads are in flight at once, each
+    waits only for its own reply (a blocking ``get`` in one thread holds up no other's
+    call)."""
 
     def __init__(self, socket_path: str | None = None, *, name: str = "",
                  timeout_s: float = 30.0) -> None:
         self._b = RequestBuilder(socket_path, name, timeout_s)
         self._sock: socket.socket | None = None
         self._poller: select.poll | None = None
-        self._frames = FrameReader(MAX_REPLY_BYTES)
+        self._frames = FrameReader(MAX_REPLY_BYTES)  # the reading thread's alone
+        # Held while one message is written (and while the socket is closed): two threads'
+        # bytes interleaved would put the stream out of step. Never held while waiting for
+        # a reply.
+        self._write_lock = threading.RLock()
+        # Guards the replies' side (stash, outstanding ids, who reads, _dead); threads
+        # whose reply has not come sleep on _replies while another reads.
+        self._replies_lock = threading.RLock()
+        self._replies = threading.Condition(self._replies_lock)
+        # Both are reentrant (a signal handler that closes the client may run while its
+        # thread holds one) and taken with ``with`` on the lock itself: the exception of a
+        # signal handler (KeyboardInterrupt) can strike in the Python code of
+        # Condition.__enter__ or between an acquire and a ``try``, leaving it held.
+        self._reading = False  # a thread is reading the socket (at most one)
+        self._sleepers = 0  # threads asleep on _replies (none: no one to wake)
+        self._others = 0  # threads other than the main one waiting for a reply
         self._dead: DaemonUnavailable | None = None
-        self._lock = threading.RLock()
         self._segments_lock = threading.Lock()
         self._stash: dict[int, Reply] = {}
         self._outstanding: set[int] = set()
-        self._closed = False
+        self._closed = False  # close began: only its Bye is sent from now on
+        self._shut = threading.Event()  # close ended
         self.node_id = ""
         self.epoch = 0
 
@@ -143,113 +166,238 @@ class KvdClient:
     def close(self) -> None:
         """Close the session. Its requests still in flight are stopped first: this
         returns once the daemon says no more bytes move in their blocks (or, past the
-        client's timeout without that word, with a warning)."""
-        with self._lock:
+        client's timeout without that word, with a warning). Calls of other threads then
+        end: those in flight with the daemon's answer (the Bye stops them first), later
+        ones with ``DaemonUnavailable``."""
+        with self._write_lock:
             if self._closed:
                 return
+            self._closed = True  # other threads send nothing after the Bye
+        try:
             if self._sock is not None and self.epoch and self._dead is None:
-                in_flight = bool(self._outstanding - set(self._stash))
+                with self._replies_lock:
+                    in_flight = bool(self._outstanding - set(self._stash))
                 try:
                     self._call(self._b.bye(in_flight))
                 except (KvdError, OSError) as exc:
                     if in_flight:
                         log.warning("closing with requests in flight: %s", exc)
-            self._closed = True
-            if self._sock is not None:
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Every wait fails from now on; the socket is closed once no thread polls it (a
+        descriptor closed under a poll does not wake it, and its number may be reused)."""
+        with self._replies_lock:
+            if self._dead is None:
+                self._dead = DaemonUnavailable("client closed")
+            self._wake()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reading thread
+            deadline = time.monotonic() + self._b.timeout_s
+            with self._replies_lock:
+                while self._reading and (left := deadline - time.monotonic()) > 0:
+                    self._sleep(left)
+            with self._write_lock:
                 self._sock.close()
+        self._shut.set()
 
     # ------------------------------------------------------------ I/O
 
+    def _sleep(self, timeout_s: float) -> None:
+        """Until woken (``_wake``) or ``timeout_s``. (Under ``_replies_lock``.)"""
+        self._sleepers += 1
+        try:
+            self._replies.wait(timeout_s)
+        finally:
+            self._sleepers -= 1
+
+    def _wake(self) -> None:
+        """Wake the threads asleep on ``_replies``, if any. (Under ``_replies_lock``.)"""
+        if self._sleepers:
+            self._replies.notify_all()
+
     def _write(self, data: bytes, timeout_s: float) -> None:
         """All of ``data``, or the connection is given up: a message cut short would
-        leave the stream out of step."""
+        leave the stream out of step. (Under ``_write_lock``.)"""
         assert self._sock is not None
         self._sock.settimeout(timeout_s)
         try:
             self._sock.sendall(data)
         except TimeoutError:
-            self._dead = DaemonUnavailable(
+            raise self._die(DaemonUnavailable(
                 f"kvd daemon at {self._b.socket_path} stopped reading requests "
-                f"(none taken for {timeout_s:g}s): create a new client")
-            raise self._dead from None
+                f"(none taken for {timeout_s:g}s): create a new client")) from None
         except OSError:
-            self._dead = self._b.disconnected()
-            raise self._dead from None
+            raise self._die(self._b.disconnected()) from None
 
-    def _send(self, call: Call) -> None:
-        if self._sock is None or self._closed:
-            raise DaemonUnavailable("client is not connected")
+    def _die(self, err: DaemonUnavailable) -> DaemonUnavailable:
+        """The connection is unusable: every wait fails from now on, with the first
+        cause."""
+        with self._replies_lock:
+            if self._dead is None:
+                self._dead = err
+            self._wake()
+            return self._dead
+
+    def _send(self, call: Call, waits: bool = False) -> bool:
+        """Send ``call``. ``waits``: the caller waits for its reply next, and is counted
+        as waiting from now on (``_wait_reply``, to which it passes the result)."""
+        req_id = call.msg.req_id
+        counted = waits and threading.current_thread() is not threading.main_thread()
+        with self._write_lock:  # (another thread's write holds it at most its timeout)
+            if self._sock is None or (self._closed and not isinstance(call.msg, Bye)):
+                raise DaemonUnavailable("client is not connected")
+            if self._dead is not None:
+                raise self._dead
+            with self._replies_lock:  # before it goes: another thread may read its reply
+                self._outstanding.add(req_id)
+                self._others += counted
+            try:
+                self._write(frame(encode(call.msg)), call.timeout_s)
+            except BaseException:
+                with self._replies_lock:
+                    self._outstanding.discard(req_id)
+                    self._others -= counted
+                    self._wake()  # (a main thread may wait for this one to read)
+                raise
+        return counted
+
+    def _wait_reply(self, req_id: int, timeout_s: float, poll_only: bool = False,
+                    counted: bool | None = None) -> Reply | None:
+        """The reply to ``req_id``, or None if it has not come within ``timeout_s`` (at
+        once with ``poll_only``: never waits, not even for another thread's read).
+
+        One waiting thread at a time reads the socket (the reader), and keeps every reply
+        to an outstanding request in the stash, waking the other waiters; they sleep until
+        theirs is there, their deadline passes (they return without reading) or the reader
+        leaves, once its own reply came or its deadline passed: one of them reads then.
+
+        Signal handlers run in the main thread, and the exception one raises there (a
+        ``KeyboardInterrupt``) may strike between reading replies and stashing them: the
+        main thread reads only while no other thread waits, and hands the reading on when
+        one does, so that it loses no other thread's reply. Another thread counts as
+        waiting from before its request goes (``_send``: ``counted``, ended here)."""
+        deadline = time.monotonic() + timeout_s
+        main = threading.current_thread() is threading.main_thread()
+        if counted is None:
+            counted = not main
+            if counted:
+                with self._replies_lock:
+                    self._others += 1
+        reading = False
+        try:
+            while True:
+                with self._replies_lock:
+                    while not reading:
+                        reply = self._taken(req_id)
+                        if reply is not None:
+                            return reply
+                        left = 0.0 if poll_only else deadline - time.monotonic()
+                        if not self._reading and not (main and self._others):
+                            reading = self._reading = True
+                        elif left <= 0:
+                            return None
+                        else:
+                            self._sleep(left)
+                left = 0.0 if poll_only else deadline - time.monotonic()
+                ready = self._ready(left)
+                if ready and main and self._others:  # (read again under the lock)
+                    with self._replies_lock:
+                        if self._others:  # they came while it waited: one of them reads
+                            self._reading = reading = False
+                            self._wake()
+                            continue
+                data = self._receive() if ready else None
+                with self._replies_lock:
+                    # Taken in the order read, before another thread may read on: a
+                    # request's reply is stashed before its cancel's (``_stop``).
+                    if data is not None and self._take(data):
+                        self._wake()
+                    reply = self._taken(req_id)
+                    if reply is not None or left <= 0:
+                        return reply
+        finally:
+            with self._replies_lock:
+                if reading:
+                    self._reading = False
+                if counted:
+                    self._others -= 1
+                if not self._reading:
+                    self._wake()  # one of them reads on
+
+    def _taken(self, req_id: int) -> Reply | None:
+        """The stashed reply to ``req_id``, out of the stash; raises once the client is
+        dead (after the replies that came before). (Under ``_replies_lock``.)"""
+        if req_id in self._stash:
+            self._outstanding.discard(req_id)
+            return self._stash.pop(req_id)
         if self._dead is not None:
             raise self._dead
-        self._write(frame(encode(call.msg)), call.timeout_s)
-        self._outstanding.add(call.msg.req_id)
+        return None
 
-    def _wait_reply(self, req_id: int, timeout_s: float, poll_only: bool = False) -> Reply | None:
-        """The reply to ``req_id``; replies to other outstanding requests are stashed."""
-        assert self._sock is not None and self._poller is not None
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while True:
-                if req_id in self._stash:
-                    self._outstanding.discard(req_id)
-                    return self._stash.pop(req_id)
-                if self._dead is not None:
-                    raise self._dead
-                remaining_ms = 0 if poll_only else max(
-                    0, int((deadline - time.monotonic()) * 1000))
-                if not self._poller.poll(remaining_ms):
-                    if poll_only or remaining_ms == 0:
-                        return None
-                    continue
-                self._read_replies()
+    def _ready(self, wait_s: float) -> bool:
+        """Whether the socket has something to read (or is closed) within ``wait_s``."""
+        assert self._poller is not None
+        return bool(self._poller.poll(math.ceil(max(0.0, wait_s) * 1000)))
 
-    def _read_replies(self) -> None:
-        """What the socket has, into the stash (a closed connection: the client is dead,
-        after the replies that came before the close)."""
+    def _receive(self) -> bytes | None:
+        """What the socket has (it is ready): None if nothing after all, b"" once
+        closed."""
         assert self._sock is not None
         try:
-            data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            return self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except OSError:
-            data = b""
+            return b""
+
+    def _take(self, data: bytes) -> bool:
+        """Replies in ``data`` into the stash (``b""``: the connection is closed, and the
+        client dead). Whether a waiter has news. (Under ``_replies_lock``.)"""
         if not data:
             self._dead = self._dead or self._b.disconnected()
-            return
+            return True
+        news = False
         for reply in decode_replies(self._frames.feed(data)):
             if reply.req_id in self._outstanding:
                 self._stash[reply.req_id] = reply
+                news = True
+        return news
 
     def _call(self, call: Call) -> Any:
-        with self._lock:
-            started = time.perf_counter()
-            req_id = call.msg.req_id
-            self._send(call)
-            try:
-                reply = self._wait_reply(req_id, call.timeout_s)
-            except KvdError:
-                raise  # the connection is gone
-            except BaseException:  # KeyboardInterrupt and the like end the call here
-                self._abandon(call)
-                raise
+        started = time.perf_counter()
+        req_id = call.msg.req_id
+        try:
+            counted = self._send(call, waits=True)
+            reply = self._wait_reply(req_id, call.timeout_s, counted=counted)
+        except KvdError:
+            raise  # the connection is gone, or the request did not go
+        except BaseException:  # KeyboardInterrupt and the like end the call here
+            self._abandon(call)  # (struck in _send, it may have gone all the same)
+            raise
+        if reply is None:
+            reply = self._abandon(call)  # (it may have come while the daemon stopped it)
             if reply is None:
-                reply = self._abandon(call)  # (it may have come while the daemon stopped it)
-                if reply is None:
-                    raise self._b.unavailable(type(call.msg).__name__.lower(),
-                                              call.timeout_s)
-            return result_of(call, reply, time.perf_counter() - started)
+                raise self._b.unavailable(type(call.msg).__name__.lower(), call.timeout_s)
+        return result_of(call, reply, time.perf_counter() - started)
 
     def _abandon(self, call: Call) -> Reply | None:
         """We stop waiting for ``call``: stop it in the daemon first, unless it has been
         answered or is one the daemon answers at once (``_stop``). Its reply, if any."""
         req_id = call.msg.req_id
         try:
-            if stoppable(call) and req_id not in self._stash:
+            with self._replies_lock:
+                answered = req_id in self._stash
+            if stoppable(call) and not answered:
                 with contextlib.suppress(DaemonUnavailable):  # dropped: the caller's error
                     self._stop(req_id, None)
         finally:
-            self._outstanding.discard(req_id)
-        return self._stash.pop(req_id, None)
+            with self._replies_lock:
+                self._outstanding.discard(req_id)
+        with self._replies_lock:
+            return self._stash.pop(req_id, None)
 
     def _stop(self, target: int, timeout_s: float | None) -> None:
         """Cancel request ``target`` in the daemon and return once the daemon says it has
@@ -257,15 +405,19 @@ class KvdClient:
         from its blocks. Without that word within ``timeout_s`` (the client's by default),
         or when the wait is interrupted, the connection is dropped (``_drop``): the daemon
         then stops the session's requests, and ``DaemonUnavailable`` says what that
-        leaves."""
+        leaves. While the client closes, its Bye stops every request: the end of
+        ``close`` is waited for instead."""
         if self._dead is not None:
             raise self._dead  # the daemon has closed the session, or we dropped it
         call = self._b.cancel(target, timeout_s)
-        with self._lock:
-            why = ""
+        why = ""
+        if self._closed:
+            if not self._shut.wait(call.timeout_s):
+                why = f"the client did not close within {call.timeout_s:g}s"
+        else:
             try:
-                self._send(call)
-                reply = self._wait_reply(call.msg.req_id, call.timeout_s)
+                counted = self._send(call, waits=True)
+                reply = self._wait_reply(call.msg.req_id, call.timeout_s, counted=counted)
             except KvdError as exc:
                 why = exc.message
             except BaseException:
@@ -273,12 +425,13 @@ class KvdClient:
                 raise
             else:
                 if reply is None:
-                    self._outstanding.discard(call.msg.req_id)
+                    with self._replies_lock:
+                        self._outstanding.discard(call.msg.req_id)
                     why = f"no answer to its cancel within {call.timeout_s:g}s"
                 elif not isinstance(reply, Done):
                     why = getattr(reply, "message", type(reply).__name__)
-            if why:
-                raise self._drop(target, why)
+        if why:
+            raise self._drop(target, why)
 
     def _drop(self, target: int, why: str) -> DaemonUnavailable:
         """Close the connection of a client whose request ``target`` the daemon did not
@@ -286,11 +439,10 @@ class KvdClient:
         its regions mapped until they end. Every wait fails from now on."""
         err = self._b.unconfirmed(target, why)
         log.warning("%s", err.message)
-        if self._dead is None:
-            self._dead = err
+        self._die(err)
         if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+                self._sock.shutdown(socket.SHUT_RDWR)  # (wakes the reading thread)
         return err
 
     # ------------------------------------------------------------ operations
@@ -363,9 +515,14 @@ class KvdClient:
         return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
 
     def _start(self, call: Call) -> Transfer:
-        with self._lock:
-            started = time.perf_counter()
+        started = time.perf_counter()
+        try:
             self._send(call)
+        except KvdError:
+            raise
+        except BaseException:  # (a KeyboardInterrupt may strike once it has gone)
+            self._abandon(call)
+            raise
         return Transfer(self, call, started)
 
     def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
