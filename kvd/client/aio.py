@@ -168,7 +168,7 @@ class AsyncKvdClient:
                     log.warning("closing with requests in flight: %s", exc)
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(DaemonUnavailable("client closed"))
+                _fail(fut, DaemonUnavailable("client closed"))
         self._pending.clear()
         if self._conn is not None:
             self._conn.close()
@@ -184,7 +184,7 @@ class AsyncKvdClient:
         self._dead = self._dead or self._b.disconnected()  # (_drop's says more)
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(self._dead)
+                _fail(fut, self._dead)
         self._pending.clear()
 
     def _queue(self, call: Call) -> asyncio.Future[Reply]:
@@ -299,7 +299,7 @@ class AsyncKvdClient:
             self._conn.close(abort=True)
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(self._dead)
+                _fail(fut, self._dead)
         self._pending.clear()
         return err
 
@@ -393,3 +393,12 @@ class AsyncKvdClient:
 
 
 __all__ = ["AsyncKvdClient", "AsyncTransfer", "Cancelled"]
+
+
+def _fail(fut: asyncio.Future[Reply], err: KvdError) -> None:
+    """End a pending call's future with ``err``. It is marked retrieved: a call whose
+    caller is still there raises it all the same, and one whose caller has gone (a
+    cancelled call's reply future, kept until the daemon confirms the stop) logs no
+    "Future exception was never retrieved"."""
+    fut.set_exception(err)
+    fut.exception()
