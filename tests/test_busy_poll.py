@@ -16,7 +16,7 @@ import uvloop
 from kvd import KvdClient, shared_zeros
 from kvd.daemon.busy_poll import BusyPoll
 from tests.conftest import wait_until
-from tests.test_peers import BLOCK, Node, random_region
+from tests.test_peers import BLOCK, Node, Nodes, random_region
 
 
 async def no_turns_for(busy: BusyPoll, seconds: float) -> None:
@@ -85,11 +85,9 @@ def test_off_never_spins() -> None:
 
 @pytest.fixture
 def spinning_pair(sock_dir: str) -> Iterator[list[Node]]:
-    started = [Node(sock_dir, f"n{i}", "--busy-poll", "on", "--busy-poll-window-s", "0.05")
-               for i in range(2)]
-    yield started
-    for node in started:
-        assert node.stop() == 0, node.proc.log()
+    nodes = Nodes(sock_dir)  # (if one is not ready in time, it stops both)
+    yield nodes(2, "--busy-poll", "on", "--busy-poll-window-s", "0.05")
+    nodes.stop_all(codes=(0,))
 
 
 def test_spinning_daemons_move_every_byte_over_tcp(spinning_pair: list[Node]) -> None:

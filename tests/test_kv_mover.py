@@ -4,6 +4,7 @@ lent and pulled, or pushed, through staging; bytes checked block by block."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from kvd.integrations.kv_mover import (
     SendOrder,
     block_dim_of,
 )
-from tests.conftest import ProcessDaemon
+from tests.conftest import ProcessDaemon, start_daemons
 
 NUM_BLOCKS, LAYERS = 24, 3
 PAGE = (2, 4, 16)  # kv heads, block size, 2 * head size: vLLM's [B, H, N, 2C] per layer
@@ -35,10 +36,11 @@ def engine_kv(seed: int) -> list[torch.Tensor]:
 
 
 class Side:
-    def __init__(self, root: str, name: str, seed: int, staging_blocks: int = 16) -> None:
-        path = os.path.join(root, name)
-        os.makedirs(path, exist_ok=True)
-        self.proc = ProcessDaemon(path, "--node-id", name).wait_ready()
+    """An engine on its own ready daemon (``proc``, named ``name``)."""
+
+    def __init__(self, proc: ProcessDaemon, name: str, seed: int,
+                 staging_blocks: int = 16) -> None:
+        self.proc = proc
         self.kv = engine_kv(seed)
         client = KvdClient(self.proc.socket_path, name=f"engine-{name}")
         client.connect()
@@ -57,14 +59,34 @@ class Side:
     def block(self, i: int) -> list[torch.Tensor]:
         return [layer[i].clone() for layer in self.kv]
 
+    def close(self) -> None:
+        """Close the mover, then stop the daemon (even if the close raises): exit code 0."""
+        try:
+            self.mover.close()
+        finally:
+            code = self.proc.stop()
+        assert code == 0, self.proc.log()
+
+
+@contextlib.contextmanager
+def started_sides(root: str, *specs: tuple[str, int, int]) -> Iterator[list[Side]]:
+    """A side per (name, seed, staging blocks), their daemons started side by side. At the
+    end every side closes, each whatever the others' close raised."""
+    with contextlib.ExitStack() as stack:
+        procs = start_daemons(root, *(name for name, _, _ in specs))
+        for proc in procs:  # (a daemon's second stop does nothing)
+            stack.callback(proc.stop)
+        found = []
+        for proc, (name, seed, staging_blocks) in zip(procs, specs, strict=True):
+            found.append(Side(proc, name, seed, staging_blocks))
+            stack.callback(found[-1].close)  # (its proc then, which a test may replace)
+        yield found
+
 
 @pytest.fixture
 def sides(sock_dir: str) -> Iterator[tuple[Side, Side]]:
-    p, d = Side(sock_dir, "prefill", 1), Side(sock_dir, "decode", 2)
-    yield p, d
-    for side in (p, d):
-        side.mover.close()
-        assert side.proc.stop() == 0, side.proc.log()
+    with started_sides(sock_dir, ("prefill", 1, 16), ("decode", 2, 16)) as (p, d):
+        yield p, d
 
 
 def drive(*sides: Side, until: object, timeout_s: float = 10.0) -> None:
@@ -270,8 +292,7 @@ def test_blocks_on_dim_1_whose_blocks_are_not_one_run(sides: tuple[Side, Side]) 
 
 
 def test_full_staging_waits_for_room(sock_dir: str) -> None:
-    p, d = Side(sock_dir, "p", 3, staging_blocks=4), Side(sock_dir, "d", 4)
-    try:
+    with started_sides(sock_dir, ("p", 3, 4), ("d", 4, 16)) as (p, d):
         p.mover.send(SendOrder("a", "key-a", [0, 1, 2], lease_s=10))
         p.mover.send(SendOrder("b", "key-b", [3, 4, 5], lease_s=10))
         assert p.poll().released == {"a"}  # b waits: one slot left
@@ -280,10 +301,6 @@ def test_full_staging_waits_for_room(sock_dir: str) -> None:
         d.mover.load(LoadOrder("b", "key-b", p.address, 3, 0, [3, 4, 5], timeout_s=10))
         drive(p, d, until=lambda: "b" in d.seen.loaded)
         assert all(same(d.block(i), p.block(i)) for i in range(6))
-    finally:
-        for side in (p, d):
-            side.mover.close()
-            side.proc.stop()
 
 
 def test_block_dim_is_found_or_refused() -> None:

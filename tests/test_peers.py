@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -77,40 +77,100 @@ def random_region(blocks: int, seed: int, block_bytes: int = BLOCK) -> torch.Ten
 
 
 class Node:
-    """A daemon process and a client on it."""
+    """A daemon process and a client on it. ``Node(root, name, *extra)`` starts it and
+    waits until it serves; with ``wait=False`` it only starts it, and ``ready`` waits (so
+    that several start side by side)."""
 
-    def __init__(self, root: str, name: str, *extra: str) -> None:
+    def __init__(self, root: str, name: str, *extra: str, wait: bool = True) -> None:
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir, exist_ok=True)
         self.extra = extra
-        self.start()
+        self.launch()
+        if wait:
+            self.ready()
 
     def start(self, *more: str) -> None:
+        """Start its daemon (again, after a kill) and wait until it serves."""
+        self.launch(*more)
+        self.ready()
+
+    def launch(self, *more: str) -> None:
+        """Start its daemon, not waiting for it."""
         self.proc = ProcessDaemon(self.dir, "--node-id", os.path.basename(self.dir),
                                   "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2",
-                                  *self.extra, *more).wait_ready()
-        self.client = KvdClient(self.proc.socket_path, timeout_s=30)
-        self.client.connect()
-        self.address = self.client.stats()["peer"]["address"]
+                                  *self.extra, *more)
+        self.client = KvdClient(self.proc.socket_path, timeout_s=30)  # connected by ready
+
+    def ready(self) -> Node:
+        """Wait until its daemon serves, then connect the client; the daemon is killed if
+        either fails."""
+        try:
+            self.proc.wait_ready()
+            self.client.connect()
+            self.address = self.client.stats()["peer"]["address"]
+        except BaseException:
+            self.proc.stop(timeout_s=0)
+            raise
+        return self
 
     def stop(self) -> int:
-        self.client.close()
-        return self.proc.stop()
+        """Close the client and stop the daemon, even if the close raises; its exit code."""
+        try:
+            self.client.close()
+        finally:
+            code = self.proc.stop()
+        return code
+
+
+class Nodes:
+    """A test's nodes, started side by side: ``nodes(n, *extra)`` starts n more with the
+    same flags, ``nodes.each(flags, ...)`` one more per list of flags; both wait until the
+    new ones serve (if one does not, all the new ones are killed and forgotten, and this
+    raises) and return every node started so far (named n0, n1, ...). ``stop_all`` stops
+    them."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.started: list[Node] = []
+
+    def __call__(self, n: int, *extra: str) -> list[Node]:
+        return self.each(*[extra] * n)
+
+    def each(self, *flags: Sequence[str]) -> list[Node]:
+        new = []
+        for extra in flags:
+            node = Node(self.root, f"n{len(self.started)}", *extra, wait=False)
+            self.started.append(node)  # (stopped by stop_all from now on)
+            new.append(node)
+        try:
+            for node in new:
+                node.ready()
+        except BaseException:  # all or none, as start_daemons: the error says which failed
+            for node in new:
+                node.proc.stop(timeout_s=0)
+                node.client.close()
+            del self.started[len(self.started) - len(new):]
+            raise
+        return self.started
+
+    def stop_all(self, codes: Sequence[int] = (0, -9)) -> None:
+        """Stop every node, each whatever stopping the others raised, and check that each
+        exit code is one of ``codes`` (-9: a test killed it)."""
+        with contextlib.ExitStack() as stack:
+            for node in reversed(self.started):  # (the stack calls them in reverse)
+                stack.callback(self._stop, node, codes)
+
+    @staticmethod
+    def _stop(node: Node, codes: Sequence[int]) -> None:
+        code = node.stop()
+        assert code in codes, f"{node.dir}: exit code {code}\n{node.proc.log()}"
 
 
 @pytest.fixture
-def nodes(sock_dir: str) -> Iterator[list[Node]]:
-    started: list[Node] = []
-
-    def make(n: int, *extra: str) -> list[Node]:
-        for _ in range(n):
-            started.append(Node(sock_dir, f"n{len(started)}", *extra))
-        return started
-
-    yield make  # type: ignore[misc]
-    for node in started:
-        code = node.stop()
-        assert code in (0, -9), f"{node.dir}: exit code {code}\n{node.proc.log()}"
+def nodes(sock_dir: str) -> Iterator[Nodes]:
+    started = Nodes(sock_dir)
+    yield started
+    started.stop_all()
 
 
 def test_put_get_before_after_and_never(nodes: object) -> None:
@@ -276,11 +336,10 @@ def test_a_pull_waits_at_the_owner_for_its_key(nodes: object) -> None:
     assert not bool(dst[6:].any())
 
 
-def test_pulls_past_max_waiting_pulls_are_refused_at_once(nodes: object) -> None:
+def test_pulls_past_max_waiting_pulls_are_refused_at_once(nodes: Nodes) -> None:
     """The owner holds at most ``max_waiting_pulls`` pulls; the next one gets UnknownKey
     at once (the puller asks again), and a held one is still served when its key comes."""
-    a = nodes(1, "--max-waiting-pulls", "1")[0]  # type: ignore[operator]
-    b = nodes(1)[1]  # type: ignore[operator]
+    a, b = nodes.each(["--max-waiting-pulls", "1"], [])
     src = random_region(4, 5)
     r_src = a.client.register("kv", [src])
     dst = shared_zeros((4, BLOCK), torch.uint8)
@@ -299,8 +358,8 @@ def test_pulls_past_max_waiting_pulls_are_refused_at_once(nodes: object) -> None
     assert torch.equal(dst[0], src[3]) and not bool(dst[1].any())
 
 
-def test_busy_then_success_and_exhausted_at_deadline(nodes: object) -> None:
-    a, b = nodes(1)[0], nodes(1, "--pool-size-bytes", "4MiB")[1]  # type: ignore[operator]
+def test_busy_then_success_and_exhausted_at_deadline(nodes: Nodes) -> None:
+    a, b = nodes.each([], ["--pool-size-bytes", "4MiB"])
     src = random_region(4, 5, 2 * 2**20)  # 2 MiB blocks
     dst = shared_zeros((4, 2 * 2**20), torch.uint8)
     r_src, r_dst = a.client.register("kv", [src]), b.client.register("kv", [dst])
@@ -584,13 +643,10 @@ def tls_setup(sock_dir: str, bundles: dict[str, list[str]]
     return certs, args
 
 
-def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
+def test_tls_refuses_strangers(nodes: Nodes, sock_dir: str) -> None:
     # a and b know each other; c knows a (so it can try) but a does not know c.
     _, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["a"]})
-    a = nodes(1, *args["a"])[0]  # type: ignore[operator]
-    b = nodes(1, *args["b"])[1]  # type: ignore[operator]
-    c = nodes(1, *args["c"])[2]  # type: ignore[operator]
-    plain = nodes(1)[3]  # type: ignore[operator]
+    a, b, c, plain = nodes.each(args["a"], args["b"], args["c"], [])
     src = random_region(2, 10)
     r = a.client.register("kv", [src])
     a.client.put("ok", r, [0, 1], to=b.address).wait(10)
@@ -610,7 +666,7 @@ def test_tls_refuses_strangers(nodes: object, sock_dir: str) -> None:
         a.client.put("no", r, [0], to=plain.address, timeout_s=3).wait(10)
 
 
-def test_tls_covers_the_data_connections(nodes: object, sock_dir: str) -> None:
+def test_tls_covers_the_data_connections(nodes: Nodes, sock_dir: str) -> None:
     """With TLS on, the bytes of host-memory transfers go over TLS data connections too:
     they arrive byte-exact both ways, and the data port speaks TLS only (a plain hello is
     refused, and so is a stranger's certificate). With ``tls_data`` off it takes the plain
@@ -620,8 +676,7 @@ def test_tls_covers_the_data_connections(nodes: object, sock_dir: str) -> None:
     from kvd.transport.tcp import data_hello
 
     certs, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["b"]})
-    a = nodes(1, *args["a"])[0]  # type: ignore[operator]
-    b = nodes(1, *args["b"])[1]  # type: ignore[operator]
+    a, b = nodes.each(args["a"], args["b"])
     data_port = b.client.stats()["peer"]["data_port"]
     # Connections that never start TLS hold no thread of b's: a's real one (its first
     # transfer dials it) gets through while they wait out their timeout.
@@ -660,8 +715,8 @@ def test_tls_covers_the_data_connections(nodes: object, sock_dir: str) -> None:
     assert "data_token" not in bad, bad  # no hello got as far as its token
 
     _, plain_args = tls_setup(os.path.join(sock_dir, "plain"), {"d": ["e"], "e": ["d"]})
-    d = nodes(1, *plain_args["d"], "--tls-data", "false")[2]  # type: ignore[operator]
-    e = nodes(1, *plain_args["e"], "--tls-data", "false")[3]  # type: ignore[operator]
+    d, e = nodes.each([*plain_args["d"], "--tls-data", "false"],
+                      [*plain_args["e"], "--tls-data", "false"])[2:]
     d.client.put("k", d.client.register("kv", [src]), [2], to=e.address).wait(10)
     one = shared_zeros((1, 40 * BLOCK), torch.uint8)
     e.client.get("k", e.client.register("kv", [one]), [0], timeout_s=5)
@@ -846,18 +901,30 @@ def test_timeline_tool_runs_both_flows(mode: list[str]) -> None:
 
 
 def test_ab_tool_alternates_trees_and_reports_each_run(tmp_path: Path) -> None:
-    """tools/ab.py, as an A/B on the GPU host runs it: two trees (here the same checkout
-    twice), alternated, each run's figure kept, a failing tree reported and counted."""
+    """tools/ab.py, as an A/B on the GPU host runs it: two trees (this checkout, whose
+    tools/timeline.py starts two daemons, and a stand-in that prints a figure per run at
+    once), alternated, each run's figure kept in run order, a failing tree reported and
+    counted. Each tree's own kvd comes first on ``PYTHONPATH``."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    broken = tmp_path / "broken"
-    (broken / "kvd").mkdir(parents=True)
-    (broken / "kvd" / "__init__.py").write_text("raise ImportError('a broken tree')\n")
-    (broken / "tools").mkdir()
-    (broken / "tools" / "timeline.py").write_text("import kvd\n")
+    stand_in = ("import json, pathlib, kvd\n"  # (kvd: the stand-in's own, with US)
+                "runs = pathlib.Path('runs')\n"  # (ab.py runs each tree in its folder)
+                "n = len(runs.read_text()) + 1 if runs.exists() else 1\n"
+                "runs.write_text('x' * n)\n"
+                "print(json.dumps({'total_median_us': kvd.US * n}))\n")
+    trees = {}
+    for name, package, timeline in [
+            ("two", "US = 100.0\n", stand_in),
+            ("broken", "raise ImportError('a broken tree')\n", "import kvd\n")]:
+        trees[name] = tmp_path / name
+        (trees[name] / "kvd").mkdir(parents=True)
+        (trees[name] / "kvd" / "__init__.py").write_text(package)
+        (trees[name] / "tools").mkdir()
+        (trees[name] / "tools" / "timeline.py").write_text(timeline)
     out = subprocess.run(
         [sys.executable, os.path.join(repo, "tools", "ab.py"), "--tree", f"one={repo}",
-         "--tree", f"two={repo}", "--tree", f"broken={broken}", "--rounds", "2",
-         "--timeline", "t:--repeat 3 --blocks 2 --block-bytes 4096", "--out", str(tmp_path)],
+         "--tree", f"two={trees['two']}", "--tree", f"broken={trees['broken']}",
+         "--rounds", "2", "--timeline", "t:--repeat 3 --blocks 2 --block-bytes 4096",
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # the broken tree
     order = [line.split()[2] for line in out.stdout.splitlines() if line.startswith("== t ")]
@@ -866,7 +933,7 @@ def test_ab_tool_alternates_trees_and_reports_each_run(tmp_path: Path) -> None:
     with open(tmp_path / "ab.json") as f:
         found = json.load(f)
     runs = found["t"]["us"]
-    assert set(runs) == {"one", "two"} and all(len(v) == 2 and min(v) > 0
-                                                  for v in runs.values())
+    assert set(runs) == {"one", "two"} and len(runs["one"]) == 2 and min(runs["one"]) > 0
+    assert runs["two"] == [100.0, 200.0]
     assert "a broken tree" in (tmp_path / "ab.log").read_text()
 
