@@ -1,28 +1,44 @@
 """The peer plane against hostile or unlucky input: a flood of connections while descriptors
-run out, links that come and go, TLS connections that say nothing, a hello that claims a
-linked peer's address. `kvd serve` subprocesses on loopback; what is checked is what a
-peer or an operator sees: connections answered or closed, bytes that arrive, the log,
-the daemon's memory."""
+run out (the HTTP port's too), links that come and go, TLS connections that say nothing, a
+hello that claims a linked peer's address, more links or more pulls at once than a daemon
+serves. `kvd serve` subprocesses on loopback (and a daemon in the test's process where a
+bound is lowered to be reached); what is checked is what a peer or an operator sees:
+connections answered or closed, bytes that arrive, the log, the daemon's memory."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 
+import msgspec
 import pytest
 import torch
 
-from kvd import shared_empty, shared_zeros
+from kvd import AsyncKvdClient, shared_empty, shared_zeros
+from kvd.daemon import transfers
 from kvd.daemon.auth import load_tls
-from kvd.daemon.peers import MAX_UNLINKED_CONNECTIONS
-from kvd.errors import PeerUnreachable
-from kvd.protocol import PROTOCOL_VERSION, PeerError, PeerWelcome
-from tests.conftest import make_config, wait_until
+from kvd.daemon.peers import MAX_LINKS, MAX_UNLINKED_CONNECTIONS
+from kvd.daemon.transfers import MAX_PULLS_SERVED_PER_LINK
+from kvd.errors import PeerUnreachable, error_from_code
+from kvd.framing import frame
+from kvd.protocol import (
+    PROTOCOL_VERSION,
+    Offer,
+    PeerError,
+    PeerMessage,
+    PeerWelcome,
+    Refuse,
+)
+from tests.conftest import make_config, running_daemon, wait_until
+from tests.test_hostile_local import FakeDaemon
 from tests.test_peers import BLOCK, Node, RawPeer, random_region, tls_setup
 
 MiB = 2**20
@@ -76,6 +92,15 @@ def burst(target: tuple[str, int] | str, n: int) -> list[socket.socket]:
     return socks
 
 
+def http_get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET; an error status is an answer too."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
 def transfer_checked(src: Node, dst: Node, key: str, seed: int, deadline_s: float) -> None:
     """A put from ``src`` to ``dst`` (retried while the link cannot be made, until
     ``deadline_s`` on the monotonic clock), then the bytes as ``dst`` has them."""
@@ -95,13 +120,18 @@ def transfer_checked(src: Node, dst: Node, key: str, seed: int, deadline_s: floa
 
 def test_accept_loops_survive_running_out_of_descriptors(
         make_node: Callable[..., Node]) -> None:
-    """A burst of connections to the peer port, the data port and the local socket while
-    the daemon is out of descriptors: each listener says so in the log and keeps
-    accepting; once the burst is gone a new peer links, both ways, and moves bytes."""
+    """A burst of connections to the peer port, the data port, the local socket and the
+    HTTP port while the daemon is out of descriptors: each listener says so in the log and
+    keeps accepting; once the burst is gone a new peer links, both ways, and moves bytes.
+    A health probe sent meanwhile waits in the backlog and is answered once descriptors
+    are back (not dropped: an orchestrator would restart a healthy daemon), and /healthz
+    answers after."""
     a = make_node("a", "--peer-connect-timeout-s", "1")
     b = make_node("b")
     host, port = a.address.rsplit(":", 1)
     data_port = a.client.stats()["peer"]["data_port"]
+    http = a.client.stats()["http"]
+    http_host, http_port = http.rsplit(":", 1)
     pid = a.proc.proc.pid
     # Room for a link and a registration once the burst is gone, but not for the burst
     # (below MAX_UNLINKED_CONNECTIONS too: the descriptors run out first).
@@ -109,20 +139,33 @@ def test_accept_loops_survive_running_out_of_descriptors(
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
     flood = [*burst((host, int(port)), 300), *burst((host, data_port), 300),
              *burst(a.proc.socket_path, 300)]
+    probe = None
     try:
         # The last descriptor the limit allows is taken (they are given lowest first).
         wait_until(lambda: max(map(int, os.listdir(f"/proc/{pid}/fd"))) == limit - 1,
                    timeout_s=10)
+        probe = socket.create_connection((http_host, int(http_port)), timeout=10)
+        probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: kvd\r\nConnection: close\r\n\r\n")
+        flood += burst((http_host, int(http_port)), 300)
         time.sleep(0.5)  # each listener has connections waiting: it tries, and fails
     finally:
         for s in flood:
             s.close()
+    assert probe is not None
+    with probe:
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := probe.recv(4096):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b'{"ok": true}'), answer
     deadline = time.monotonic() + 20
     transfer_checked(b, a, "b-to-a", 1, deadline)  # b dials a: a's accept loops
     transfer_checked(a, b, "a-to-b", 2, deadline)
     assert a.client.ping() > 0
+    assert http_get(f"http://{http}/healthz") == (200, '{"ok": true}')
+    assert http_get(f"http://{http}/readyz")[0] == 200
     log = a.proc.log()
-    for listener in ("peer_port", "data_port", "socket_path"):
+    for listener in ("peer_port", "data_port", "socket_path", "http_port"):
         assert (f"{listener}: accept failed: [Errno 24] Too many open files "
                 f"(open file limit {limit}: raise LimitNOFILE)") in log, listener
 
@@ -272,3 +315,132 @@ def test_a_hello_taking_over_a_live_link_is_refused(make_node: Callable[..., Nod
         assert epochs == {a.address: link["epoch"], "127.0.0.1:1": 2}
     finally:
         new.close()
+
+
+def test_links_are_bounded(make_node: Callable[..., Node]) -> None:
+    """Fake peers that say hello and stay: past MAX_LINKS (a real peer's link among them)
+    the next hello is refused with a PeerError, counted and logged, its connection closed;
+    the links there are kept, and the real one moves bytes. Once a fake leaves, a hello is
+    taken again."""
+    a = make_node("a", "--peer-grace-s", "60")
+    b = make_node("b")
+    transfer_checked(b, a, "before", 5, time.monotonic() + 10)
+    fakes: list[RawPeer] = []
+    try:
+        for i in range(MAX_LINKS - 1):
+            fakes.append(RawPeer(a.address))
+            reply = fakes[-1].ask(hello(f"127.0.0.1:{20000 + i}", f"fake{i}", 1))
+            assert isinstance(reply, PeerWelcome), (i, reply)
+        assert len(a.client.stats()["peer"]["links"]) == MAX_LINKS
+        late = RawPeer(a.address)
+        try:
+            reply = late.ask(hello("127.0.0.1:19999", "late", 1))
+            assert isinstance(reply, PeerError), reply
+            assert reply.code == "peer_unreachable", reply
+            assert f"has {MAX_LINKS} links already (the most)" in reply.message, reply
+            with pytest.raises(ConnectionError):  # and closed
+                late.recv()
+        finally:
+            late.close()
+        stats = a.client.stats()["peer"]
+        assert stats["bad_messages"] == {"link_limit": 1}, stats["bad_messages"]
+        assert len(stats["links"]) == MAX_LINKS
+        assert "reason=link_limit" in a.proc.log()
+        transfer_checked(b, a, "during", 6, time.monotonic() + 10)
+        fakes.pop().close()
+        wait_until(lambda: len(a.client.stats()["peer"]["links"]) < MAX_LINKS, timeout_s=5)
+        fakes.append(RawPeer(a.address))
+        assert isinstance(fakes[-1].ask(hello("127.0.0.1:19999", "late", 2)), PeerWelcome)
+    finally:
+        for fake in fakes:
+            fake.close()
+    transfer_checked(a, b, "after", 7, time.monotonic() + 10)
+
+
+def test_pulls_served_per_peer_are_bounded(make_node: Callable[..., Node]) -> None:
+    """A peer that stays linked asks for an offloaded key under ever new transfer ids
+    and takes none of the bytes: MAX_PULLS_SERVED_PER_LINK pulls are served (an offer
+    each, a read of the key held), the next ones are refused with a retriable error and
+    counted; another peer's pull meanwhile is served byte-exact, and once the first peer
+    leaves its pulls end and the key's memory comes back."""
+    a = make_node("a", "--peer-grace-s", "60")
+    b = make_node("b")
+    data = random_region(1, 8)
+    a.client.offload("k", a.client.register("kv", [data]), [0])
+    extra = 16
+    pull = {"op": "pull_request", "key": "k", "dst_dev": "cpu", "num_blocks": 1,
+            "layout": [[BLOCK, "uint8"]]}
+    peer = FakeDaemon(a.address)
+    try:
+        peer.hello("greedy")
+        tids = range(1, MAX_PULLS_SERVED_PER_LINK + extra + 1)
+        peer.sock.sendall(b"".join(frame(msgspec.msgpack.encode({**pull, "transfer_id": t}))
+                                   for t in tids))
+        offered: set[int] = set()
+        refused: dict[int, Refuse] = {}
+        while len(offered) + len(refused) < len(tids):
+            msg = peer.recv()
+            if isinstance(msg, Offer):
+                offered.add(msg.transfer_id)
+            else:
+                assert isinstance(msg, Refuse), msg
+                refused[msg.transfer_id] = msg
+        assert sorted(refused) == list(tids[-extra:])
+        for msg in refused.values():
+            assert msg.code == "pool_exhausted" and "the most at once" in msg.message, msg
+            assert error_from_code(msg.code, msg.message).retriable
+        stats = a.client.stats()
+        assert stats["peer"]["bad_messages"] == {"pull_limit": extra}
+        assert stats["transfers"]["in_flight_out"] == MAX_PULLS_SERVED_PER_LINK
+        assert a.proc.log().count("of its pulls are being served already") == 1
+
+        got = shared_zeros((1, BLOCK), torch.uint8)
+        assert b.client.pull("k", a.address, b.client.register("got", [got]), [0],
+                             timeout_s=20) == BLOCK
+        assert torch.equal(got, data)
+    finally:
+        peer.close()
+    wait_until(lambda: a.client.stats()["transfers"]["in_flight_out"] == 0, timeout_s=20)
+    a.client.delete("k")
+    assert a.client.stats()["pool"]["used_bytes"] == 0
+
+
+async def test_pulls_served_for_all_peers_are_bounded(
+        sock_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peers that each keep as many pulls served as one peer may (3 here, in a daemon in
+    this process): once four have, a fifth peer's pull is refused with a retriable error
+    and counted; when one of the four leaves, the fifth is served."""
+    monkeypatch.setattr(transfers, "MAX_PULLS_SERVED_PER_LINK", 3)
+    config = make_config(sock_dir, max_waiting_pulls=0, peer_grace_s=60.0)
+    pull = {"op": "pull_request", "key": "k", "dst_dev": "cpu", "num_blocks": 1,
+            "layout": [[BLOCK, "uint8"]]}
+
+    def ask(fake: FakeDaemon, tids: Sequence[int]) -> list[PeerMessage]:
+        fake.sock.sendall(b"".join(frame(msgspec.msgpack.encode({**pull, "transfer_id": t}))
+                                   for t in tids))
+        return [fake.recv() for _ in tids]
+
+    async with running_daemon(config) as d, AsyncKvdClient(d.socket_path) as c:
+        await c.offload("k", await c.register("kv", [random_region(1, 9)]), [0])
+        address = (await c.stats())["peer"]["address"]
+        fakes: list[FakeDaemon] = []
+        try:
+            for i in range(5):
+                fakes.append(await asyncio.to_thread(FakeDaemon, address))
+                await asyncio.to_thread(fakes[-1].hello, f"greedy{i}")
+            for i, fake in enumerate(fakes[:4]):  # (ids of sends are unique daemon-wide)
+                replies = await asyncio.to_thread(ask, fake, [10 * i + 1, 10 * i + 2, 10 * i + 3])
+                assert all(isinstance(r, Offer) for r in replies), replies
+            (refused,) = await asyncio.to_thread(ask, fakes[4], [41])
+            assert isinstance(refused, Refuse) and refused.code == "pool_exhausted", refused
+            assert "serves 12 pulls for its peers already" in refused.message, refused
+            fakes.pop(0).close()
+            async with asyncio.timeout(10):  # its pulls end with its link
+                while (await c.stats())["transfers"]["in_flight_out"] > 9:
+                    await asyncio.sleep(0.02)
+            (offer,) = await asyncio.to_thread(ask, fakes[3], [42])
+            assert isinstance(offer, Offer) and offer.transfer_id == 42, offer
+        finally:
+            for fake in fakes:
+                fake.close()
+        assert (await c.stats())["peer"]["bad_messages"] == {"pull_limit": 1}

@@ -1,19 +1,30 @@
 """HTTP for operators: ``/metrics``, ``/healthz``, ``/readyz``, ``/v1/status``, ``/v1/peers``.
 
-Embedded with aiohttp's ``AppRunner``/``TCPSite`` (``run_app`` would take over the loop and
-the signals). It starts first, so ``/healthz`` answers and ``/readyz`` says why the daemon
+Embedded with aiohttp's ``AppRunner`` (``run_app`` would take over the loop and the
+signals). It starts first, so ``/healthz`` answers and ``/readyz`` says why the daemon
 is not ready while the pool is still being allocated.
+
+The listening sockets are bound here and accepted on by ``Acceptor`` (each connection
+handed to aiohttp's protocol factory, ``runner.server``), not by a ``TCPSite``: uvloop's
+server drops the connections waiting in its backlog when the process is out of
+descriptors, and closes itself for good on other accept errors. A liveness probe that
+came during a moment of exhaustion would go unanswered, and an orchestrator restart a
+healthy daemon.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvd.config import Config
+from kvd.daemon.accepting import Acceptor
 from kvd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,25 +41,53 @@ class HttpServer:
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/v1/peers", self._peers)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._acceptors: list[Acceptor] = []
+        self._admitting: set[asyncio.Task[None]] = set()
         self.address = ""
 
     async def start(self) -> None:
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
+        host, port = self.config.http_host, self.config.http_port
         try:
-            await site.start()
+            listeners = _listen(host, port)
         except OSError as exc:
-            await self._runner.cleanup()
-            raise ConfigError(f"http_port: cannot listen on {self.config.http_host}:"
-                              f"{self.config.http_port}: {exc.strerror}") from None
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        port = sockets[0].getsockname()[1] if sockets else self.config.http_port
-        self.address = f"{self.config.http_host}:{port}"
+            raise ConfigError(f"http_port: cannot listen on {host}:{port}: "
+                              f"{exc.strerror}") from None
+        try:
+            await self._runner.setup()
+        except BaseException:
+            for listener in listeners:
+                listener.close()
+            raise
+        self._acceptors = [Acceptor(s, "http_port", self._take) for s in listeners]
+        self.address = f"{host}:{listeners[0].getsockname()[1]}"
         log.info("http listening address=%s", self.address)
 
     async def close(self) -> None:
+        """No new connections, then aiohttp's own shutdown of those it serves."""
+        for acceptor in self._acceptors:
+            acceptor.close()
+        for task in self._admitting:
+            task.cancel()
+        await asyncio.gather(*(a.wait_closed() for a in self._acceptors), *self._admitting,
+                             return_exceptions=True)
         await self._runner.cleanup()
+
+    def _take(self, sock: socket.socket, _addr: Any) -> None:
+        task = asyncio.get_running_loop().create_task(self._admit(sock))
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+
+    async def _admit(self, sock: socket.socket) -> None:
+        server = self._runner.server
+        try:
+            if server is None:  # (cleaned up meanwhile: the daemon is stopping)
+                raise ConnectionAbortedError("http server stopped")
+            await asyncio.get_running_loop().connect_accepted_socket(server, sock)
+        except (OSError, asyncio.CancelledError) as exc:
+            log.debug("http connection not taken: %r", exc)
+            sock.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.daemon.metrics.registry)
@@ -67,3 +106,26 @@ class HttpServer:
 
     async def _peers(self, request: web.Request) -> web.Response:
         return web.json_response(self.daemon.status().get("peer", {}))
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Non-blocking listeners on every address ``host`` names (as ``loop.create_server``
+    binds them: ``localhost`` is IPv4 and IPv6); ``port`` 0: a free one, the first's."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (or it takes the IPv4 port too, and the next fails)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            sock.setblocking(False)
+    except OSError:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners

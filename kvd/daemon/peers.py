@@ -20,8 +20,9 @@ old connection when it died (or falls silent past the grace); its hello is taken
 the old link dies the same way.
 
 Connections on either port that have not linked yet (no hello, no data token) are
-bounded together (``MAX_UNLINKED_CONNECTIONS``), and the accept loops outlive a shortage
-of descriptors (``daemon/accepting.py``).
+bounded together (``MAX_UNLINKED_CONNECTIONS``), so are links (``MAX_LINKS``: a hello past
+it is refused), and the accept loops outlive a shortage of descriptors
+(``daemon/accepting.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ _MAX_UNSENT_BYTES = 16 * 1024 * 1024
 # so a cluster starting at once stays far below it; a flood of silent connections cannot
 # take every descriptor the daemon has (each one lasts peer_connect_timeout_s at most).
 MAX_UNLINKED_CONNECTIONS = 64
+# Links at once, those we made and those peers made together: past it a peer's hello is
+# refused (ours to a peer are not: a client asked for them). A link holds a thread (its
+# data connection's receiver) and its state while it lives, and without TLS anyone who
+# reaches the peer port can make one and keep it. A node links to the daemons it
+# exchanges KV with: a few, or tens in a large disaggregated deployment, far below this.
+MAX_LINKS = 256
 
 
 class _PeerConnection(FramedProtocol):
@@ -623,6 +630,12 @@ class PeerPlane:
                 f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
                 f"and that connection is alive: refused until it closes or is silent for "
                 f"{self.config.peer_grace_s:g}s"))
+            conn.close()
+            return
+        if old is None and len(self.links) >= MAX_LINKS:  # (one in old's place adds none)
+            self._bad("link_limit", conn, PeerUnreachable(
+                f"{self.config.node_id} has {len(self.links)} links already (the most): "
+                f"hello from {hello.address} (node {hello.node_id}) refused"))
             conn.close()
             return
         token = secrets.token_bytes(32)

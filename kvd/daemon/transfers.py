@@ -16,7 +16,8 @@ that keeps both ends of a channel in step.
 
 Pull: the puller sends PULL_REQUEST with a transfer id; the owner claims a read of the key
 and pushes it with that id; the puller recognises its id and takes the bytes into the
-blocks it asked for.
+blocks it asked for. The pulls an owner serves at once are bounded, per peer and for all
+(``MAX_PULLS_SERVED_PER_LINK``): past that it refuses with the retriable PoolExhausted.
 
 Every log line carries the transfer id and key. A lost link fails every transfer with that
 peer (``PeerUnreachable``); late bytes never land in memory that was given back: cancelled
@@ -42,6 +43,7 @@ import msgspec
 import torch
 
 from kvd import timeline
+from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Arrival, Engine
 from kvd.daemon.futures import on_loop, wait_out
 from kvd.daemon.nccl_links import NcclLinks
@@ -82,6 +84,14 @@ log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.05
 MAX_BACKOFF_S = 1.0
 MIN_NCCL_CHUNK_BYTES, MAX_NCCL_CHUNK_BYTES = 2**20, 2**31  # an eager offer's, checked
+# Pulls of one peer served at once (each a task pushing its key, holding a read of it until
+# the push ends, up to max_wait_s; ~15 KiB): past it the peer's next pull is refused with
+# the retriable PoolExhausted. As many as max_waiting_pulls by default, and never fewer
+# than it: the pulls waiting here for their keys are served together when the keys appear.
+MAX_PULLS_SERVED_PER_LINK = 4096
+# And all peers' together, in links at their most (~250 MiB): links are bounded too
+# (MAX_LINKS), but 256 at their most would hold gigabytes.
+_LINKS_AT_THEIR_MOST = 4
 
 
 @dataclass(eq=False)
@@ -191,16 +201,23 @@ class PeerTransfers:
         # Peers' pulls of keys we do not hold yet, held until they appear (or time out).
         self._waiting_pulls = WaitingPulls(self._loop, engine.config.max_waiting_pulls,
                                            self._waited_in_vain)
+        # Peers' pulls being served, per link and in all (see MAX_PULLS_SERVED_PER_LINK).
+        self._served: dict[PeerLink, int] = {}
+        self._served_all = 0
+        self._max_served = max(MAX_PULLS_SERVED_PER_LINK, engine.config.max_waiting_pulls)
+        self._max_served_all = _LINKS_AT_THEIR_MOST * self._max_served
+        self._refusing_pulls = Throttled(log)
         engine.key_listeners.append(self._key_appeared)
 
     @property
     def address(self) -> str:
         return self.plane.address
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------ sending
 
@@ -977,6 +994,11 @@ class PeerTransfers:
             self._refuse(link, tid, ProtocolError(f"transfer id {tid} is already in use"),
                          "duplicate_transfer")
             return
+        if (self._served.get(link, 0) >= self._max_served
+                or self._served_all >= self._max_served_all):
+            # (before the read is claimed: a claim takes a lent key out of the store)
+            self._refuse_pull_over_limit(link, req)
+            return
         try:
             item = self.engine.readable(req.key, tuple(req.layout), req.num_blocks)
         except UnknownKey as err:
@@ -1000,17 +1022,46 @@ class PeerTransfers:
         deadline = self._loop.time() + self.engine.config.max_wait_s
 
         async def serve() -> None:
-            try:
-                if not link.alive:  # lost before this ran (on_link_lost did not see it)
-                    return
+            if not link.alive:  # lost before this ran (on_link_lost did not see it)
+                return
+            with contextlib.suppress(KvdError):  # logged in _push; the puller has its own
                 item.bytes_read += await self._push(link, tid, req.key, source, item.layout,
                                                     item.num_blocks, None, deadline, regions)
-            except KvdError:
-                pass  # logged in _push; the puller has its own error
-            finally:
-                item.end_read()
 
-        self._spawn(serve())
+        def ended(_task: asyncio.Task[None]) -> None:
+            # (a callback, not a finally: a task cancelled before it first ran, at
+            # shutdown, runs no finally, and the read would never end)
+            item.end_read()
+            self._pull_ended(link)
+
+        self._served[link] = self._served.get(link, 0) + 1
+        self._served_all += 1
+        self._spawn(serve()).add_done_callback(ended)
+
+    def _pull_ended(self, link: PeerLink) -> None:
+        self._served_all -= 1
+        left = self._served.pop(link) - 1
+        if left:
+            self._served[link] = left
+
+    def _refuse_pull_over_limit(self, link: PeerLink, req: PullRequest) -> None:
+        """A pull past the pulls served at once, the peer's or all peers': refused with a
+        retriable error, counted (``pull_limit``), and logged at most every few seconds."""
+        node = self.engine.config.node_id
+        served = self._served.get(link, 0)
+        if served >= self._max_served:
+            whose = f"{served} of its pulls are"
+            message = f"{node} serves {served} pulls for {link.address} already"
+        else:
+            whose = f"{self._served_all} pulls of all peers are"
+            message = f"{node} serves {self._served_all} pulls for its peers already"
+        self.plane.bad_messages["pull_limit"] = self.plane.bad_messages.get("pull_limit", 0) + 1
+        self._refusing_pulls.warning(
+            "pull refused transfer_id=%d key=%s from=%s: %s being served already (the most "
+            "at once)", req.transfer_id, req.key, link.address, whose)
+        err = PoolExhausted(f"{message} (the most at once): ask again")
+        self.plane.send(link, Refuse(transfer_id=req.transfer_id, code=err.code,
+                                     message=err.message))
 
     def _key_appeared(self, key: str) -> None:
         """The engine stored, published or lent ``key``: serve the pulls waiting for it, in
