@@ -56,7 +56,10 @@ class Segment:
     nbytes: int
 
 
-_lock = threading.Lock()
+# Reentrant: ``_forget`` runs from a finalizer, that is wherever the garbage collector
+# happens to run, which may be inside a ``with _lock`` of this same thread (an allocation
+# there collects a cycle that held another segment's mapping).
+_lock = threading.RLock()
 _counter = itertools.count(1)
 # storage data_ptr -> its segment, and id -> segment; entries leave when the mapping is
 # collected.
@@ -95,8 +98,9 @@ def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
         raise
     base = torch.frombuffer(mm, dtype=torch.uint8)
     ptr = base.untyped_storage().data_ptr()
+    seg = Segment(seg_id, fd, nbytes)
     with _lock:
-        _segments[ptr] = _by_id[seg_id] = Segment(seg_id, fd, nbytes)
+        _segments[ptr] = _by_id[seg_id] = seg
     # The mmap lives as long as any tensor on it; when it goes, so does our descriptor
     # (the daemon holds its own for as long as it maps the segment).
     weakref.finalize(mm, _forget, ptr, seg_id, fd)
