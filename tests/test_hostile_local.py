@@ -282,12 +282,15 @@ def test_a_reused_transfer_id_is_refused_and_a_lost_link_frees_its_state(
         tid = 77
         pull = {"op": "pull_request", "transfer_id": tid, "key": "off", "dst_dev": "cpu",
                 "num_blocks": 1, "layout": [[BLOCK, "uint8"]]}
-        offer = peer.ask(pull)
-        assert isinstance(offer, Offer) and offer.transfer_id == tid, offer
-        for _ in range(2):
-            refused = peer.ask(pull)
-            assert isinstance(refused, Refuse) and refused.transfer_id == tid, refused
-            assert refused.code == "protocol" and "already in use" in refused.message
+        # All three in one read: the daemon handles them before the first one's task runs.
+        peer.sock.sendall(frame(pack(pull)) * 3)
+        answers = [peer.recv() for _ in range(3)]
+        offers = [m for m in answers if isinstance(m, Offer)]
+        assert len(offers) == 1 and offers[0].transfer_id == tid, answers
+        for refused in answers:
+            if not isinstance(refused, Offer):
+                assert isinstance(refused, Refuse) and refused.transfer_id == tid, refused
+                assert refused.code == "protocol" and "already in use" in refused.message
         refused = peer.ask({"op": "offer", "transfer_id": tid, "key": "other",
                             "src_dev": "cpu", "dst_dev": "cpu", "nbytes": BLOCK,
                             "num_blocks": 1, "layout": [[BLOCK, "uint8"]]})

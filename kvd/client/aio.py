@@ -159,19 +159,21 @@ class AsyncKvdClient:
         if self._closed:
             return
         self._closed = True
-        if self._conn is not None and self._dead is None and self.epoch:
-            in_flight = bool(self._pending)
-            try:
-                await self._call(self._b.bye(in_flight))
-            except (KvdError, OSError) as exc:
-                if in_flight:
-                    log.warning("closing with requests in flight: %s", exc)
-        for fut in self._pending.values():
-            if not fut.done():
-                _fail(fut, DaemonUnavailable("client closed"))
-        self._pending.clear()
-        if self._conn is not None:
-            self._conn.close()
+        try:
+            if self._conn is not None and self._dead is None and self.epoch:
+                in_flight = bool(self._pending)
+                try:
+                    await self._call(self._b.bye(in_flight))
+                except (KvdError, OSError) as exc:
+                    if in_flight:
+                        log.warning("closing with requests in flight: %s", exc)
+        finally:  # (also when aclose itself is cancelled: the connection goes regardless)
+            for fut in self._pending.values():
+                if not fut.done():
+                    _fail(fut, DaemonUnavailable("client closed"))
+            self._pending.clear()
+            if self._conn is not None:
+                self._conn.close()
 
     def _on_reply(self, reply: Reply) -> None:
         fut = self._pending.pop(reply.req_id, None)
@@ -179,12 +181,13 @@ class AsyncKvdClient:
             fut.set_result(reply)
 
     def _on_lost(self) -> None:
-        if self._closed:
-            return
-        self._dead = self._dead or self._b.disconnected()  # (_drop's says more)
+        err = self._dead or self._b.disconnected()  # (_drop's says more)
+        if not self._closed:
+            self._dead = err
+        # (while closing too: a Bye waiting for its answer fails now, not at its timeout)
         for fut in self._pending.values():
             if not fut.done():
-                _fail(fut, self._dead)
+                _fail(fut, err)
         self._pending.clear()
 
     def _queue(self, call: Call) -> asyncio.Future[Reply]:

@@ -110,7 +110,8 @@ class HttpServer:
 
 def _listen(host: str, port: int) -> list[socket.socket]:
     """Non-blocking listeners on every address ``host`` names (as ``loop.create_server``
-    binds them: ``localhost`` is IPv4 and IPv6); ``port`` 0: a free one, the first's."""
+    binds them: ``localhost`` is IPv4 and IPv6). ``port`` 0 gives each listener a free
+    port of its own, and the address reported is the first's (as with ``create_server``)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     listeners: list[socket.socket] = []
     try:

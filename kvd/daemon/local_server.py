@@ -159,6 +159,7 @@ class LocalServer:
         self._loop = asyncio.get_running_loop()
         self._server: Acceptor | None = None  # accepts on the local socket
         self._accepting: set[asyncio.Task[None]] = set()
+        self._reading_stopped = False  # draining or stopping: no new clients
         self._by_token: dict[bytes, Session] = {}
         self.segment_socket = segment_socket_path(config.socket_path)
         self._bound: BoundFile | None = None  # the socket file bound here: removed at close
@@ -202,13 +203,18 @@ class LocalServer:
 
     async def _admit(self, sock: socket.socket) -> None:
         try:
-            await self._loop.connect_accepted_socket(lambda: _Connection(self), sock)
+            transport, _ = await self._loop.connect_accepted_socket(
+                lambda: _Connection(self), sock)
         except OSError as exc:
             log.info("client connection lost before it was taken: %s", exc)
             sock.close()
+            return
+        if self._reading_stopped:  # accepted just before a drain began: not served
+            transport.close()
 
     def stop_reading(self) -> None:
         """No new clients, no new requests (replies still go out)."""
+        self._reading_stopped = True
         if self._server is not None:
             self._server.close()
         for conn in self.connections:

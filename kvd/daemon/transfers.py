@@ -191,6 +191,10 @@ class PeerTransfers:
         self._abandoned: dict[int, tuple[PeerLink, Layout, int, str]] = {}
         self.counters = TransferCounters()
         self._outgoing: dict[int, _Outgoing] = {}
+        # Pulls we serve, from their request on: (id(link), transfer id). Their _push
+        # enters _outgoing only once its task runs, and requests that came in one read
+        # are all handled before that.
+        self._serving: set[tuple[int, int]] = set()
         self._incoming: dict[tuple[int, int], _Incoming] = {}  # (id(link), transfer id)
         self._pulls: dict[int, _PullWait] = {}
         # Per outgoing transfer, its NCCL sends' channels, kept from eviction until the
@@ -326,7 +330,8 @@ class PeerTransfers:
             raise
         finally:
             self.counters.count(self.counters.sent, outcome)
-            self._outgoing.pop(tid, None)
+            if self._outgoing.get(tid) is out:
+                del self._outgoing[tid]
             for confirmed in self._unconfirmed.pop(tid, ()):
                 confirmed()
             if out.offer_pending and out.src_dev != CPU_DEVICE and not out.eager_channel:
@@ -720,7 +725,8 @@ class PeerTransfers:
         choose, and must differ while live (its messages say which transfer they are
         about; a second transfer under one id would be mistaken for the first)."""
         out = self._outgoing.get(tid)
-        return ((id(link), tid) in self._incoming or self._waiting_pulls.holds(link, tid)
+        return ((id(link), tid) in self._incoming or (id(link), tid) in self._serving
+                or self._waiting_pulls.holds(link, tid)
                 or (out is not None and out.link is link))
 
     def _refuse(self, link: PeerLink, tid: int, err: KvdError, bad: str | None = None) -> None:
@@ -1032,8 +1038,10 @@ class PeerTransfers:
             # (a callback, not a finally: a task cancelled before it first ran, at
             # shutdown, runs no finally, and the read would never end)
             item.end_read()
+            self._serving.discard((id(link), tid))
             self._pull_ended(link)
 
+        self._serving.add((id(link), tid))
         self._served[link] = self._served.get(link, 0) + 1
         self._served_all += 1
         self._spawn(serve()).add_done_callback(ended)
