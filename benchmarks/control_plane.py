@@ -1,29 +1,30 @@
-"""Control-plane latency of kvd against a raw round trip of the same message sizes.
+"""Control-plane latency of kvd against a raw pyzmq round trip of the same message sizes.
 
 Run: ``python benchmarks/control_plane.py [--quick] [--json] [--iterations N] [--warmup N]``
 
-What it measures, all sequential (one request in flight), over Unix sockets:
+What it measures, all sequential (one request in flight), alternated in rounds in one run
+(the machine is shared and noisy: each figure gets the same mix of quiet and busy moments):
 
-* **raw**: the transport kvd's local socket uses, bare: a Unix stream socket with a 4-byte
-  length before each message (``kvd.framing``), echo server in a separate process (as
-  the daemon is), once with a blocking client and once with asyncio streams under uvloop.
-  Payloads have the encoded sizes of kvd's messages: "ping" sends the size of a ``Ping``
-  request and gets a ``Pong``-sized reply back; "op" cycles through the sizes of
-  ``Offload``, ``Get`` and ``Delete`` requests and their ``Done`` replies.
-* **zmq**: the same sizes through pyzmq (DEALER client, ROUTER echo server, blocking and
-  ``zmq.asyncio``), kvd's transport until 2026-11-30: for reference, no ratio, and only
-  when pyzmq is installed. ZeroMQ's I/O thread at each end makes each message three
-  thread wake-ups instead of one; that is why kvd left it (docs/architecture.md).
+* **raw pyzmq** (the baseline): a DEALER client and a ROUTER echo server in a separate
+  process (as the daemon is), over ``ipc://``, the transport kvd's local socket uses. The
+  sync client blocks in ``recv``; the async one reads its socket's ``zmq.FD`` with
+  ``add_reader`` under uvloop, as kvd's async client does. Payloads have the encoded
+  sizes of kvd's messages: "ping" sends the size of a ``Ping`` request and gets a
+  ``Pong``-sized reply back; "op" cycles through the sizes of ``Offload``, ``Get`` and
+  ``Delete`` requests and their ``Done`` replies.
+* **plain Unix socket**, for reference: the same sizes over a Unix stream socket with a
+  4-byte length before each message, blocking client, echo server in a separate process.
+  ZeroMQ's I/O thread at each end is what costs the difference.
 * **kvd**: a ``kvd serve`` subprocess with ``kvd.KvdClient`` and ``kvd.AsyncKvdClient``
   (uvloop): ``ping()``, and a 64 KiB ``offload`` + ``get`` + ``delete`` of one block
   between two registered shared-memory regions, with a fresh key per iteration (the
   bytes are checked once before timing).
 
-How to read the ratios: ``kvd ping p50 / raw ping p50`` is what the daemon and the client
-library add on top of the transport (decode, dispatch, encode, futures) for one round
-trip; 1.0 would be free. ``offload+get+delete`` is three round trips plus two 64 KiB
-copies, so its ratio is against 3x the raw "op" p50. The target is "daemon ping p50 <= 2x
-raw round trip"; it is reported, never enforced. Numbers on a small machine are noisy.
+How to read the ratios: ``ping_p50_vs_raw_zmq`` is kvd's sync ping p50 over raw pyzmq's
+sync p50: what the daemon and the client library add on top of the transport (decode,
+dispatch, encode, futures, thread-safety) for one round trip; 1.0 would be free. The
+goal is <= 1.5; it is reported, never enforced. ``offload+get+delete`` is three round
+trips plus two 64 KiB copies, so its ratio is against 3x the raw "op" p50.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,20 +46,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvloop
+import zmq
 from daemons import stop_daemon  # benchmarks/daemons.py (run as a script)
 
-from kvd.framing import HEADER, frame
-
-try:  # for reference only: kvd does not use it
-    import zmq
-    import zmq.asyncio
-except ImportError:
-    zmq = None  # type: ignore[assignment]
 from kvd.protocol import Delete, Done, Get, Offload, Ping, Pong, encode
 
 BLOCK_BYTES = 64 * 1024
-TARGET_RATIO = 2.0
-TARGET = f"daemon ping p50 <= {TARGET_RATIO:g}x raw round trip"
+GOAL_RATIO = 1.5
+GOAL = f"kvd ping p50 <= {GOAL_RATIO:g}x raw pyzmq DEALER/ROUTER round trip"
+ROUNDS = 5  # each figure is measured in this many slices, alternated with the others
+HEADER = struct.Struct(">I")  # the plain socket's length prefix
 now_ns = time.perf_counter_ns
 
 
@@ -79,48 +77,70 @@ def message_sizes(node_id: str, epoch: int) -> dict[str, int]:
     }
 
 
-def stats(lat_ns: list[int], total_ns: int) -> dict[str, float]:
-    s = sorted(lat_ns)
+class Timings:
+    """Latencies of each measurement, gathered over the rounds."""
 
-    def pct_us(q: float) -> float:  # nearest-rank percentile
-        return s[min(len(s) - 1, round(q * (len(s) - 1)))] / 1e3
+    def __init__(self) -> None:
+        self.lat: dict[str, list[int]] = {}
+        self.total_ns: dict[str, int] = {}
 
-    return {"p50_us": pct_us(0.50), "p99_us": pct_us(0.99), "ops_s": len(s) * 1e9 / total_ns}
+    def add(self, name: str, lat: list[int], total_ns: int) -> None:
+        self.lat.setdefault(name, []).extend(lat)
+        self.total_ns[name] = self.total_ns.get(name, 0) + total_ns
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, lat in self.lat.items():
+            s = sorted(lat)
+
+            def pct_us(q: float, s: list[int] = s) -> float:  # nearest-rank percentile
+                return s[min(len(s) - 1, round(q * (len(s) - 1)))] / 1e3
+
+            out[name] = {"p50_us": pct_us(0.50), "p99_us": pct_us(0.99),
+                         "ops_s": len(s) * 1e9 / self.total_ns[name]}
+        return out
 
 
-def time_sync(fn: Callable[[int], Any], iterations: int, warmup: int) -> dict[str, float]:
+def time_sync(t: Timings, name: str, fn: Callable[[int], Any], iterations: int,
+              warmup: int, first: int) -> None:
     for i in range(warmup):
-        fn(i)
+        fn(first + i)
     lat = [0] * iterations
     gc.collect()
     start = now_ns()
     for i in range(iterations):
         t0 = now_ns()
-        fn(warmup + i)
+        fn(first + warmup + i)
         lat[i] = now_ns() - t0
-    return stats(lat, now_ns() - start)
+    t.add(name, lat, now_ns() - start)
 
 
-async def time_async(fn: Callable[[int], Awaitable[Any]], iterations: int,
-                     warmup: int) -> dict[str, float]:
+async def time_async(t: Timings, name: str, fn: Callable[[int], Awaitable[Any]],
+                     iterations: int, warmup: int, first: int) -> None:
     # One deadline for the whole loop: a per-call timeout would tax the raw baseline.
     async with asyncio.timeout(60 + (warmup + iterations) * 0.01):
         for i in range(warmup):
-            await fn(i)
+            await fn(first + i)
         lat = [0] * iterations
         gc.collect()
         start = now_ns()
         for i in range(iterations):
             t0 = now_ns()
-            await fn(warmup + i)
+            await fn(first + warmup + i)
             lat[i] = now_ns() - t0
-        return stats(lat, now_ns() - start)
+        t.add(name, lat, now_ns() - start)
 
 
-# ---------------------------------------------------------------- pyzmq, for reference
+def payloads(sizes: dict[str, int], what: str) -> list[bytes]:
+    pairs = {"ping": [("ping", "pong")],
+             "op": [("offload", "done_bytes"), ("get", "done_bytes"), ("delete", "done_empty")]}
+    return [sizes[rep].to_bytes(4, "little") + bytes(sizes[req] - 4) for req, rep in pairs[what]]
 
 
-def echo_server(endpoint: str, ready: Any) -> None:
+# ---------------------------------------------------------------- echo servers
+
+
+def zmq_echo_server(endpoint: str, ready: Any) -> None:
     """ROUTER echo: the first 4 bytes of a request give the size of the reply."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -138,51 +158,6 @@ def echo_server(endpoint: str, ready: Any) -> None:
             continue
         n = int.from_bytes(payload[:4], "little")
         sock.send_multipart([ident, replies.get(n) or replies.setdefault(n, bytes(n))])
-    sock.close()
-    ctx.term()
-
-
-def payloads(sizes: dict[str, int], what: str) -> list[bytes]:
-    pairs = {"ping": [("ping", "pong")],
-             "op": [("offload", "done_bytes"), ("get", "done_bytes"), ("delete", "done_empty")]}
-    return [sizes[rep].to_bytes(4, "little") + bytes(sizes[req] - 4) for req, rep in pairs[what]]
-
-
-def zmq_sync(endpoint: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    for opt, value in ((zmq.LINGER, 0), (zmq.SNDTIMEO, 5000), (zmq.RCVTIMEO, 5000)):
-        sock.setsockopt(opt, value)
-    sock.connect(endpoint)
-    msgs = payloads(sizes, what)
-    try:
-        def rtt(i: int) -> None:
-            sock.send(msgs[i % len(msgs)])
-            sock.recv()
-        return time_sync(rtt, n, warmup)
-    finally:
-        sock.close()
-        ctx.term()
-
-
-async def zmq_async(endpoint: str, sizes: dict[str, int], what: str, n: int,
-                    warmup: int) -> dict:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    msgs = payloads(sizes, what)
-    try:
-        async def rtt(i: int) -> None:
-            await sock.send(msgs[i % len(msgs)])
-            await sock.recv()
-        return await time_async(rtt, n, warmup)
-    finally:
-        sock.close()
-        ctx.term()
-
-
-# ---------------------------------------------------------------- raw baseline
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
@@ -201,7 +176,7 @@ def _read_frame(conn: socket.socket) -> bytes:
 
 
 def plain_echo_server(path: str, ready: Any) -> None:
-    """Unix-socket echo with the same rule as ``echo_server``, one client at a time."""
+    """Unix-socket echo with the same rule as ``zmq_echo_server``, one client at a time."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)
@@ -219,42 +194,81 @@ def plain_echo_server(path: str, ready: Any) -> None:
                 while True:
                     payload = _read_frame(conn)
                     n = int.from_bytes(payload[:4], "little")
-                    reply = replies.get(n) or replies.setdefault(n, frame(bytes(n)))
+                    reply = replies.get(n) or replies.setdefault(
+                        n, HEADER.pack(n) + bytes(n))
                     conn.sendall(reply)
             except ConnectionError:
                 pass
     srv.close()
 
 
-def raw_sync(path: str, sizes: dict[str, int], what: str, n: int, warmup: int) -> dict:
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(5.0)
-    conn.connect(path)
-    msgs = [frame(m) for m in payloads(sizes, what)]
-    try:
-        def rtt(i: int) -> None:
-            conn.sendall(msgs[i % len(msgs)])
-            _read_frame(conn)
-        return time_sync(rtt, n, warmup)
-    finally:
-        conn.close()
+def start_echo(server: Callable[[str, Any], None], address: str) -> Any:
+    """``server(address, ready)`` in a separate process, once it listens."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=server, args=(address, ready), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 30
+    while not ready.wait(0.1):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{server.__name__} did not start (exit code {proc.exitcode})")
+    return proc
 
 
-async def raw_async(path: str, sizes: dict[str, int], what: str, n: int,
-                    warmup: int) -> dict:
-    reader, writer = await asyncio.open_unix_connection(path)
-    msgs = [frame(m) for m in payloads(sizes, what)]
-    try:
-        async def rtt(i: int) -> None:
-            writer.write(msgs[i % len(msgs)])
-            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-            await reader.readexactly(size)
-        return await time_async(rtt, n, warmup)
-    finally:
-        writer.close()
+def stop_echo(proc: Any) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    proc.join(10)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join(5)
 
 
-# ---------------------------------------------------------------- kvd
+# ---------------------------------------------------------------- the clients
+
+
+def zmq_sync_rtt(sock: zmq.Socket[Any], msgs: list[bytes]) -> Callable[[int], None]:
+    def rtt(i: int) -> None:
+        sock.send(msgs[i % len(msgs)])
+        sock.recv()
+    return rtt
+
+
+class ZmqAsync:
+    """A raw DEALER read on the loop through ``zmq.FD`` and ``add_reader`` (drained until
+    ``zmq.EVENTS`` shows no message, checked again after each send)."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.loop = asyncio.get_running_loop()
+        self.waiter: asyncio.Future[bytes] | None = None
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._read)
+
+    def _read(self) -> None:
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            data = self.sock.recv(zmq.NOBLOCK)
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(data)
+
+    async def rtt(self, msg: bytes) -> bytes:
+        self.waiter = self.loop.create_future()
+        self.sock.send(msg, zmq.NOBLOCK)
+        self._read()  # (the send may have taken the edge of a reply)
+        return await self.waiter
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        self.sock.close()
+
+
+def plain_sync_rtt(conn: socket.socket, msgs: list[bytes]) -> Callable[[int], None]:
+    def rtt(i: int) -> None:
+        conn.sendall(msgs[i % len(msgs)])
+        _read_frame(conn)
+    return rtt
 
 
 def start_daemon(tmp: str) -> tuple[subprocess.Popen[bytes], str, str, int]:
@@ -297,63 +311,88 @@ def check_bytes(src: Any, dst: Any, moved: int, label: str) -> None:
         raise RuntimeError(f"{label}: get delivered {moved} bytes that do not match the source")
 
 
-def kvd_sync(path: str, n_ping: int, n_op: int, warmup: int) -> dict[str, dict]:
+def run_sync(t: Timings, path: str, endpoint: str, plain_path: str, sizes: dict[str, int],
+             args: argparse.Namespace) -> None:
     from kvd import KvdClient
 
-    with KvdClient(path, name="bench-sync", timeout_s=10.0) as c:
-        src, dst = tensors()
-        r_src, r_dst = c.register("bench-src", [src]), c.register("bench-dst", [dst])
-        c.offload(key_of("sync", -1), r_src, [0])
-        check_bytes(src, dst, c.get(key_of("sync", -1), r_dst, [0], timeout_s=5), "sync")
-        c.delete(key_of("sync", -1))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    for opt, value in ((zmq.LINGER, 0), (zmq.SNDTIMEO, 5000), (zmq.RCVTIMEO, 5000)):
+        dealer.setsockopt(opt, value)
+    dealer.connect(endpoint)
+    plain = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    plain.settimeout(5.0)
+    plain.connect(plain_path)
+    try:
+        with KvdClient(path, name="bench-sync", timeout_s=10.0) as c:
+            src, dst = tensors()
+            r_src, r_dst = c.register("bench-src", [src]), c.register("bench-dst", [dst])
+            c.offload(key_of("sync", -1), r_src, [0])
+            check_bytes(src, dst, c.get(key_of("sync", -1), r_dst, [0], timeout_s=5), "sync")
+            c.delete(key_of("sync", -1))
 
-        def op(i: int) -> None:
-            c.offload(key_of("sync", i), r_src, [0])
-            c.get(key_of("sync", i), r_dst, [0], timeout_s=5)
-            c.delete(key_of("sync", i))
-        return {"ping": time_sync(lambda i: c.ping(), n_ping, warmup),
-                "op": time_sync(op, n_op, warmup)}
+            def op(i: int) -> None:
+                c.offload(key_of("sync", i), r_src, [0])
+                c.get(key_of("sync", i), r_dst, [0], timeout_s=5)
+                c.delete(key_of("sync", i))
+
+            framed = {what: [HEADER.pack(len(m)) + m for m in payloads(sizes, what)]
+                      for what in ("ping", "op")}
+            fns: dict[str, tuple[Callable[[int], Any], int]] = {
+                "zmq_sync_ping": (zmq_sync_rtt(dealer, payloads(sizes, "ping")),
+                                  args.iterations),
+                "kvd_sync_ping": (lambda i: c.ping(), args.iterations),
+                "plain_sync_ping": (plain_sync_rtt(plain, framed["ping"]), args.iterations),
+                "zmq_sync_op": (zmq_sync_rtt(dealer, payloads(sizes, "op")),
+                                args.op_iterations),
+                "kvd_sync_op": (op, args.op_iterations),
+                "plain_sync_op": (plain_sync_rtt(plain, framed["op"]), args.op_iterations),
+            }
+            for r in range(ROUNDS):
+                for name, (fn, count) in fns.items():
+                    time_sync(t, name, fn, max(1, count // ROUNDS),
+                              args.warmup if r == 0 else args.warmup // 10, r * 10**6)
+    finally:
+        dealer.close()
+        plain.close()
+        ctx.term()
 
 
-async def kvd_async(path: str, n_ping: int, n_op: int, warmup: int) -> dict[str, dict]:
+async def run_async(t: Timings, path: str, endpoint: str, sizes: dict[str, int],
+                    args: argparse.Namespace) -> None:
     from kvd import AsyncKvdClient
 
-    async with AsyncKvdClient(path, name="bench-async", timeout_s=10.0) as c:
-        src, dst = tensors()
-        r_src, r_dst = await c.register("bench-src", [src]), await c.register("bench-dst", [dst])
-        await c.offload(key_of("async", -1), r_src, [0])
-        check_bytes(src, dst, await c.get(key_of("async", -1), r_dst, [0], timeout_s=5), "async")
-        await c.delete(key_of("async", -1))
+    ctx = zmq.Context()
+    raw = ZmqAsync(ctx, endpoint)
+    try:
+        async with AsyncKvdClient(path, name="bench-async", timeout_s=10.0) as c:
+            src, dst = tensors()
+            r_src = await c.register("bench-src", [src])
+            r_dst = await c.register("bench-dst", [dst])
+            await c.offload(key_of("async", -1), r_src, [0])
+            check_bytes(src, dst, await c.get(key_of("async", -1), r_dst, [0], timeout_s=5),
+                        "async")
+            await c.delete(key_of("async", -1))
 
-        async def op(i: int) -> None:
-            await c.offload(key_of("async", i), r_src, [0])
-            await c.get(key_of("async", i), r_dst, [0], timeout_s=5)
-            await c.delete(key_of("async", i))
-        return {"ping": await time_async(lambda i: c.ping(), n_ping, warmup),
-                "op": await time_async(op, n_op, warmup)}
+            async def op(i: int) -> None:
+                await c.offload(key_of("async", i), r_src, [0])
+                await c.get(key_of("async", i), r_dst, [0], timeout_s=5)
+                await c.delete(key_of("async", i))
 
-
-def start_echo(server: Callable[[str, Any], None], address: str) -> Any:
-    """``server(address, ready)`` in a separate process, once it listens."""
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=server, args=(address, ready), daemon=True)
-    proc.start()
-    deadline = time.monotonic() + 30
-    while not ready.wait(0.1):
-        if not proc.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"{server.__name__} did not start (exit code {proc.exitcode})")
-    return proc
-
-
-def stop_echo(proc: Any) -> None:
-    if proc is None:
-        return
-    proc.terminate()
-    proc.join(10)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join(5)
+            ping_msgs, op_msgs = payloads(sizes, "ping"), payloads(sizes, "op")
+            fns: dict[str, tuple[Callable[[int], Awaitable[Any]], int]] = {
+                "zmq_async_ping": (lambda i: raw.rtt(ping_msgs[0]), args.iterations),
+                "kvd_async_ping": (lambda i: c.ping(), args.iterations),
+                "zmq_async_op": (lambda i: raw.rtt(op_msgs[i % 3]), args.op_iterations),
+                "kvd_async_op": (op, args.op_iterations),
+            }
+            for r in range(ROUNDS):
+                for name, (fn, count) in fns.items():
+                    await time_async(t, name, fn, max(1, count // ROUNDS),
+                                     args.warmup if r == 0 else args.warmup // 10, r * 10**6)
+    finally:
+        raw.close()
+        ctx.term()
 
 
 # ---------------------------------------------------------------- report
@@ -364,41 +403,42 @@ def report(res: dict[str, dict], sizes: dict[str, int], args: argparse.Namespace
     for name, st in res.items():
         out.update({f"{name}_{k}": round(v, 2) for k, v in st.items()})
     for mode in ("sync", "async"):
-        raw_ping, raw_op = res[f"raw_{mode}_ping"]["p50_us"], res[f"raw_{mode}_op"]["p50_us"]
-        out[f"ratio_{mode}_ping_p50"] = round(res[f"kvd_{mode}_ping"]["p50_us"] / raw_ping, 2)
-        out[f"ratio_{mode}_op_p50"] = round(res[f"kvd_{mode}_op"]["p50_us"] / (3 * raw_op), 2)
-        if f"zmq_{mode}_ping" in res:
-            out[f"ratio_zmq_{mode}_ping_vs_raw_p50"] = round(
-                res[f"zmq_{mode}_ping"]["p50_us"] / raw_ping, 2)
-        out[f"target_met_{mode}"] = out[f"ratio_{mode}_ping_p50"] <= TARGET_RATIO
-    out.update(target=TARGET, iterations={"ping": args.iterations, "op": args.op_iterations,
-                                          "warmup": args.warmup}, message_sizes=sizes)
+        base_ping = res[f"zmq_{mode}_ping"]["p50_us"]
+        base_op = res[f"zmq_{mode}_op"]["p50_us"]
+        out[f"ratio_{mode}_ping_p50"] = round(res[f"kvd_{mode}_ping"]["p50_us"] / base_ping, 2)
+        out[f"ratio_{mode}_op_p50"] = round(res[f"kvd_{mode}_op"]["p50_us"] / (3 * base_op), 2)
+    out["ping_p50_vs_raw_zmq"] = out["ratio_sync_ping_p50"]
+    out["goal_met"] = out["ping_p50_vs_raw_zmq"] <= GOAL_RATIO
+    out["ratio_zmq_vs_plain_ping_p50"] = round(
+        res["zmq_sync_ping"]["p50_us"] / res["plain_sync_ping"]["p50_us"], 2)
+    out.update(goal=GOAL, rounds=ROUNDS, iterations={
+        "ping": args.iterations, "op": args.op_iterations, "warmup": args.warmup},
+        message_sizes=sizes)
 
-    print(f"kvd control plane, sequential (1 in flight); {args.iterations} ping / "
-          f"{args.op_iterations} offload+get+delete iterations, {args.warmup} warm-up")
+    print(f"kvd control plane, sequential (1 in flight), alternated in {ROUNDS} rounds; "
+          f"{args.iterations} ping / {args.op_iterations} offload+get+delete iterations")
     print("message bytes: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
-    print(f"\n{'measurement':<44}{'p50 µs':>10}{'p99 µs':>10}{'ops/s':>10}  ratio (p50)")
+    print(f"\n{'measurement':<46}{'p50 µs':>10}{'p99 µs':>10}{'ops/s':>10}  ratio (p50)")
     labels = {"ping": ("RTT, ping/pong sizes", "kvd ping()"),
               "op": ("RTT, offload/get/delete sizes", "kvd offload+get+delete 64KiB")}
     for mode in ("sync", "async"):
         for what in ("ping", "op"):
-            for src, label in (("raw", "raw " + labels[what][0]),
-                               ("zmq", "pyzmq " + labels[what][0]), ("kvd", labels[what][1])):
-                if f"{src}_{mode}_{what}" not in res:
+            for src, label in (("zmq", "raw pyzmq " + labels[what][0]),
+                               ("plain", "plain socket " + labels[what][0]),
+                               ("kvd", labels[what][1])):
+                name = f"{src}_{mode}_{what}"
+                if name not in res:
                     continue
-                st = res[f"{src}_{mode}_{what}"]
+                st = res[name]
                 ratio = ""
                 if src == "kvd":
-                    basis = "raw RTT" if what == "ping" else "3x raw RTT"
+                    basis = "raw pyzmq" if what == "ping" else "3x raw pyzmq"
                     ratio = f"{out[f'ratio_{mode}_{what}_p50']:.2f}x vs {basis}"
-                elif src == "zmq" and what == "ping":
-                    ratio = f"{out[f'ratio_zmq_{mode}_ping_vs_raw_p50']:.2f}x vs raw RTT"
-                print(f"{mode + ' ' + label:<44}{st['p50_us']:>10.1f}{st['p99_us']:>10.1f}"
+                print(f"{mode + ' ' + label:<46}{st['p50_us']:>10.1f}{st['p99_us']:>10.1f}"
                       f"{st['ops_s']:>10.0f}  {ratio}")
         print()
-    for mode in ("sync", "async"):
-        met = "MET" if out[f"target_met_{mode}"] else "NOT MET"
-        print(f"target ({mode}): {TARGET}: {out[f'ratio_{mode}_ping_p50']:.2f}x -> {met}")
+    met = "MET" if out["goal_met"] else "NOT MET"
+    print(f"goal: {GOAL}: {out['ping_p50_vs_raw_zmq']:.2f}x -> {met}")
     return out
 
 
@@ -416,41 +456,23 @@ def main() -> int:
     args.warmup = 500 // scale if args.warmup is None else args.warmup
 
     tmp = tempfile.mkdtemp(prefix="kvd-b-", dir="/tmp")  # short: ipc paths max ~100 bytes
-    daemon = echo = None
-    n, n_op, w = args.iterations, args.op_iterations, args.warmup
+    daemon = zmq_echo = plain_echo = None
     try:
         daemon, path, node_id, epoch = start_daemon(tmp)
         sizes = message_sizes(node_id, epoch)
-
-        res = {}
-        plain_path = f"{tmp}/plain.sock"
-        echo = start_echo(plain_echo_server, plain_path)
-        for what, count in (("ping", n), ("op", n_op)):
-            res[f"raw_sync_{what}"] = raw_sync(plain_path, sizes, what, count, w)
-            res[f"raw_async_{what}"] = uvloop.run(raw_async(plain_path, sizes, what, count, w))
-        stop_echo(echo)
-        echo = None
-
-        if zmq is not None:
-            endpoint = f"ipc://{tmp}/echo.sock"
-            echo = start_echo(echo_server, endpoint)
-            for what, count in (("ping", n), ("op", n_op)):
-                res[f"zmq_sync_{what}"] = zmq_sync(endpoint, sizes, what, count, w)
-                res[f"zmq_async_{what}"] = uvloop.run(
-                    zmq_async(endpoint, sizes, what, count, w))
-            stop_echo(echo)
-            echo = None
-
-        for what, st in kvd_sync(path, n, n_op, w).items():
-            res[f"kvd_sync_{what}"] = st
-        for what, st in uvloop.run(kvd_async(path, n, n_op, w)).items():
-            res[f"kvd_async_{what}"] = st
+        endpoint, plain_path = f"ipc://{tmp}/echo.sock", f"{tmp}/plain.sock"
+        zmq_echo = start_echo(zmq_echo_server, endpoint)
+        plain_echo = start_echo(plain_echo_server, plain_path)
+        t = Timings()
+        run_sync(t, path, endpoint, plain_path, sizes, args)
+        uvloop.run(run_async(t, path, endpoint, sizes, args))
     finally:
-        stop_echo(echo)
+        stop_echo(zmq_echo)
+        stop_echo(plain_echo)
         stop_daemon(daemon)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    out = report(res, sizes, args)
+    out = report(t.stats(), sizes, args)
     if args.json:
         print(json.dumps(out, sort_keys=True))
     return 0

@@ -177,16 +177,16 @@ def _outcomes(table: dict[str, int]) -> str:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from kvd.daemon.auth import write_cert
+    from kvd.daemon.auth import write_keys
 
-    cert_file, key_file = write_cert(args.dir, args.name)
-    print(f"certificate: {cert_file}\nprivate key: {key_file} (mode 0600)")
+    public_file, secret_file, public = write_keys(args.dir, args.name)
+    print(f"public key: {public_file}\nsecret key: {secret_file} (mode 0600)")
     print("this daemon's config:")
-    print(f'  tls_cert_file = "{cert_file}"')
-    print(f'  tls_key_file = "{key_file}"')
-    print('  tls_allowed_certs_file = "<a bundle of the certificates of its peers>"')
-    print(f"append {cert_file} to the tls_allowed_certs_file of every peer (one bundle of "
-          "all the daemons' certificates can serve them all)")
+    print(f'  curve_secret_key_file = "{secret_file}"')
+    print('  curve_allowed_keys_file = "<the allow-list: one line per daemon>"')
+    print("add this line to the allow-list (one file can serve every daemon; put this "
+          "daemon's peer host:port):")
+    print(f"{public} HOST:PORT")
     return 0
 
 
@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=4, help="tensors in each region")
     demo.set_defaults(func=_cmd_demo)
 
-    keygen = sub.add_parser("keygen", help="create a TLS certificate and key for the peer plane")
-    keygen.add_argument("--dir", default=".", help="where to write NAME.crt and NAME.key")
+    keygen = sub.add_parser("keygen", help="create a CurveZMQ key pair for the peer plane")
+    keygen.add_argument("--dir", default=".", help="where to write NAME.key and NAME.key_secret")
     keygen.add_argument("--name", default="kvd", help="file name stem")
     keygen.set_defaults(func=_cmd_keygen)
 

@@ -445,13 +445,15 @@ class Config:
     # when the daemon sees a GPU (a node with cores to spare), off otherwise.
     busy_poll: str = _opt("auto", _STR, _one_of("auto", "on", "off"))
     busy_poll_window_s: float = _opt(0.02, _SECONDS, _at_least(0))
-    # Mutual TLS on the peer plane (kvd keygen makes the certificate; see daemon/auth.py).
-    tls_cert_file: str = _opt("", _STR)
-    tls_key_file: str = _opt("", _STR)
-    tls_allowed_certs_file: str = _opt("", _STR)  # PEM bundle of the peers' certificates
-    # With TLS on, the TCP data connections (host memory) are TLS too; off: plain TCP for
-    # them (admitted by a token from the TLS handshake, not encrypted). NCCL is never TLS.
-    tls_data: bool = _opt(True, _BOOL)
+    # CurveZMQ on the peer plane (daemon/auth.py): this daemon's key pair, as kvd keygen
+    # writes it (NAME.key_secret), and the allow-list of the daemons it talks to (one
+    # "<public key> <host:port>" line each). Neither: the peer plane is open.
+    curve_secret_key_file: str = _opt("", _STR)
+    curve_allowed_keys_file: str = _opt("", _STR)
+    # With CurveZMQ on, the TCP data connections (host memory) are TLS, pinned through the
+    # CURVE-secured handshake; off: plain TCP (admitted by their token, not encrypted).
+    # Without CurveZMQ they are plain. NCCL is never encrypted.
+    encrypt_data: bool = _opt(True, _BOOL)
     peers: str = _opt("", _STR)  # comma-separated host:port kept linked; /readyz needs them
     http_host: str = _opt("127.0.0.1", _STR, _non_empty)
     http_port: int = _opt(9400, _INT, _port)
@@ -526,10 +528,13 @@ def _one_line(text: str) -> str:
 
 # Settings that are gone, and what replaced them.
 _REMOVED = {
-    "curve_secret_key_file": "tls_cert_file and tls_key_file (the peer plane uses TLS "
-                             "since 2026-11-30; kvd keygen makes the certificate)",
-    "curve_allowed_keys_file": "tls_allowed_certs_file (a PEM bundle of the peers' "
-                               "certificates; the peer plane uses TLS since 2026-11-30)",
+    "tls_cert_file": "curve_secret_key_file (the peer plane uses CurveZMQ; kvd keygen "
+                     "writes the key pair)",
+    "tls_key_file": "curve_secret_key_file (the peer plane uses CurveZMQ; kvd keygen "
+                    "writes the key pair)",
+    "tls_allowed_certs_file": "curve_allowed_keys_file (one '<public key> <host:port>' "
+                              "line per daemon)",
+    "tls_data": "encrypt_data",
 }
 
 
@@ -664,6 +669,11 @@ def _load(
             continue
         source = f"env {var}"
         if var not in env_names:
+            removed = var[len(ENV_PREFIX):].lower()
+            if removed in _REMOVED:
+                raise ConfigError(f"{var} (from env) is gone: use "
+                                  f"{_env_var(_REMOVED[removed].split()[0])} "
+                                  f"({_REMOVED[removed]})")
             hint = difflib.get_close_matches(var, list(env_names), n=1)
             suggestion = f"; did you mean {hint[0]}?" if hint else ""
             raise ConfigError(f"unknown variable {var} (from env){suggestion}")

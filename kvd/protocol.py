@@ -35,7 +35,9 @@ from kvd.errors import ProtocolError
 #  10 — 2026-12: CPU tensors live in sealed memfd segments handed over as file
 #        descriptors (``SegmentHandoff`` on the segment socket); ``ShmTensor`` names a
 #        segment, not a path.
-PROTOCOL_VERSION = 10
+#  11 — 2026-12: ZeroMQ frames; a session is opened with the token its lifeline (its
+#        connection to the segment socket) was given (``Lifeline``, ``Hello.lifeline``).
+PROTOCOL_VERSION = 11
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -154,6 +156,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     protocol_version: int
     pid: NonNeg = 0
     name: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
+    # The token the daemon gave this client's lifeline (``Lifeline``): the session lives
+    # as long as that connection does.
+    lifeline: bytes = b""
 
 
 class Bye(_Msg, tag="bye", frozen=True):
@@ -289,23 +294,33 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     node_id: str
     epoch: int
     daemon_version: str
-    # Where, and with which secret, this session hands over its shared-memory segments.
-    segment_socket: str = ""
-    segment_token: bytes = b""
+
+
+def segment_socket_path(socket_path: str) -> str:
+    """The segment socket of the daemon whose local socket is ``socket_path``: where each
+    client keeps its lifeline (``Lifeline``) and hands over its shared-memory segments."""
+    return socket_path + ".seg"
+
+
+class Lifeline(Struct, frozen=True, forbid_unknown_fields=True):
+    """The daemon's first message on a connection to the segment socket: the token a
+    ``Hello`` presents to open a session on this connection (its *lifeline*). The session
+    lives as long as the connection: a client that dies closes it, and so does a daemon."""
+
+    token: Annotated[bytes, Meta(min_length=SEGMENT_TOKEN_BYTES, max_length=SEGMENT_TOKEN_BYTES)]
 
 
 class SegmentHandoff(Struct, frozen=True, forbid_unknown_fields=True):
-    """The one message of a connection to the segment socket, sent with ``sendmsg`` and
-    one file descriptor per segment id (``SCM_RIGHTS``), in order. ``token`` is the
-    session's ``Welcome.segment_token``: the segments become that session's."""
+    """Shared-memory segments handed over on a session's lifeline, sent with ``sendmsg``
+    and one file descriptor per segment id (``SCM_RIGHTS``), in order: they become the
+    session's."""
 
-    token: Annotated[bytes, Meta(min_length=SEGMENT_TOKEN_BYTES, max_length=SEGMENT_TOKEN_BYTES)]
     segments: Annotated[list[Annotated[int, Meta(ge=1, le=2**62)]],
                         Meta(min_length=1, max_length=MAX_SEGMENTS_PER_HANDOFF)]
 
 
 class SegmentsTaken(Struct, frozen=True, forbid_unknown_fields=True):
-    """The segment socket's answer: empty ``error`` when the session has them."""
+    """The answer to a ``SegmentHandoff``: empty ``error`` when the session has them."""
 
     error: str = ""
 
@@ -373,6 +388,9 @@ class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
     # Channels to this daemon may make their calls on a blocking communicator split from
     # the non-blocking one (both ends must split: a channel uses it when both say so).
     nccl_blocking_calls: bool = False
+    # SHA-256 of the TLS certificate this daemon's data port presents (encrypt_data under
+    # CurveZMQ); empty: its data port speaks plain TCP.
+    data_fingerprint: Annotated[bytes, Meta(max_length=32)] = b""
 
 
 class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
@@ -384,6 +402,7 @@ class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
     data_token: Token
     devices: Annotated[list[Device], Meta(max_length=64)]
     nccl_blocking_calls: bool = False  # as in PeerHello
+    data_fingerprint: Annotated[bytes, Meta(max_length=32)] = b""  # as in PeerHello
 
 
 class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):

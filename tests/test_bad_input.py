@@ -15,11 +15,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 import kvd
 from kvd import AsyncKvdClient, shared_zeros
+from kvd.client.lifeline import ClientLifeline
 from kvd.daemon import local_server
-from kvd.framing import HEADER, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -29,6 +31,7 @@ from kvd.protocol import (
     StatsReply,
     Welcome,
     decode_reply,
+    segment_socket_path,
 )
 from tests.conftest import RunningDaemon, in_process_only, make_config, running_daemon
 
@@ -36,43 +39,51 @@ pack = msgspec.msgpack.encode
 
 
 class RawClient:
-    """A raw connection to the local socket, to send what the real client never would."""
+    """A raw DEALER on the local socket (and a lifeline on the segment socket), to send
+    what the real client never would."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.sock: zmq.asyncio.Socket | None = None
+        self.lifeline: ClientLifeline | None = None
         self.welcome: Welcome | None = None
 
-    async def open(self) -> RawClient:
-        self.reader, self.writer = await asyncio.open_unix_connection(self.path)
+    async def open(self, lifeline: bool = True) -> RawClient:
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{self.path}")
+        if lifeline:
+            self.lifeline = await asyncio.to_thread(
+                ClientLifeline.connect, segment_socket_path(self.path), 5.0)
         return self
 
-    async def write(self, data: bytes) -> None:
-        assert self.writer is not None
-        self.writer.write(data)
-        await self.writer.drain()
+    async def write(self, *frames: bytes) -> None:
+        assert self.sock is not None
+        await self.sock.send_multipart(frames)
 
     async def reply(self) -> Any:
-        assert self.reader is not None
+        assert self.sock is not None
         async with asyncio.timeout(5):
-            (n,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
-            return decode_reply(await self.reader.readexactly(n))
+            return decode_reply(await self.sock.recv())
 
     async def send(self, payload: bytes) -> Any:
-        """One framed message; its reply."""
-        await self.write(frame(payload))
+        """One message; its reply."""
+        await self.write(payload)
         return await self.reply()
 
-    async def hello(self) -> None:
-        reply = await self.send(pack({"op": "hello", "req_id": 1, "protocol_version":
-                                      PROTOCOL_VERSION, "pid": os.getpid()}))
+    async def hello(self, req_id: int = 1) -> None:
+        assert self.lifeline is not None
+        reply = await self.send(pack({"op": "hello", "req_id": req_id, "protocol_version":
+                                      PROTOCOL_VERSION, "pid": os.getpid(),
+                                      "lifeline": self.lifeline.token}))
         assert isinstance(reply, Welcome), reply
         self.welcome = reply
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        if self.lifeline is not None:
+            self.lifeline.close()
 
 
 @pytest.fixture
@@ -132,33 +143,36 @@ async def test_malformed_messages(
     await still_serving(raw)
 
 
-async def test_oversized_and_split_messages(daemon: RunningDaemon, raw: RawClient) -> None:
-    # Over max_message_bytes (1 MiB): an error reply with the req_id, then the stream is
-    # still in step (the rest of the message was skipped, not taken for the next one).
+async def test_oversized_messages_and_wrong_frame_counts(
+        daemon: RunningDaemon, raw: RawClient) -> None:
+    # Over max_message_bytes (1 MiB): an error reply with the req_id.
     reply = await raw.send(pack({"op": "stats", "req_id": 4, "pad": "x" * (2 * 2**20)}))
     assert isinstance(reply, ErrorReply) and reply.req_id == 4
     assert "max_message_bytes" in reply.message
     assert await bad_count(raw, "too_large") == 1
-    # A length that claims 4 GiB: refused at once, without waiting for (or holding) it;
-    # what follows it in the stream is taken as part of it and skipped.
-    await raw.write(HEADER.pack(2**32 - 1))
-    reply = await raw.reply()
-    assert isinstance(reply, ErrorReply) and reply.req_id == 0
-    assert "4294967295 bytes" in reply.message
-    raw.close()
-    # Messages cut into pieces at every byte, and two in one write, are read as sent.
+    # A message is one frame: two, or none, is answered and counted.
+    for frames in ([pack({"op": "ping", "req_id": 5}), b"more"], []):
+        if frames:
+            await raw.write(*frames)
+        else:  # (a DEALER sends no message without a frame: an empty delimiter only)
+            await raw.write(b"", pack({"op": "ping", "req_id": 6}))
+        reply = await raw.reply()
+        assert isinstance(reply, ErrorReply) and "one frame" in reply.message, reply
+    assert await bad_count(raw, "frames") == 2
+    await still_serving(raw)
+    # Over the hard limit (64 MiB): ZeroMQ ends the connection before the daemon holds the
+    # message; this DEALER reconnects as a stranger (no session), and others are served.
+    await raw.write(b"x" * (65 * 2**20))
+    async with asyncio.timeout(10):
+        while not isinstance(reply := await raw.send(pack({"op": "ping", "req_id": 7})),
+                             ErrorReply):
+            await asyncio.sleep(0.05)
+    assert reply.code == "daemon_unavailable" and "Hello first" in reply.message, reply
     r = await RawClient(daemon.socket_path).open()
     try:
         await r.hello()
-        data = frame(pack({"op": "ping", "req_id": 5}))
-        for i in range(len(data)):
-            await r.write(data[i : i + 1])
-            await asyncio.sleep(0)
-        assert isinstance(await r.reply(), Pong)
-        await r.write(frame(pack({"op": "ping", "req_id": 6})) +
-                      frame(pack({"op": "ping", "req_id": 7})))
-        assert [(await r.reply()).req_id for _ in range(2)] == [6, 7]
         await still_serving(r)
+        assert await bad_count(r, "too_large") == 1  # (not read: nothing to count it by)
     finally:
         r.close()
 
@@ -166,6 +180,11 @@ async def test_oversized_and_split_messages(daemon: RunningDaemon, raw: RawClien
 async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
     r = await RawClient(daemon.socket_path).open()
     try:
+        # A hello without a lifeline's token, or with one no connection was given.
+        for req_id, token in ((3, b""), (4, b"\0" * 32)):
+            reply = await r.send(pack({"op": "hello", "req_id": req_id, "protocol_version":
+                                       PROTOCOL_VERSION, "lifeline": token}))
+            assert isinstance(reply, ErrorReply) and "segment socket" in reply.message, reply
         reply = await r.send(pack({"op": "ping", "req_id": 1}))
         assert isinstance(reply, ErrorReply) and reply.code == "daemon_unavailable"
         assert "Hello first" in reply.message
@@ -175,6 +194,7 @@ async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
         await r.hello()
         assert await bad_count(r, "version") == 1
         assert await bad_count(r, "no_session") == 1
+        assert await bad_count(r, "no_lifeline") == 2
         reply = await r.send(pack({"op": "hello", "req_id": 3, "protocol_version":
                                    PROTOCOL_VERSION}))
         assert isinstance(reply, ErrorReply) and "already" in reply.message
@@ -186,13 +206,12 @@ async def test_wrong_version_and_no_hello(daemon: RunningDaemon) -> None:
 async def test_register_bad_segments(daemon: RunningDaemon, raw: RawClient) -> None:
     """CPU tensors name segments their session handed over (the segment socket): a segment
     never handed over, a wrong size for it, or a view past its end is refused."""
-    from kvd.client.shm import hand_over, segment_of, tensor_spec
+    from kvd.client.shm import segment_of, tensor_spec
 
     real = shared_zeros((4, 256), torch.float32)
     spec = tensor_spec(real)
-    assert isinstance(spec, ShmTensor) and raw.welcome is not None
-    await asyncio.to_thread(hand_over, raw.welcome.segment_socket, raw.welcome.segment_token,
-                            [segment_of(spec)], 5.0)
+    assert isinstance(spec, ShmTensor) and raw.lifeline is not None
+    await asyncio.to_thread(raw.lifeline.hand_over, [segment_of(spec)], 5.0)
 
     def reg(req_id: int, **kw: Any) -> bytes:
         tensor = {"kind": "shm", "segment": spec.segment, "file_bytes": 4096,
@@ -226,51 +245,56 @@ def _segment(nbytes: int, seals: int) -> int:
     return fd
 
 
-def _handoff(path: str, payload: bytes, fds: list[int]) -> SegmentsTaken:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        sock.settimeout(10)
-        sock.connect(path)
-        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                     if fds else [])
+def _handoff(sock: socket.socket, payload: bytes, fds: list[int]) -> SegmentsTaken:
+    sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                 if fds else [])
+    sock.settimeout(10)
+    try:
         return msgspec.msgpack.decode(sock.recv(4096), type=SegmentsTaken)
+    finally:
+        sock.settimeout(None)
 
 
 async def test_segment_socket_refuses_what_is_not_a_sealed_segment_of_a_session(
         daemon: RunningDaemon, raw: RawClient, tmp_path: Any) -> None:
-    """The segment socket takes only memfds sealed against shrinking (a truncated mapping
-    would kill the daemon with SIGBUS), for a live session's token, one per id; anything
-    else is answered with the reason, counted, and the socket and the daemon go on."""
-    assert raw.welcome is not None
-    path, token = raw.welcome.segment_socket, raw.welcome.segment_token
+    """A session's lifeline takes only memfds sealed against shrinking (a truncated mapping
+    would kill the daemon with SIGBUS), one per id, and a connection no hello claimed takes
+    none; anything else is answered with the reason, counted, and the socket and the daemon
+    go on."""
+    assert raw.lifeline is not None
+    stranger = await asyncio.to_thread(
+        ClientLifeline.connect, segment_socket_path(daemon.socket_path), 5.0)
     sealed = _segment(4096, fcntl.F_SEAL_SHRINK)
     unsealed = _segment(4096, 0)
     empty = _segment(0, fcntl.F_SEAL_SHRINK)
     plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
     os.ftruncate(plain, 4096)
 
-    def handoff(ids: list[int], tok: bytes = token) -> bytes:
-        return pack({"token": tok, "segments": ids})
+    def handoff(ids: list[int]) -> bytes:
+        return pack({"segments": ids})
 
-    cases: list[tuple[bytes, list[int], str]] = [
-        (handoff([1]), [unsealed], "sealed against shrinking"),
-        (handoff([1]), [plain], "sealed against shrinking"),
-        (handoff([1]), [empty], "non-empty"),
-        (handoff([1], b"\0" * 16), [sealed], "unknown session"),
-        (handoff([1, 2]), [sealed], "2 segment ids for 1 file descriptors"),
-        (handoff([1]), [], "1 segment ids for 0"),
-        (b"garbage", [sealed], "malformed handoff"),
-        (handoff([1]), [sealed] * 70, "at most 64 segments"),
-        (handoff([1], b"short"), [sealed], "malformed handoff"),
+    cases: list[tuple[ClientLifeline, bytes, list[int], str]] = [
+        (raw.lifeline, handoff([1]), [unsealed], "sealed against shrinking"),
+        (raw.lifeline, handoff([1]), [plain], "sealed against shrinking"),
+        (raw.lifeline, handoff([1]), [empty], "non-empty"),
+        (stranger, handoff([1]), [sealed], "say hello on the local socket first"),
+        (raw.lifeline, handoff([1, 2]), [sealed], "2 segment ids for 1 file descriptors"),
+        (raw.lifeline, handoff([1]), [], "1 segment ids for 0"),
+        (raw.lifeline, b"garbage", [sealed], "malformed handoff"),
+        (raw.lifeline, handoff([1]), [sealed] * 70, "at most 64 segments"),
+        (raw.lifeline, pack({"token": b"t" * 32, "segments": [1]}), [sealed],
+         "malformed handoff"),
     ]
     try:
-        for payload, fds, needle in cases:
-            taken = await asyncio.to_thread(_handoff, path, payload, fds)
+        for line, payload, fds, needle in cases:
+            taken = await asyncio.to_thread(_handoff, line.sock, payload, fds)
             assert needle in taken.error, (needle, taken)
             await still_serving(raw)
         assert await bad_count(raw, "segments") == len(cases)
-        taken = await asyncio.to_thread(_handoff, path, handoff([7]), [sealed])
+        taken = await asyncio.to_thread(_handoff, raw.lifeline.sock, handoff([7]), [sealed])
         assert taken.error == "", taken
     finally:
+        stranger.close()
         for fd in (sealed, unsealed, empty, plain):
             os.close(fd)
 
@@ -347,28 +371,28 @@ async def test_a_new_client_on_a_reused_descriptor_keeps_its_session(
 
 async def test_a_client_that_does_not_read_its_replies_is_cut_off(
         sock_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replies a client leaves unread pile up in the daemon only up to a bound: then the
-    client's connection is closed, its session ends, and others are served as before."""
-    monkeypatch.setattr(local_server, "_MAX_UNREAD_REPLY_BYTES", 64 * 1024)
+    """Replies a client leaves unread pile up in the daemon only up to a bound: then its
+    session ends, its lifeline is closed (it sees its daemon gone), and others are served
+    as before."""
+    monkeypatch.setattr(local_server, "_MAX_UNREAD_REPLIES", 500)
     async with running_daemon(make_config(sock_dir)) as d:
         greedy = await RawClient(d.socket_path).open()
         await greedy.hello()
-        stats = frame(pack({"op": "stats", "req_id": 2}))
-        assert greedy.writer is not None
-        greedy.writer.write(stats * 20000)  # ~30 MiB of replies that nobody reads
+        assert greedy.sock is not None and greedy.lifeline is not None
+        greedy.sock.setsockopt(zmq.RCVHWM, 100)  # (ZeroMQ's queues hold few of them)
+        stats = pack({"op": "stats", "req_id": 2})
         async with AsyncKvdClient(d.socket_path) as c:
-            async with asyncio.timeout(20):
+            async with asyncio.timeout(30):
                 while (await c.stats())["bad_messages"].get("unread_replies", 0) == 0:
-                    await asyncio.sleep(0.05)
+                    for _ in range(200):  # replies that nobody reads
+                        await greedy.write(stats)
+                    await asyncio.sleep(0.01)
                 while (await c.stats())["clients"] != 1:
                     await asyncio.sleep(0.05)
             assert await c.ping() > 0
-        assert greedy.reader is not None
-        with pytest.raises(ConnectionError):  # cut off (reset: its requests were unread)
-            async with asyncio.timeout(20):
-                while await greedy.reader.read(1 << 20):
-                    pass
-                raise ConnectionResetError("closed")  # or a plain end of stream
+        lifeline = greedy.lifeline.sock
+        lifeline.settimeout(10)
+        assert await asyncio.to_thread(lifeline.recv, 1) == b""  # cut off
         greedy.close()
 
 

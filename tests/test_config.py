@@ -99,10 +99,9 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "gpu_staging_bytes": 2**30,
         "busy_poll": "auto",
         "busy_poll_window_s": 0.02,
-        "tls_cert_file": "",
-        "tls_key_file": "",
-        "tls_allowed_certs_file": "",
-        "tls_data": True,
+        "curve_secret_key_file": "",
+        "curve_allowed_keys_file": "",
+        "encrypt_data": True,
         "pool_prefault": True,
         "peers": "",
         "max_message_bytes": MiB,
@@ -357,24 +356,51 @@ def test_unknown_key_in_file(tmp_path: Path, sock: str) -> None:
     assert "did you mean 'pool_size_bytes'" in message
 
 
-def test_a_removed_key_says_what_replaced_it(tmp_path: Path, sock: str) -> None:
-    path = write(tmp_path / "kvd.toml", 'curve_secret_key_file = "/etc/kvd/a.key_secret"\n')
+@pytest.mark.parametrize(("removed", "replacement"), [
+    ("tls_cert_file", "curve_secret_key_file"), ("tls_key_file", "curve_secret_key_file"),
+    ("tls_allowed_certs_file", "curve_allowed_keys_file"), ("tls_data", "encrypt_data")])
+def test_a_removed_key_says_what_replaced_it(tmp_path: Path, sock: str, removed: str,
+                                             replacement: str) -> None:
+    path = write(tmp_path / "kvd.toml", f'{removed} = "x"\n')
     message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
-    assert "'curve_secret_key_file'" in message and "tls_cert_file" in message
+    assert f"'{removed}'" in message and "is gone" in message and replacement in message
+    message = config_error(env={"KVD_SOCKET_PATH": sock, f"KVD_{removed.upper()}": "x"})
+    assert replacement in message, message
 
 
-def test_tls_settings_come_together(tmp_path: Path, sock: str) -> None:
-    from kvd.daemon.auth import load_tls
+def test_curve_settings_come_together(tmp_path: Path, sock: str) -> None:
+    import zmq.auth
 
-    cfg = load_config(env={"KVD_SOCKET_PATH": sock},
-                      overrides={"tls_cert_file": str(tmp_path / "a.crt")})
-    with pytest.raises(ConfigError, match="tls_key_file: required"):
-        load_tls(cfg)
-    cfg = load_config(env={"KVD_SOCKET_PATH": sock}, overrides={
-        "tls_cert_file": str(tmp_path / "a.crt"), "tls_key_file": str(tmp_path / "a.key"),
-        "tls_allowed_certs_file": str(tmp_path / "peers.pem")})
-    with pytest.raises(ConfigError, match="cannot load"):
-        load_tls(cfg)  # the files are not there
+    from kvd.daemon.auth import load_keys, write_keys
+
+    def keys(**overrides: str) -> object:
+        return load_keys(load_config(env={"KVD_SOCKET_PATH": sock}, overrides=overrides))
+
+    assert keys() is None  # neither: an open peer plane
+    with pytest.raises(ConfigError, match="curve_secret_key_file is not"):
+        keys(curve_allowed_keys_file=str(tmp_path / "allowed"))
+    with pytest.raises(ConfigError, match="curve_allowed_keys_file: required"):
+        keys(curve_secret_key_file=str(tmp_path / "a.key_secret"))
+    public_file, secret_file, public = write_keys(str(tmp_path), "a")
+    allowed = tmp_path / "allowed"
+    with pytest.raises(ConfigError, match="cannot read"):
+        keys(curve_secret_key_file=secret_file, curve_allowed_keys_file=str(allowed))
+    with pytest.raises(ConfigError, match="holds no secret key"):
+        keys(curve_secret_key_file=public_file, curve_allowed_keys_file=str(allowed))
+    other, _ = zmq.curve_keypair()
+    allowed.write_text(f"# cluster\n{public} 10.0.0.1:14579\n\n"
+                       f"{other.decode()} 10.0.0.2:14579  # b\n")
+    found = keys(curve_secret_key_file=secret_file, curve_allowed_keys_file=str(allowed))
+    assert found is not None
+    assert found.by_address == {"10.0.0.1:14579": public.encode(),  # type: ignore[attr-defined]
+                                "10.0.0.2:14579": other}
+    assert zmq.auth.load_certificate(secret_file)[0] == public.encode()
+    for line in (f"{public}", f"{public} nohost", "tooshort 10.0.0.3:1",
+                 f"{other.decode()} 10.0.0.1:14579"):  # (an address with two keys)
+        allowed.write_text(f"{public} 10.0.0.1:14579\n{line}\n")
+        with pytest.raises(ConfigError, match="line 2"):
+            keys(curve_secret_key_file=secret_file, curve_allowed_keys_file=str(allowed))
+    assert oct(os.stat(secret_file).st_mode)[-3:] == "600"
 
 
 def test_table_in_file_is_unknown_key(tmp_path: Path, sock: str) -> None:

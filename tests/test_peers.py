@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -17,10 +18,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import zmq
 
 import kvd
 from kvd import KvdClient, shared_empty, shared_zeros
-from kvd.framing import FrameReader, frame
 from kvd.protocol import (
     PROTOCOL_VERSION,
     ChannelDown,
@@ -37,36 +38,65 @@ pack = msgspec.msgpack.encode
 BLOCK = 64 * 1024  # bytes per block in these tests (one uint8 tensor per region)
 
 
-class RawPeer:
-    """A raw connection to a daemon's peer port, to send what a daemon never would."""
+_RAW_CONTEXT = zmq.Context()  # the raw peers' (one I/O thread for them all)
+_raw_monitors = itertools.count()
 
-    def __init__(self, address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
-        self.frames = FrameReader(1 << 20)
-        self.pending: list[bytes] = []
+
+class RawPeer:
+    """A raw pyzmq DEALER on a daemon's peer port, to send what a daemon never would.
+    ``curve``: (server public key, our public key, our secret key), z85. ``recv`` raises
+    ConnectionError once the daemon's end closed the connection (the DEALER's monitor
+    says so)."""
+
+    def __init__(self, address: str, curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+        self.sock = _RAW_CONTEXT.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        if curve is not None:
+            self.sock.curve_serverkey, self.sock.curve_publickey, \
+                self.sock.curve_secretkey = curve
+        monitor_address = f"inproc://raw-peer-monitor-{next(_raw_monitors)}"
+        self.sock.monitor(monitor_address, zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.monitor = _RAW_CONTEXT.socket(zmq.PAIR)
+        self.monitor.connect(monitor_address)
+        self.sock.connect(f"tcp://{address}")
+        self.closed_by_daemon = False
 
     def send(self, obj: object) -> None:
-        self.sock.sendall(frame(obj if isinstance(obj, bytes) else pack(obj)))
+        self.sock.send(obj if isinstance(obj, bytes) else pack(obj))
 
-    def recv(self) -> PeerMessage:
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout_s: float = 10) -> PeerMessage:
         """The next message that is not a heartbeat."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
         while True:
-            while not self.pending:
-                data = self.sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionError("the daemon closed the connection")
-                self.pending += [p for p in self.frames.feed(data) if isinstance(p, bytes)]
-            msg = decode_peer(self.pending.pop(0))
-            if not isinstance(msg, Heartbeat):
-                return msg
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
+            if self.sock in ready:
+                msg = decode_peer(self.sock.recv())
+                if not isinstance(msg, Heartbeat):
+                    return msg
+            elif self.monitor in ready:
+                self.monitor.recv_multipart()
+                self.closed_by_daemon = True
+                raise ConnectionError("the daemon closed the connection")
+            elif left <= 0:
+                raise TimeoutError(f"no message within {timeout_s:g}s")
 
     def ask(self, obj: object) -> PeerMessage:
         self.send(obj)
         return self.recv()
 
     def close(self) -> None:
-        self.sock.close()
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
 
 
 def random_region(blocks: int, seed: int, block_bytes: int = BLOCK) -> torch.Tensor:
@@ -504,19 +534,31 @@ def test_bad_input_on_peer_socket(nodes: object) -> None:
             d.sendall(b"KVDD" + b"x" * 32)
             d.settimeout(5)
             assert d.recv(1) == b""  # refused: closed
+        # A message of two frames, and an empty one: refused, the link kept.
+        peer.send_frames([pack({"op": "heartbeat", "epoch": 1}), b"x"])
+        reply = peer.recv()
+        assert isinstance(reply, PeerError) and "one frame" in reply.message, reply
+        reply = send(b"")
+        assert isinstance(reply, PeerError) and "empty" in reply.message, reply
         stats = wait_until(lambda: (s := a.client.stats())["peer"]["bad_messages"].get(
             "data_token") and s["peer"]["bad_messages"].get("unknown_transfer") == 2 and s)
         bad = stats["peer"]["bad_messages"]
         assert bad["malformed"] == 2 and bad["no_link"] == 1 and bad["version"] == 1
         assert bad["bad_offer"] == 3 and bad["unknown_transfer"] == 2
-        # A message over the limit (1 MiB) ends the connection; the daemon serves on.
+        assert bad["frames"] == 1 and bad["empty"] == 1
+        assert len(stats["peer"]["links"]) == 1
+        # A message over the limit (1 MiB, ZMQ_MAXMSGSIZE): ZeroMQ ends the connection
+        # (and so its link, at once) without a word; the daemon serves on.
         peer.send(b"x" * (2 << 20))
-        reply = peer.recv()
-        assert isinstance(reply, PeerError) and "exceeds" in reply.message
         with pytest.raises(ConnectionError):
             peer.recv()
-        assert a.client.stats()["peer"]["bad_messages"]["too_large"] == 1
+        wait_until(lambda: a.client.stats()["peer"]["links"] == [], timeout_s=5)
         assert a.client.ping() > 0
+        again = RawPeer(a.address)
+        try:  # a new connection is answered
+            assert isinstance(again.ask(b"?"), PeerError)
+        finally:
+            again.close()
     finally:
         peer.close()
 
@@ -546,17 +588,20 @@ def test_accepted_offer_without_a_data_connection_fails_and_frees(nodes: object)
         peer.close()
 
 
-def test_a_connection_that_never_says_hello_is_closed(nodes: object) -> None:
+def test_a_connection_that_never_starts_zeromq_is_closed(nodes: object) -> None:
+    """A TCP connection to the peer port that never says ZeroMQ's greeting (a port scan,
+    a stuck peer) is closed by ZeroMQ after peer_connect_timeout_s (HANDSHAKE_IVL), and
+    counted."""
     (a,) = nodes(1, "--peer-connect-timeout-s", "1")  # type: ignore[operator]
-    peer = RawPeer(a.address)
-    try:
+    host, port = a.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=8) as silent:
         t0 = time.monotonic()
-        with pytest.raises(ConnectionError):
-            peer.recv()
+        with contextlib.suppress(ConnectionResetError):
+            while silent.recv(4096):  # (ZeroMQ's own greeting comes first)
+                pass
         assert time.monotonic() - t0 < 4.5
-        assert a.client.stats()["peer"]["bad_messages"]["no_hello"] == 1
-    finally:
-        peer.close()
+    bad = wait_until(lambda: a.client.stats()["peer"]["bad_messages"].get("handshake"))
+    assert bad == 1
 
 
 def test_a_peer_whose_connection_closes_is_gone_at_once(nodes: object) -> None:
@@ -623,29 +668,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def tls_setup(sock_dir: str, bundles: dict[str, list[str]]
-              ) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, ...]]]:
-    """A certificate per name, and each name's daemon flags trusting the names it knows:
-    (certificate and key paths, flags) by name."""
-    from kvd.daemon.auth import write_cert
+def curve_setup(sock_dir: str, lists: dict[str, list[str]]
+                ) -> tuple[dict[str, tuple[bytes, bytes]], dict[str, tuple[str, ...]]]:
+    """A CurveZMQ key pair and a peer port per name, and each name's daemon flags with an
+    allow-list of the names it knows (and itself): ((public, secret) z85, flags) by name."""
+    import zmq.auth
+
+    from kvd.daemon.auth import write_keys
 
     keydir = os.path.join(sock_dir, "keys")
-    certs = {name: write_cert(keydir, name) for name in bundles}
+    keys: dict[str, tuple[bytes, bytes]] = {}
+    ports: dict[str, int] = {}
     args: dict[str, tuple[str, ...]] = {}
-    for name, known in bundles.items():
-        path = os.path.join(keydir, f"{name}.allowed.pem")
-        with open(path, "wb") as f:
-            for other in known:
-                with open(certs[other][0], "rb") as cert:
-                    f.write(cert.read())
-        args[name] = ("--tls-cert-file", certs[name][0], "--tls-key-file", certs[name][1],
-                      "--tls-allowed-certs-file", path)
-    return certs, args
+    for name in lists:
+        _, secret_file, _ = write_keys(keydir, name)
+        public, secret = zmq.auth.load_certificate(secret_file)
+        assert secret is not None
+        keys[name] = (public, secret)
+        ports[name] = free_port()
+    for name, known in lists.items():
+        path = os.path.join(keydir, f"{name}.allowed")
+        with open(path, "w") as f:
+            f.write("# the daemons this one talks to\n")
+            for other in [name, *known]:
+                f.write(f"{keys[other][0].decode()} 127.0.0.1:{ports[other]}\n")
+        args[name] = ("--curve-secret-key-file", os.path.join(keydir, f"{name}.key_secret"),
+                      "--curve-allowed-keys-file", path, "--peer-port", str(ports[name]))
+    return keys, args
 
 
-def test_tls_refuses_strangers(nodes: Nodes, sock_dir: str) -> None:
-    # a and b know each other; c knows a (so it can try) but a does not know c.
-    _, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["a"]})
+def test_curve_refuses_strangers(nodes: Nodes, sock_dir: str) -> None:
+    """a and b know each other; c knows a (so it can try) but a does not know c, and a
+    daemon without CurveZMQ knows nothing: both are refused at a's handshake and counted
+    (auth: a key not on the list, from the ZAP handler; handshake: no CURVE at all, from
+    the ROUTER's monitor). A daemon with CurveZMQ does not dial one it has no key for."""
+    keys, args = curve_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["a"]})
     a, b, c, plain = nodes.each(args["a"], args["b"], args["c"], [])
     src = random_region(2, 10)
     r = a.client.register("kv", [src])
@@ -653,29 +710,45 @@ def test_tls_refuses_strangers(nodes: Nodes, sock_dir: str) -> None:
     dst = shared_zeros((2, BLOCK), torch.uint8)
     b.client.get("ok", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
     assert torch.equal(dst, src)
-    for stranger in (c, plain):
-        rs = stranger.client.register("kv", [random_region(1, 11)])
-        with pytest.raises(kvd.PeerUnreachable):
-            stranger.client.put("no", rs, [0], to=a.address, timeout_s=3).wait(10)
+    rs = c.client.register("kv", [random_region(1, 11)])
+    t0 = time.monotonic()
+    with pytest.raises(kvd.PeerUnreachable, match="refused our public key"):
+        c.client.put("no", rs, [0], to=a.address, timeout_s=3).wait(10)
+    assert time.monotonic() - t0 < 2  # told at once, not at the timeout
+    rp = plain.client.register("kv", [random_region(1, 11)])
+    with pytest.raises(kvd.PeerUnreachable):
+        plain.client.put("no", rp, [0], to=a.address, timeout_s=3).wait(10)
     bad = wait_until(lambda: (s := a.client.stats()["peer"]["bad_messages"]).get(
         "handshake") and s)
     assert bad.get("auth", 0) >= 1 and bad.get("handshake", 0) >= 1, bad
     assert a.client.stats()["keys"] == 0 and len(a.client.stats()["peer"]["links"]) == 1
-    # and a daemon with TLS does not talk to one without
-    with pytest.raises(kvd.PeerUnreachable, match="TLS"):
+    with pytest.raises(kvd.PeerUnreachable, match="curve_allowed_keys_file"):
         a.client.put("no", r, [0], to=plain.address, timeout_s=3).wait(10)
 
+    # A raw peer with b's key (admitted) may speak only for b's address.
+    host_port = b.address
+    stolen = RawPeer(a.address, curve=(keys["a"][0], *keys["b"]))
+    try:
+        reply = stolen.ask({"op": "peer_hello", "protocol_version": PROTOCOL_VERSION,
+                            "node_id": "mallory", "epoch": 1, "address": "127.0.0.1:1",
+                            "data_port": 1, "data_token": b"t" * 32, "devices": ["cpu"]})
+        assert isinstance(reply, PeerError) and host_port in reply.message, reply
+    finally:
+        stolen.close()
+    assert a.client.stats()["peer"]["bad_messages"]["auth"] == bad["auth"] + 1
 
-def test_tls_covers_the_data_connections(nodes: Nodes, sock_dir: str) -> None:
-    """With TLS on, the bytes of host-memory transfers go over TLS data connections too:
-    they arrive byte-exact both ways, and the data port speaks TLS only (a plain hello is
-    refused, and so is a stranger's certificate). With ``tls_data`` off it takes the plain
-    hello (and refuses its made-up token)."""
+
+def test_curve_and_encrypted_data_connections(nodes: Nodes, sock_dir: str) -> None:
+    """With CurveZMQ and encrypt_data (its default) the bytes of host-memory transfers go
+    over TLS data connections: they arrive byte-exact both ways, and the data port speaks
+    TLS only (a plain hello is refused; a TLS one with a made-up token too). With
+    encrypt_data off the data port takes the plain hello (and refuses its made-up token);
+    a daemon that encrypts does not link to one that does not."""
     import ssl
 
     from kvd.transport.tcp import data_hello
 
-    certs, args = tls_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["b"]})
+    _, args = curve_setup(sock_dir, {"a": ["b", "d"], "b": ["a"], "d": ["a"]})
     a, b = nodes.each(args["a"], args["b"])
     data_port = b.client.stats()["peer"]["data_port"]
     # Connections that never start TLS hold no thread of b's: a's real one (its first
@@ -685,7 +758,6 @@ def test_tls_covers_the_data_connections(nodes: Nodes, sock_dir: str) -> None:
     src = random_region(4, 21, block_bytes=40 * BLOCK)  # 10 MiB: 4 MiB chunks
     a.client.put("there", a.client.register("kv", [src]), [0, 1, 2, 3], to=b.address,
                  timeout_s=4).wait(10)
-    b.client.register("more", [shared_zeros((1, BLOCK), torch.uint8)])  # a thread's work
     for s in silent:
         s.close()
     dst = shared_zeros((4, 40 * BLOCK), torch.uint8)
@@ -696,49 +768,62 @@ def test_tls_covers_the_data_connections(nodes: Nodes, sock_dir: str) -> None:
     back = shared_zeros((1, 40 * BLOCK), torch.uint8)
     a.client.get("back", a.client.register("back", [back]), [0], timeout_s=5)
     assert torch.equal(back[0], src[2])
+    (link,) = a.client.stats()["peer"]["links"]
+    assert link["data_encrypted"] is True
 
     with socket.create_connection(("127.0.0.1", data_port), timeout=5) as plain:
         plain.sendall(data_hello(bytes(32)))
         with contextlib.suppress(OSError):
             assert plain.recv(1) == b""  # closed (or reset) by b
-    stranger = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    stranger.load_cert_chain(*certs["c"])
-    stranger.load_verify_locations(cafile=certs["b"][0])
-    stranger.check_hostname = False
-    stranger.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    anyone = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    anyone.check_hostname = False
+    anyone.verify_mode = ssl.CERT_NONE
     with socket.create_connection(("127.0.0.1", data_port), timeout=5) as raw, \
-            contextlib.suppress(OSError), stranger.wrap_socket(raw) as tls:
-        tls.sendall(data_hello(bytes(32)))  # TLS 1.3: refused after the client's side
-        assert tls.recv(1) == b""
+            anyone.wrap_socket(raw) as tls:
+        tls.sendall(data_hello(bytes(32)))
+        with contextlib.suppress(OSError):
+            assert tls.recv(1) == b""
     bad = wait_until(lambda: (s := b.client.stats()["peer"]["bad_messages"]).get(
-        "data_auth") and s.get("data_handshake") and s)
-    assert "data_token" not in bad, bad  # no hello got as far as its token
+        "data_token") and s.get("data_handshake") and s)
+    assert bad["data_token"] == 1, bad
 
-    _, plain_args = tls_setup(os.path.join(sock_dir, "plain"), {"d": ["e"], "e": ["d"]})
-    d, e = nodes.each([*plain_args["d"], "--tls-data", "false"],
-                      [*plain_args["e"], "--tls-data", "false"])[2:]
-    d.client.put("k", d.client.register("kv", [src]), [2], to=e.address).wait(10)
+    # d does not encrypt: a refuses to link to it, and it to a.
+    (d,) = nodes.each([*args["d"], "--encrypt-data", "false"])[2:]
+    ra = a.client.register("one", [random_region(1, 3)])
+    with pytest.raises(kvd.PeerUnreachable, match="encrypt"):
+        a.client.put("k", ra, [0], to=d.address, timeout_s=3).wait(10)
+    rd = d.client.register("one", [random_region(1, 3)])
+    with pytest.raises(kvd.PeerUnreachable, match="encrypt"):
+        d.client.put("k", rd, [0], to=a.address, timeout_s=3).wait(10)
+
+    _, plain_args = curve_setup(os.path.join(sock_dir, "plain"), {"e": ["f"], "f": ["e"]})
+    e, f = nodes.each([*plain_args["e"], "--encrypt-data", "false"],
+                      [*plain_args["f"], "--encrypt-data", "false"])[3:]
+    e.client.put("k", e.client.register("kv", [src]), [2], to=f.address).wait(10)
     one = shared_zeros((1, 40 * BLOCK), torch.uint8)
-    e.client.get("k", e.client.register("kv", [one]), [0], timeout_s=5)
+    f.client.get("k", f.client.register("kv", [one]), [0], timeout_s=5)
     assert torch.equal(one[0], src[2])
+    assert f.client.stats()["peer"]["links"][0]["data_encrypted"] is False
     with socket.create_connection(
-            ("127.0.0.1", e.client.stats()["peer"]["data_port"]), timeout=5) as plain:
+            ("127.0.0.1", f.client.stats()["peer"]["data_port"]), timeout=5) as plain:
         plain.sendall(data_hello(bytes(32)))
         with contextlib.suppress(OSError):
             assert plain.recv(1) == b""
-    wait_until(lambda: e.client.stats()["peer"]["bad_messages"].get("data_token"))
+    wait_until(lambda: f.client.stats()["peer"]["bad_messages"].get("data_token"))
 
 
 def test_keygen_cli(sock_dir: str) -> None:
-    import subprocess
-    import sys
-
     result = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
                              "--name", "n1"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
-    assert os.path.exists(os.path.join(sock_dir, "n1.crt"))
-    assert oct(os.stat(os.path.join(sock_dir, "n1.key")).st_mode)[-3:] == "600"
-    assert "tls_cert_file" in result.stdout
+    public, secret = (os.path.join(sock_dir, "n1" + ext) for ext in (".key", ".key_secret"))
+    assert oct(os.stat(secret).st_mode)[-3:] == "600"
+    import zmq.auth
+
+    key, secret_key = zmq.auth.load_certificate(secret)
+    assert secret_key and zmq.auth.load_certificate(public) == (key, None)
+    assert f'curve_secret_key_file = "{secret}"' in result.stdout
+    assert f"{key.decode()} HOST:PORT" in result.stdout.splitlines()
     again = subprocess.run([sys.executable, "-m", "kvd.cli", "keygen", "--dir", sock_dir,
                             "--name", "n1"], capture_output=True, text=True, timeout=30)
     assert again.returncode == 2 and "not overwriting" in again.stderr

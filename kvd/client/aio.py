@@ -1,13 +1,14 @@
 """``AsyncKvdClient``: the asyncio client of a local kvd daemon.
 
-One Unix socket connection (length-prefixed messages, ``kvd.framing``); replies are
-matched to waiting futures by ``req_id`` as they arrive, so any number of requests can be
-in flight. Every call has a timeout. A call that ends before its reply (its task is
-cancelled, its timeout runs out), a ``Transfer.cancel`` and ``aclose`` stop the request in
-the daemon and return only once the daemon says it has ended: no more bytes land in (or
-are read from) its blocks. Where the daemon does not say so within the client's timeout,
-the client drops its connection (``_stop``). A daemon that goes away closes the
-connection: every pending call fails at once.
+A ZeroMQ DEALER on the daemon's local socket, read on the loop (``kvd.loop_socket``):
+replies are matched to waiting futures by ``req_id`` as they arrive, so any number of
+requests can be in flight. Its lifeline (``kvd.client.lifeline``) is watched on the loop
+too: a daemon that goes away closes it, and every pending call fails at once. Every call
+has a timeout. A call that ends before its reply (its task is cancelled, its timeout runs
+out), a ``Transfer.cancel`` and ``aclose`` stop the request in the daemon and return only
+once the daemon says it has ended: no more bytes land in (or are read from) its blocks.
+Where the daemon does not say so within the client's timeout, the client drops its
+connection (``_drop``).
 """
 
 from __future__ import annotations
@@ -20,54 +21,22 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvd.client.base import (
-    MAX_REPLY_BYTES,
     Call,
     Region,
     RequestBuilder,
+    context,
+    dealer,
     decode_replies,
     result_of,
     stoppable,
 )
-from kvd.client.shm import hand_over
+from kvd.client.lifeline import ClientLifeline
+from kvd.client.shm import Segment
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
-from kvd.framing import FramedProtocol, Oversized
-from kvd.protocol import Bye, Done, Reply, encode
+from kvd.loop_socket import LoopSocket
+from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, Bye, Done, Reply, encode
 
 log = logging.getLogger(__name__)
-
-
-class _Connection(FramedProtocol):
-    """The socket's side of an ``AsyncKvdClient``: replies in, requests out."""
-
-    def __init__(self, client: AsyncKvdClient) -> None:
-        super().__init__(MAX_REPLY_BYTES)
-        self.client = client
-        self.lost = False
-        self._writable: asyncio.Future[None] | None = None  # set while writing is paused
-
-    def on_frame(self, item: bytes | Oversized) -> None:
-        for reply in decode_replies([item]):
-            self.client._on_reply(reply)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self.lost = True
-        self.resume_writing()
-        self.client._on_lost()
-
-    def pause_writing(self) -> None:
-        if self._writable is None:
-            self._writable = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-        self._writable = None
-
-    async def drained(self) -> None:
-        """Wait while the daemon is not taking what was queued before."""
-        if self._writable is not None:
-            await asyncio.shield(self._writable)
 
 
 class AsyncTransfer:
@@ -110,7 +79,10 @@ class AsyncKvdClient:
     def __init__(self, socket_path: str | None = None, *, name: str = "",
                  timeout_s: float = 30.0) -> None:
         self._b = RequestBuilder(socket_path, name, timeout_s)
-        self._conn: _Connection | None = None
+        self._sock: LoopSocket | None = None
+        self._lifeline: ClientLifeline | None = None
+        self._handoff: asyncio.Future[bytes] | None = None  # a handoff's answer, awaited
+        self._lost = False  # the daemon closed the lifeline, or we dropped the connection
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._segments_lock = asyncio.Lock()
         self._dead: DaemonUnavailable | None = None
@@ -133,17 +105,18 @@ class AsyncKvdClient:
         """Connect and say hello; ``DaemonUnavailable`` naming the socket if no daemon
         answers within the timeout."""
         self._b.check_socket()
-        call = self._b.hello(timeout_s)
+        wait_s = self._b.hello_timeout(timeout_s)
+        lifeline = await asyncio.to_thread(ClientLifeline.connect, self._b.segment_socket,
+                                           wait_s)
         loop = asyncio.get_running_loop()
+        lifeline.sock.setblocking(False)
+        self._lifeline = lifeline
+        loop.add_reader(lifeline.fileno(), self._on_lifeline)
         try:
-            async with asyncio.timeout(call.timeout_s):
-                _, self._conn = await loop.create_unix_connection(
-                    lambda: _Connection(self), self._b.socket_path)
-        except (OSError, TimeoutError) as exc:
-            raise DaemonUnavailable(f"cannot connect to kvd daemon at {self._b.socket_path}: "
-                                    f"{getattr(exc, 'strerror', None) or exc!r}") from None
-        try:
-            welcome = await self._call(call)
+            self._sock = LoopSocket(dealer(context(), self._b.socket_path), self._on_frames,
+                                    loop, "kvd client")
+            self._sock.start()
+            welcome = await self._call(self._b.hello(wait_s, lifeline.token))
         except (KvdError, OSError) as exc:
             await self.aclose()
             raise DaemonUnavailable(
@@ -160,7 +133,7 @@ class AsyncKvdClient:
             return
         self._closed = True
         try:
-            if self._conn is not None and self._dead is None and self.epoch:
+            if self._sock is not None and self._dead is None and self.epoch:
                 in_flight = bool(self._pending)
                 try:
                     await self._call(self._b.bye(in_flight))
@@ -172,8 +145,42 @@ class AsyncKvdClient:
                 if not fut.done():
                     _fail(fut, DaemonUnavailable("client closed"))
             self._pending.clear()
-            if self._conn is not None:
-                self._conn.close()
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Close the DEALER and the lifeline (the daemon ends the session, if any)."""
+        self._lost = True
+        if self._sock is not None:
+            self._sock.close()
+        if self._lifeline is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._lifeline.fileno())
+            self._lifeline.close()
+        if self._handoff is not None and not self._handoff.done():
+            _fail(self._handoff, self._dead or DaemonUnavailable("client closed"))
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        for reply in decode_replies(frames[-1:]):  # (a DEALER gets the payload alone)
+            self._on_reply(reply)
+
+    def _on_lifeline(self) -> None:
+        """The lifeline is readable: a handoff's answer, or the daemon's end."""
+        assert self._lifeline is not None
+        try:
+            data = self._lifeline.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data and self._handoff is not None and not self._handoff.done():
+            self._handoff.set_result(data)
+            return
+        if data:
+            log.warning("dropping an unexpected message on the lifeline")
+            return
+        asyncio.get_running_loop().remove_reader(self._lifeline.fileno())
+        self._on_lost()
+        self._disconnect()
 
     def _on_reply(self, reply: Reply) -> None:
         fut = self._pending.pop(reply.req_id, None)
@@ -181,6 +188,7 @@ class AsyncKvdClient:
             fut.set_result(reply)
 
     def _on_lost(self) -> None:
+        self._lost = True
         err = self._dead or self._b.disconnected()  # (_drop's says more)
         if not self._closed:
             self._dead = err
@@ -191,37 +199,25 @@ class AsyncKvdClient:
         self._pending.clear()
 
     def _queue(self, call: Call) -> asyncio.Future[Reply]:
-        """Queue ``call`` on the connection; the future of its reply."""
-        if self._conn is None or (self._closed and not isinstance(call.msg, Bye)):
+        """Send ``call``; the future of its reply."""
+        if self._sock is None or (self._closed and not isinstance(call.msg, Bye)):
             raise DaemonUnavailable("client is not connected")
         if self._dead is not None:
             raise self._dead
-        if self._conn.lost or not self._conn.send(encode(call.msg)):
-            raise self._dead or self._b.disconnected()
+        if self._lost:
+            raise self._b.disconnected()
+        if not self._sock.send((encode(call.msg),)):
+            if self._lifeline is not None and self._lifeline.gone():
+                raise self._b.disconnected()
+            raise DaemonUnavailable(f"kvd daemon at {self._b.socket_path} is not taking "
+                                    "requests (its queue for this client is full)")
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.msg.req_id] = fut
         return fut
 
-    async def _send(self, call: Call) -> asyncio.Future[Reply]:
-        """Send ``call``: the future of its reply, once the daemon takes what was queued
-        before. Ended while waiting for that, the request is stopped first (``_abandon``)."""
-        fut = self._queue(call)
-        assert self._conn is not None
-        try:
-            async with asyncio.timeout(call.timeout_s):
-                await self._conn.drained()
-        except TimeoutError:
-            await self._abandon(call, fut)
-            raise DaemonUnavailable(
-                f"cannot reach kvd daemon at {self._b.socket_path}") from None
-        except asyncio.CancelledError:
-            await self._abandon(call, fut)
-            raise
-        return fut
-
     async def _call(self, call: Call) -> Any:
         started = time.perf_counter()
-        fut = await self._send(call)
+        fut = self._queue(call)
         try:
             async with asyncio.timeout(call.timeout_s):
                 reply = await fut
@@ -298,8 +294,7 @@ class AsyncKvdClient:
         log.warning("%s", err.message)
         if self._dead is None:
             self._dead = err
-        if self._conn is not None:
-            self._conn.close(abort=True)
+        self._disconnect()
         for fut in self._pending.values():
             if not fut.done():
                 _fail(fut, self._dead)
@@ -330,12 +325,28 @@ class AsyncKvdClient:
         call = self._b.register(name, tensors, block_dim, timeout_s)
         async with self._segments_lock:
             segments = self._b.segments_to_hand(call)
-            if segments:  # a blocking sendmsg and its answer: not on this loop
-                await asyncio.to_thread(hand_over, self._b.segment_socket,
-                                        self._b.segment_token, segments, call.timeout_s)
+            if segments:
+                await self._hand_over(segments, call.timeout_s)
                 self._b.handed(segments)
         region: Region = await self._call(call)
         return region
+
+    async def _hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
+        """Hand the segments over on the lifeline; returns once the session has them."""
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
+            if self._lifeline is None or self._lost:
+                raise self._dead or self._b.disconnected()
+            self._handoff = answer = loop.create_future()
+            self._lifeline.send_handoff(segments[start:start + MAX_SEGMENTS_PER_HANDOFF])
+            try:
+                async with asyncio.timeout(timeout_s):
+                    data = await answer
+            except TimeoutError:
+                raise self._b.unavailable("segment handoff", timeout_s) from None
+            finally:
+                self._handoff = None
+            self._lifeline.answer(data)
 
     async def unregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
         await self._call(self._b.unregister(region, timeout_s))
@@ -359,7 +370,7 @@ class AsyncKvdClient:
         """Send blocks to daemon ``to`` (this one by default) under ``key``."""
         call = self._b.put(key, region, blocks, to, ttl_s, timeout_s)
         started = time.perf_counter()
-        return AsyncTransfer(self, call, await self._send(call), started)
+        return AsyncTransfer(self, call, self._queue(call), started)
 
     async def lend(self, key: str, region: Region | int, blocks: Iterable[int], *,
                    ttl_s: float, timeout_s: float | None = None) -> AsyncTransfer:
@@ -368,7 +379,7 @@ class AsyncKvdClient:
         took (0 if nobody did within ``ttl_s``); do not reuse the blocks before."""
         call = self._b.lend(key, region, blocks, ttl_s, timeout_s)
         started = time.perf_counter()
-        return AsyncTransfer(self, call, await self._send(call), started)
+        return AsyncTransfer(self, call, self._queue(call), started)
 
     async def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
                    timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
@@ -398,7 +409,7 @@ class AsyncKvdClient:
 __all__ = ["AsyncKvdClient", "AsyncTransfer", "Cancelled"]
 
 
-def _fail(fut: asyncio.Future[Reply], err: KvdError) -> None:
+def _fail(fut: asyncio.Future[Any], err: KvdError) -> None:
     """End a pending call's future with ``err``. It is marked retrieved: a call whose
     caller is still there raises it all the same, and one whose caller has gone (a
     cancelled call's reply future, kept until the daemon confirms the stop) logs no

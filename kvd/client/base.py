@@ -12,13 +12,13 @@ import array
 import itertools
 import logging
 import os
-import socket
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zmq
 
 from kvd.client.shm import Segment, mark_ready, segment_of, tensor_spec
 from kvd.errors import (
@@ -29,7 +29,6 @@ from kvd.errors import (
     ProtocolError,
     error_from_code,
 )
-from kvd.framing import Oversized
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -59,6 +58,7 @@ from kvd.protocol import (
     Welcome,
     decode_reply,
     pack_block_ids,
+    segment_socket_path,
 )
 
 log = logging.getLogger(__name__)
@@ -121,31 +121,37 @@ class Call:
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
-def decode_replies(items: Iterable[bytes | Oversized]) -> Iterator[Reply]:
-    """The replies among framed messages; oversized or undecodable ones are dropped with a
+def decode_replies(payloads: Iterable[bytes]) -> Iterator[Reply]:
+    """The replies among messages; oversized or undecodable ones are dropped with a
     warning (a client must not die of one bad reply)."""
-    for item in items:
-        if isinstance(item, Oversized):
-            log.warning("dropping a reply of %d bytes (over %d)", item.nbytes, MAX_REPLY_BYTES)
+    for payload in payloads:
+        if len(payload) > MAX_REPLY_BYTES:
+            log.warning("dropping a reply of %d bytes (over %d)", len(payload), MAX_REPLY_BYTES)
             continue
         try:
-            yield decode_reply(item)
+            yield decode_reply(payload)
         except ProtocolError as exc:
             log.warning("dropping undecodable reply: %s", exc)
 
 
-def connect_unix(socket_path: str, timeout_s: float) -> socket.socket:
-    """A blocking connection to the daemon's local socket; ``DaemonUnavailable`` naming
-    the socket if nothing listens there."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
+def dealer(ctx: zmq.Context[Any], socket_path: str) -> zmq.Socket[Any]:
+    """A DEALER connected to the daemon's local socket. It never reconnects: a daemon
+    that restarts has forgotten the session, and the lifeline says it is gone."""
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, -1)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     try:
-        sock.connect(socket_path)
-    except OSError as exc:
+        sock.connect(f"ipc://{socket_path}")
+    except zmq.ZMQError as exc:
         sock.close()
-        raise DaemonUnavailable(
-            f"cannot connect to kvd daemon at {socket_path}: {exc.strerror or exc}") from None
+        raise DaemonUnavailable(f"cannot connect to kvd daemon at {socket_path}: {exc}") from None
     return sock
+
+
+def context() -> zmq.Context[Any]:
+    """The process's ZeroMQ context for clients (one I/O thread, made on first use)."""
+    return zmq.Context.instance()
 
 
 _MAX_BLOCK_ID = 2**32 - 1
@@ -206,14 +212,13 @@ class RequestBuilder:
         self.name = name
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
-        # This session's segment socket and secret (Welcome), and the segments it holds.
-        self.segment_socket = ""
-        self.segment_token = b""
+        # The daemon's segment socket (this client's lifeline), and the segments the
+        # session holds.
+        self.segment_socket = segment_socket_path(self.socket_path)
         self._handed: set[int] = set()
 
     def welcomed(self, welcome: Welcome) -> None:
-        """A new session: its segment socket, and none of our segments yet."""
-        self.segment_socket, self.segment_token = welcome.segment_socket, welcome.segment_token
+        """A new session: none of our segments yet."""
         self._handed = set()
 
     def segments_to_hand(self, call: Call) -> list[Segment]:
@@ -222,8 +227,6 @@ class RequestBuilder:
         for spec in call.msg.tensors:
             if isinstance(spec, ShmTensor) and spec.segment not in self._handed:
                 needed[spec.segment] = segment_of(spec)
-        if needed and not self.segment_token:
-            raise DaemonUnavailable("client is not connected")
         return list(needed.values())
 
     def handed(self, segments: Sequence[Segment]) -> None:
@@ -256,13 +259,15 @@ class RequestBuilder:
 
     # ---- requests
 
-    def hello(self, timeout_s: float | None) -> Call:
-        msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
-                    pid=os.getpid(), name=self.name)
+    def hello_timeout(self, timeout_s: float | None) -> float:
         # A live daemon answers hello in microseconds: a stale socket file with nobody
         # behind it should not cost the whole request timeout.
-        wait_s = min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
-        return Call(msg, wait_s, "welcome")
+        return min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
+
+    def hello(self, timeout_s: float | None, lifeline: bytes) -> Call:
+        msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
+                    pid=os.getpid(), name=self.name, lifeline=lifeline)
+        return Call(msg, self.hello_timeout(timeout_s), "welcome")
 
     def bye(self, in_flight: bool) -> Call:
         """The daemon answers once it has closed the session: its requests ended, no more

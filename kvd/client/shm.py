@@ -18,28 +18,21 @@ no file permissions or shared /dev/shm are needed for the daemon to map it.
 
 from __future__ import annotations
 
-import array
 import fcntl
 import itertools
 import mmap
 import os
-import socket
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
-import msgspec
-
-from kvd.errors import BadRequest, DaemonUnavailable, KvdTimeout
+from kvd.errors import BadRequest
 from kvd.protocol import (
-    MAX_SEGMENTS_PER_HANDOFF,
     SHM_PREFIX,
     CudaIpcTensor,
     DType,
-    SegmentHandoff,
-    SegmentsTaken,
     ShmTensor,
 )
 
@@ -126,41 +119,6 @@ def segment_of(spec: ShmTensor) -> Segment:
     if seg is None:
         raise BadRequest(f"segment {spec.segment} is gone (its tensors were freed)")
     return seg
-
-
-def hand_over(socket_path: str, token: bytes, segments: Sequence[Segment],
-              timeout_s: float) -> None:
-    """Give the daemon a descriptor of each segment (``SegmentHandoff`` with
-    ``SCM_RIGHTS``), for the session ``token`` names; returns once the session has them."""
-    for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
-        _hand_over(socket_path, token, segments[start:start + MAX_SEGMENTS_PER_HANDOFF],
-                   timeout_s)
-
-
-def _hand_over(socket_path: str, token: bytes, segments: Sequence[Segment],
-               timeout_s: float) -> None:
-    payload = msgspec.msgpack.encode(
-        SegmentHandoff(token=token, segments=[seg.id for seg in segments]))
-    fds = array.array("i", [seg.fd for seg in segments])
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(socket_path)
-            sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-            reply = sock.recv(4096)
-        except TimeoutError:
-            raise KvdTimeout(f"the daemon's segment socket {socket_path} did not answer "
-                             f"within {timeout_s:g}s") from None
-        except OSError as exc:
-            raise DaemonUnavailable(f"cannot hand segments to the daemon at {socket_path}: "
-                                    f"{exc.strerror or exc}") from None
-    try:
-        taken = msgspec.msgpack.decode(reply, type=SegmentsTaken)
-    except msgspec.DecodeError:
-        raise DaemonUnavailable(f"the daemon's segment socket {socket_path} answered "
-                                "something else") from None
-    if taken.error:
-        raise BadRequest(f"the daemon refused the segments: {taken.error}")
 
 
 def _dtype_name(dtype: Any, index: int) -> Any:

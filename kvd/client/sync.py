@@ -1,16 +1,23 @@
 """``KvdClient``: the blocking twin of ``AsyncKvdClient``, same methods and results.
 
 Requests are built by the shared ``RequestBuilder``; this shell only sends and waits, on
-one blocking Unix socket (length-prefixed messages, ``kvd.framing``). A client is safe to
-share between threads, and any number of them can have calls in flight on it at once, each
-waiting only for its own reply: a lock held only while writing keeps messages whole, and
-one waiting thread at a time reads the socket, keeping each reply for its owner (a waiting
-thread, or a ``Transfer`` not yet asked) and waking the others (``KvdClient._wait_reply``).
-For concurrency within a thread, use the async client. A daemon that goes away closes the
-connection: every wait then fails at once. A call that ends before its reply (its timeout,
-an exception such as ``KeyboardInterrupt``), ``Transfer.cancel`` and ``close`` stop the
-request in the daemon and return once it says no more bytes move in the request's blocks;
-without that word in the client's timeout, the connection is dropped (``KvdClient._stop``).
+a ZeroMQ DEALER it polls itself (no event loop), with its lifeline
+(``kvd.client.lifeline``) in the same poll: a daemon that goes away closes it, and every
+wait then fails at once. A client is safe to share between threads, and any number of
+them can have calls in flight on it at once, each waiting only for its own reply: a lock
+held only around each call on the DEALER (ZeroMQ sockets are not thread-safe), and one
+waiting thread at a time reads, keeping each reply for its owner (a waiting thread, or a
+``Transfer`` not yet asked) and waking the others (``KvdClient._wait_reply``). For
+concurrency within a thread, use the async client. A call that ends before its reply
+(its timeout, an exception such as ``KeyboardInterrupt``), ``Transfer.cancel`` and
+``close`` stop the request in the daemon and return once it says no more bytes move in
+the request's blocks; without that word in the client's timeout, the connection is
+dropped (``KvdClient._stop``).
+
+The DEALER's ``zmq.FD`` is edge-triggered (``kvd.loop_socket``): a send may consume the
+edge that announced a reply. So the reading thread takes messages until ``zmq.EVENTS``
+shows none before it sleeps in ``poll``, and a thread that sends checks ``EVENTS`` after
+its send and wakes the reading thread (a pipe in its poll) when a message is waiting.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import select
 import socket
 import threading
@@ -25,19 +33,21 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import zmq
+
 from kvd.client.base import (
-    MAX_REPLY_BYTES,
     Call,
     Region,
     RequestBuilder,
-    connect_unix,
+    context,
+    dealer,
     decode_replies,
     result_of,
     stoppable,
 )
-from kvd.client.shm import hand_over
+from kvd.client.lifeline import ClientLifeline
 from kvd.errors import DaemonUnavailable, KvdError
-from kvd.framing import FrameReader, frame
+from kvd.loop_socket import NOBLOCK, descriptor, has_message
 from kvd.protocol import Bye, Done, Reply, encode
 
 log = logging.getLogger(__name__)
@@ -103,12 +113,14 @@ class KvdClient:
     def __init__(self, socket_path: str | None = None, *, name: str = "",
                  timeout_s: float = 30.0) -> None:
         self._b = RequestBuilder(socket_path, name, timeout_s)
-        self._sock: socket.socket | None = None
+        self._sock: zmq.Socket[Any] | None = None  # the DEALER
+        self._lifeline: ClientLifeline | None = None
         self._poller: select.poll | None = None
-        self._frames = FrameReader(MAX_REPLY_BYTES)  # the reading thread's alone
-        # Held while one message is written (and while the socket is closed): two threads'
-        # bytes interleaved would put the stream out of step. Never held while waiting for
-        # a reply.
+        # The reading thread sleeps in poll on the DEALER's descriptor, the lifeline and
+        # this pipe, which a sender writes to when its send took the DEALER's edge.
+        self._wake_r = self._wake_w = -1  # (made by connect)
+        # Held around each call on the DEALER (and while it is closed): ZeroMQ sockets are
+        # not thread-safe. Never held while waiting for a reply.
         self._write_lock = threading.RLock()
         # Guards the replies' side (stash, outstanding ids, who reads, _dead); threads
         # whose reply has not come sleep on _replies while another reads.
@@ -149,12 +161,18 @@ class KvdClient:
         """Connect and say hello; ``DaemonUnavailable`` naming the socket if no daemon
         answers within the timeout."""
         self._b.check_socket()
-        call = self._b.hello(timeout_s)
-        self._sock = connect_unix(self._b.socket_path, call.timeout_s)
+        wait_s = self._b.hello_timeout(timeout_s)
+        self._lifeline = ClientLifeline.connect(self._b.segment_socket, wait_s)
+        self._sock = dealer(context(), self._b.socket_path)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._poller = select.poll()
-        self._poller.register(self._sock, select.POLLIN)
+        self._poller.register(descriptor(self._sock), select.POLLIN)
+        self._poller.register(self._lifeline.fileno(), 0)  # (its end: POLLHUP, always)
+        self._poller.register(self._wake_r, select.POLLIN)
         try:
-            welcome = self._call(call)
+            welcome = self._call(self._b.hello(wait_s, self._lifeline.token))
         except (KvdError, OSError) as exc:
             self.close()
             raise DaemonUnavailable(
@@ -186,21 +204,28 @@ class KvdClient:
             self._shut_down()
 
     def _shut_down(self) -> None:
-        """Every wait fails from now on; the socket is closed once no thread polls it (a
-        descriptor closed under a poll does not wake it, and its number may be reused)."""
+        """Every wait fails from now on; the sockets are closed once no thread polls them
+        (a descriptor closed under a poll does not wake it, and its number may be
+        reused)."""
         with self._replies_lock:
             if self._dead is None:
                 self._dead = DaemonUnavailable("client closed")
             self._wake()
         if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reading thread
+            self._wake_reader()
             deadline = time.monotonic() + self._b.timeout_s
             with self._replies_lock:
                 while self._reading and (left := deadline - time.monotonic()) > 0:
                     self._sleep(left)
             with self._write_lock:
-                self._sock.close()
+                self._sock.close(linger=0)
+        if self._lifeline is not None:
+            self._lifeline.close()
+        with self._write_lock:  # (a thread that wakes the reader writes under it)
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
         self._shut.set()
 
     # ------------------------------------------------------------ I/O
@@ -218,19 +243,30 @@ class KvdClient:
         if self._sleepers:
             self._replies.notify_all()
 
-    def _write(self, data: bytes, timeout_s: float) -> None:
-        """All of ``data``, or the connection is given up: a message cut short would
-        leave the stream out of step. (Under ``_write_lock``.)"""
+    def _write(self, payload: bytes) -> None:
+        """Queue one message on the DEALER, then wake the reading thread if the send took
+        the edge of a message waiting (module doc). (Under ``_write_lock``.)"""
         assert self._sock is not None
-        self._sock.settimeout(timeout_s)
         try:
-            self._sock.sendall(data)
-        except TimeoutError:
+            self._sock.send(payload, NOBLOCK)
+        except zmq.Again:
+            if self._lifeline is not None and self._lifeline.gone():
+                raise self._die(self._b.disconnected()) from None
             raise self._die(DaemonUnavailable(
-                f"kvd daemon at {self._b.socket_path} stopped reading requests "
-                f"(none taken for {timeout_s:g}s): create a new client")) from None
-        except OSError:
+                f"kvd daemon at {self._b.socket_path} stopped reading requests (its "
+                "queue for this client is full): create a new client")) from None
+        except zmq.ZMQError:
             raise self._die(self._b.disconnected()) from None
+        # A thread asleep in poll is woken if this send took the edge of a message. (One
+        # that starts reading after this checks for a message before it sleeps.)
+        if self._reading and has_message(self._sock):
+            self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        with self._write_lock:
+            if self._wake_w >= 0:
+                with contextlib.suppress(OSError):  # (full: it is woken already)
+                    os.write(self._wake_w, b"!")
 
     def _die(self, err: DaemonUnavailable) -> DaemonUnavailable:
         """The connection is unusable: every wait fails from now on, with the first
@@ -255,7 +291,7 @@ class KvdClient:
                 self._outstanding.add(req_id)
                 self._others += counted
             try:
-                self._write(frame(encode(call.msg)), call.timeout_s)
+                self._write(encode(call.msg))
             except BaseException:
                 with self._replies_lock:
                     self._outstanding.discard(req_id)
@@ -309,11 +345,11 @@ class KvdClient:
                             self._reading = reading = False
                             self._wake()
                             continue
-                data = self._receive() if ready else None
+                payloads = self._receive() if ready else []
                 with self._replies_lock:
                     # Taken in the order read, before another thread may read on: a
                     # request's reply is stashed before its cancel's (``_stop``).
-                    if data is not None and self._take(data):
+                    if self._take(payloads):
                         self._wake()
                     reply = self._taken(req_id)
                     if reply is not None or left <= 0:
@@ -338,29 +374,41 @@ class KvdClient:
         return None
 
     def _ready(self, wait_s: float) -> bool:
-        """Whether the socket has something to read (or is closed) within ``wait_s``."""
-        assert self._poller is not None
-        return bool(self._poller.poll(math.ceil(max(0.0, wait_s) * 1000)))
+        """Whether there is something to read (or the daemon is gone) within ``wait_s``."""
+        assert self._poller is not None and self._sock is not None
+        with self._write_lock:
+            if self._sock.closed or has_message(self._sock):
+                return True
+        ready = self._poller.poll(math.ceil(max(0.0, wait_s) * 1000))
+        if any(fd == self._wake_r for fd, _ in ready):
+            with contextlib.suppress(OSError):
+                while os.read(self._wake_r, 4096):
+                    pass
+        return bool(ready)
 
-    def _receive(self) -> bytes | None:
-        """What the socket has (it is ready): None if nothing after all, b"" once
-        closed."""
-        assert self._sock is not None
-        try:
-            return self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
+    def _receive(self) -> list[bytes] | None:
+        """The replies waiting (it is ready): [] if none after all, None once the daemon
+        is gone (its lifeline closed) and nothing is left to read."""
+        assert self._sock is not None and self._lifeline is not None
+        payloads: list[bytes] = []
+        with self._write_lock:
+            try:
+                while has_message(self._sock):
+                    payloads.append(self._sock.recv(NOBLOCK))
+            except zmq.ZMQError:  # (closed: the client is shutting down)
+                return None
+        if not payloads and self._lifeline.gone():
             return None
-        except OSError:
-            return b""
+        return payloads
 
-    def _take(self, data: bytes) -> bool:
-        """Replies in ``data`` into the stash (``b""``: the connection is closed, and the
-        client dead). Whether a waiter has news. (Under ``_replies_lock``.)"""
-        if not data:
+    def _take(self, payloads: list[bytes] | None) -> bool:
+        """Replies into the stash (None: the daemon is gone, and the client dead).
+        Whether a waiter has news. (Under ``_replies_lock``.)"""
+        if payloads is None:
             self._dead = self._dead or self._b.disconnected()
             return True
         news = False
-        for reply in decode_replies(self._frames.feed(data)):
+        for reply in decode_replies(payloads):
             if reply.req_id in self._outstanding:
                 self._stash[reply.req_id] = reply
                 news = True
@@ -440,9 +488,10 @@ class KvdClient:
         err = self._b.unconfirmed(target, why)
         log.warning("%s", err.message)
         self._die(err)
-        if self._sock is not None:
+        if self._lifeline is not None:  # the daemon ends the session when it closes
             with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # (wakes the reading thread)
+                self._lifeline.sock.shutdown(socket.SHUT_RDWR)
+        self._wake_reader()
         return err
 
     # ------------------------------------------------------------ operations
@@ -470,8 +519,9 @@ class KvdClient:
         with self._segments_lock:  # two threads registering one new segment: hand it once
             segments = self._b.segments_to_hand(call)
             if segments:
-                hand_over(self._b.segment_socket, self._b.segment_token, segments,
-                          call.timeout_s)
+                if self._lifeline is None or self._dead is not None:
+                    raise self._dead or DaemonUnavailable("client is not connected")
+                self._lifeline.hand_over(segments, call.timeout_s)
                 self._b.handed(segments)
         region: Region = self._call(call)
         return region

@@ -1,106 +1,208 @@
-"""TLS on the peer plane: this daemon's certificate, the peers it accepts, ``kvd keygen``.
+"""CurveZMQ on the peer plane: this daemon's key pair, the allow-list, the ZAP handler; and
+the throwaway TLS identity that encrypts the data connections.
 
-Each daemon has a self-signed certificate and its private key (``kvd keygen`` makes both:
-``NAME.crt``, ``NAME.key`` with mode 0600). ``tls_allowed_certs_file`` is a PEM bundle of
-the certificates of the daemons it talks to (its own may be in it too: one bundle can
-serve a whole cluster). Both ends of a peer connection present their certificate and
-check the other's against the bundle (mutual TLS 1.3): a daemon whose certificate is not
-in the bundle is refused, and counted in ``bad_messages["auth"]``. Certificates are pinned,
-not named: there is no host name check, since peers are addressed by ``host:port``.
+Each daemon has one identity, a CurveZMQ key pair (``kvd keygen`` writes it: ``NAME.key``
+holds the public key, ``NAME.key_secret`` both, mode 0600). ``curve_secret_key_file`` names
+this daemon's; ``curve_allowed_keys_file`` is the operator's one allow-list, one line per
+daemon (its own line may be in it, so one file serves a whole cluster)::
+
+    # public key (z85, 40 characters)       host:port of its peer socket
+    rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7  10.0.0.2:14579
+
+A peer that connects is admitted by the ZAP handler (RFC 27, answered on the daemon's loop)
+only if its public key is on the list; refusals are counted in ``bad_messages["auth"]``.
+The handler names the key as the connection's user id, and the peer plane takes a
+``PeerHello`` only for the address the list gives that key: an admitted daemon cannot speak
+for another. To dial a peer, its public key is looked up by address.
 
 The data connections (host-memory bytes) are admitted by the per-link token handed out over
-the authenticated handshake, and with ``tls_data`` (the default) are TLS with the same
-contexts (``daemon/peers.py``). NCCL's connections are never encrypted.
+the CURVE-secured handshake. With ``encrypt_data`` they are TLS: each daemon makes a
+self-signed certificate at start (``DataTls``), never written anywhere but a private
+temporary file while it is loaded, and sends its SHA-256 fingerprint in its
+``PeerHello``/``PeerWelcome``; the dialer pins that fingerprint, and the token, sent inside
+TLS, authenticates the dialer. NCCL's connections are never encrypted.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import logging
 import os
 import ssl
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
 
 from kvd.config import Config
 from kvd.errors import ConfigError
 
-_SETTINGS = ("tls_cert_file", "tls_key_file", "tls_allowed_certs_file")
+log = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"kvd"
+KEY_CHARS = 40
+
+
+@dataclass
+class CurveKeys:
+    public: bytes  # z85
+    secret: bytes  # z85
+    allowed: set[bytes] = field(default_factory=set)  # z85 public keys
+    by_address: dict[str, bytes] = field(default_factory=dict)  # host:port -> key
+    address_of: dict[bytes, str] = field(default_factory=dict)  # key -> host:port
+
+
+def load_keys(config: Config) -> CurveKeys | None:
+    """The configured keys, or None when the peer plane runs without CurveZMQ."""
+    secret_file, allowed_file = config.curve_secret_key_file, config.curve_allowed_keys_file
+    if not secret_file:
+        if allowed_file:
+            raise ConfigError("curve_allowed_keys_file: set, but curve_secret_key_file is not")
+        return None
+    if not allowed_file:
+        raise ConfigError("curve_allowed_keys_file: required with curve_secret_key_file")
+    try:
+        public, secret = zmq.auth.load_certificate(secret_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"curve_secret_key_file: cannot read {secret_file!r}: {exc}") from None
+    if not secret:
+        raise ConfigError(f"curve_secret_key_file: {secret_file!r} holds no secret key "
+                          "(give the .key_secret file)")
+    keys = CurveKeys(public=public, secret=secret)
+    try:
+        with open(allowed_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"curve_allowed_keys_file: cannot read {allowed_file!r}: "
+                          f"{exc}") from None
+    for number, raw in enumerate(lines, 1):
+        parts = raw.split()
+        # '#' is also a z85 character: a key line is one whose first word has key length.
+        if not parts or (parts[0].startswith("#") and len(parts[0]) != KEY_CHARS):
+            continue
+        if len(parts) > 2 and parts[2].startswith("#"):
+            parts = parts[:2]
+        key = parts[0].encode()
+        if len(key) != KEY_CHARS or len(parts) != 2 or not _valid_z85(key) \
+                or not _host_port(parts[1]):
+            raise ConfigError(f"curve_allowed_keys_file: line {number} of {allowed_file!r} is "
+                              "not '<40-character z85 public key> <host:port>'")
+        if parts[1] in keys.by_address and keys.by_address[parts[1]] != key:
+            raise ConfigError(f"curve_allowed_keys_file: line {number} of {allowed_file!r}: "
+                              f"{parts[1]} has another key already")
+        keys.allowed.add(key)
+        keys.by_address[parts[1]] = key
+        keys.address_of[key] = parts[1]
+    return keys
+
+
+def _valid_z85(key: bytes) -> bool:
+    try:
+        return len(z85.decode(key)) == 32
+    except (ValueError, KeyError):
+        return False
+
+
+def _host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def zap_answer(frames: Sequence[bytes], keys: CurveKeys,
+               refused: Callable[[str, str], None]) -> list[bytes]:
+    """libzmq's authentication request (ZAP, RFC 27) -> the reply: 200 with the peer's
+    z85 public key as its user id when the key is on the allow-list, 400 otherwise
+    (``refused(peer ip, why)`` is called)."""
+    if len(frames) < 6:
+        refused("?", "malformed ZAP request")
+        return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500",
+                b"malformed ZAP request", b"", b""]
+    version, request_id, _domain, address, _identity, mechanism = frames[:6]
+    peer = address.decode(errors="replace")
+    if mechanism == b"CURVE" and len(frames) == 7 and len(frames[6]) == 32:
+        client_key = z85.encode(frames[6])
+        if client_key in keys.allowed:
+            return [version, request_id, b"200", b"OK", client_key, b""]
+        why = "public key not in curve_allowed_keys_file"
+    else:
+        why = f"mechanism {mechanism.decode(errors='replace')} not accepted"
+    refused(peer, why)
+    return [version, request_id, b"400", why.encode(), b"", b""]
+
+
+def write_keys(directory: str, name: str) -> tuple[str, str, str]:
+    """Create ``NAME.key`` and ``NAME.key_secret`` (mode 0600) in ``directory``; returns
+    both paths and the public key (z85)."""
+    os.makedirs(directory, exist_ok=True)
+    for suffix in (".key", ".key_secret"):
+        path = os.path.join(directory, name + suffix)
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists; not overwriting a key")
+    # The secret file is made 0600 before the key goes in: no moment where others read it.
+    secret_path = os.path.join(directory, name + ".key_secret")
+    os.close(os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    public_file, secret_file = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret_file, 0o600)
+    public, _ = zmq.auth.load_certificate(public_file)
+    return public_file, secret_file, public.decode()
+
+
+# --------------------------------------------------------------------------- data TLS
 
 
 @dataclass(frozen=True)
-class TlsContexts:
-    server: ssl.SSLContext  # for connections peers open to us
-    client: ssl.SSLContext  # for connections we open
+class DataTls:
+    """This daemon's TLS identity for data connections, made at start."""
+
+    server: ssl.SSLContext  # for data connections peers open to us
+    client: ssl.SSLContext  # for ours (the peer's certificate is checked by fingerprint)
+    fingerprint: bytes  # SHA-256 of our certificate (DER), told to peers in the handshake
 
 
-def load_tls(config: Config) -> TlsContexts | None:
-    """The configured TLS contexts, or None when the peer plane runs without TLS."""
-    values = {name: getattr(config, name) for name in _SETTINGS}
-    if not any(values.values()):
-        return None
-    missing = [name for name, value in values.items() if not value]
-    if missing:
-        raise ConfigError(f"{missing[0]}: required with " + ", ".join(
-            name for name, value in values.items() if value))
-    return TlsContexts(server=_context(ssl.PROTOCOL_TLS_SERVER, **values),
-                       client=_context(ssl.PROTOCOL_TLS_CLIENT, **values))
+def make_data_tls() -> DataTls:
+    """A fresh self-signed certificate (EC P-256) and the contexts that use it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
-
-def _context(protocol: int, tls_cert_file: str, tls_key_file: str,
-             tls_allowed_certs_file: str) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(protocol)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    try:
-        ctx.load_cert_chain(tls_cert_file, tls_key_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"tls_cert_file / tls_key_file: cannot load {tls_cert_file!r} with "
-                          f"{tls_key_file!r}: {exc}") from None
-    try:
-        ctx.load_verify_locations(cafile=tls_allowed_certs_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"tls_allowed_certs_file: cannot load {tls_allowed_certs_file!r}: "
-                          f"{exc}") from None
-    ctx.check_hostname = False  # pinned certificates, peers named by host:port
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    # A peer's self-signed certificate in the bundle is trusted as it is (it is no CA).
-    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-    return ctx
-
-
-def write_cert(directory: str, name: str, days: int = 3650) -> tuple[str, str]:
-    """Create ``NAME.crt`` (self-signed, EC P-256) and ``NAME.key`` (mode 0600) in
-    ``directory``; returns both paths. Needs the ``cryptography`` package."""
-    try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    except ImportError:
-        raise ConfigError("kvd keygen needs the cryptography package: "
-                          "pip install cryptography") from None
-    cert_path = os.path.join(directory, name + ".crt")
-    key_path = os.path.join(directory, name + ".key")
-    for path in (cert_path, key_path):
-        if os.path.exists(path):
-            raise ConfigError(f"{path} exists; not overwriting a key")
-    os.makedirs(directory, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvd {name}")])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvd data")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                              ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .not_valid_after(now + datetime.timedelta(days=3650))
         .sign(key, hashes.SHA256())
     )
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    with open(cert_path, "wb") as f:
-        f.write(cert.public_bytes(serialization.Encoding.PEM))
-    return cert_path, key_path
+    der = cert.public_bytes(serialization.Encoding.DER)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.minimum_version = ssl.TLSVersion.TLSv1_3
+    # ssl loads a key only from a file: a private one, removed at once.
+    with tempfile.TemporaryDirectory(prefix="kvd-tls-") as tmp:
+        path = os.path.join(tmp, "data.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        server.load_cert_chain(path)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.minimum_version = ssl.TLSVersion.TLSv1_3
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE  # pinned by fingerprint after the handshake
+    return DataTls(server=server, client=client, fingerprint=hashlib.sha256(der).digest())
+
+
+def fingerprint_of(sock: ssl.SSLSocket) -> bytes:
+    """SHA-256 of the certificate the other end of ``sock`` presented (b"" if none)."""
+    der = sock.getpeercert(binary_form=True)
+    return hashlib.sha256(der).digest() if der else b""

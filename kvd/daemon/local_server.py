@@ -1,15 +1,24 @@
-"""The local socket: a Unix stream socket serving the inference processes of a node.
+"""The local socket: a ZeroMQ ROUTER on ``ipc://<socket_path>`` serving the node's
+inference processes, each through a DEALER.
 
-Messages are length-prefixed msgspec messages (``kvd.framing``). Each connection's bytes
-are cut into messages right in the loop's read callback, and quick requests are answered
-there; long ones (get, put, offload, unregister, cancel) become tasks that reply when they
-finish. Every malformed message gets an ``ErrorReply`` and a count in ``bad_messages``;
-nothing a client sends can stop the server.
+A message is two frames, the client's routing id and one msgspec message. The ROUTER is
+read on the loop (``kvd.loop_socket``): quick requests are answered right in the read
+callback; long ones (get, put, offload, unregister, cancel) become tasks that reply when
+they finish. Every malformed message gets an ``ErrorReply`` and a count in
+``bad_messages``; nothing a client sends can stop the server.
 
-A client is a *session*: one connection, opened by ``Hello``. A client that dies closes its
-connection, which the daemon sees at once: its pending requests are cancelled, its regions
-and its keys without a TTL are released, its shared-memory files unlinked. A client that
-stops reading its replies is cut off once ``_MAX_UNREAD_REPLY_BYTES`` of them wait.
+A client is a *session*, opened by ``Hello`` and known by its routing id. The hello
+presents the token of the client's lifeline, its connection to the segment socket
+(``daemon/lifelines.py``): when that connection closes (the client exited or died) the
+session is closed at once: its pending requests are cancelled, its regions and its keys
+without a TTL are released, its segments' descriptors closed. A client that stops reading
+its replies is cut off once ``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed,
+so it sees its daemon gone).
+
+What one client can make the daemon hold: ZeroMQ queues at most ``_MAX_QUEUED_REQUESTS``
+of its requests, each at most ``_HARD_LIMIT_BYTES`` (``ZMQ_MAXMSGSIZE``: a longer one ends
+its connection inside ZeroMQ, unread); a request longer than ``max_message_bytes`` is
+answered with an error naming its ``req_id``.
 """
 
 from __future__ import annotations
@@ -17,18 +26,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
-import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from kvd import __version__, timeline
 from kvd.config import Config, socket_dir_problem
-from kvd.daemon.accepting import Acceptor, Throttled
+from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Engine
-from kvd.daemon.segment_server import SegmentServer, segment_socket_path
-from kvd.daemon.socket_files import BoundFile, bind_unix, remove_bound
+from kvd.daemon.lifelines import Connection, LifelineServer
+from kvd.daemon.socket_files import BoundFile, remove_bound, socket_identity
 from kvd.errors import (
     Cancelled,
     ConfigError,
@@ -38,10 +47,9 @@ from kvd.errors import (
     KvdTimeout,
     ProtocolError,
 )
-from kvd.framing import FrameBudget, FramedProtocol, Oversized
+from kvd.loop_socket import LoopSocket
 from kvd.protocol import (
     PROTOCOL_VERSION,
-    SEGMENT_TOKEN_BYTES,
     Bye,
     Cancel,
     Delete,
@@ -67,17 +75,22 @@ from kvd.protocol import (
     decode_request,
     encode,
     salvage_req_id,
+    segment_socket_path,
 )
 
 log = logging.getLogger(__name__)
 
 # A request longer than max_message_bytes gets an error reply with its req_id; one longer
-# than this is refused as soon as its length arrives, and skipped, never held in memory.
-_SKIP_ABOVE_BYTES = 64 * 1024 * 1024
-# Replies waiting in the kernel and the transport for a client that does not read them:
-# past this the client is cut off (its session closed) rather than buffered without end.
-# Replies are ~100 bytes: no client that reads falls this far behind.
-_MAX_UNREAD_REPLY_BYTES = 16 * 1024 * 1024
+# than this ends its connection inside ZeroMQ (ZMQ_MAXMSGSIZE), never held whole.
+_HARD_LIMIT_BYTES = 64 * 1024 * 1024
+# Requests ZeroMQ queues for one client before it stops reading that connection: with the
+# hard limit, what one client can make the daemon hold before the loop takes them.
+_MAX_QUEUED_REQUESTS = 64
+# Replies queued for a client that does not read them: past this the client is cut off
+# (its session closed) rather than buffered without end. Replies are ~100 bytes, and a
+# client has a reply coming per request in flight: no client that reads falls this far
+# behind.
+_MAX_UNREAD_REPLIES = 100_000
 # Segments (file descriptors, kept open) one session may hand over: each region's mapping
 # holds one more while it lives. LimitNOFILE in the systemd unit leaves room for many.
 MAX_SEGMENTS_PER_SESSION = 4096
@@ -93,78 +106,48 @@ class _Replied:
 _REPLIED = _Replied()
 
 
-class _Connection(FramedProtocol):
-    """One client connection: requests in, to the server; replies out."""
-
-    def __init__(self, server: LocalServer) -> None:
-        super().__init__(server.config.max_message_bytes, _SKIP_ABOVE_BYTES,
-                         write_limit=_MAX_UNREAD_REPLY_BYTES, budget=server.frame_budget,
-                         bad_messages=server.bad_messages, what="local socket")
-        self.server = server
-        self.session: Session | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.server.connections.add(self)
-
-    def on_frame(self, item: bytes | Oversized) -> None:
-        self.server.on_message(self, item)
-
-    def pause_writing(self) -> None:
-        # The client stopped reading its replies: cut it off (see _MAX_UNREAD_REPLY_BYTES).
-        self.server.count_bad("unread_replies")
-        log.warning("client session=%s stopped reading its replies (%d bytes waiting): "
-                    "closing its connection",
-                    self.session.sid if self.session else "-", _MAX_UNREAD_REPLY_BYTES)
-        self.close(abort=True)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self.server.connections.discard(self)
-        if self.session is not None:
-            self.server.start_close(self.session, "client disconnected")
-
-
 @dataclass(eq=False)
 class Session:
     sid: int
-    conn: _Connection
+    identity: bytes  # the client's routing id on the ROUTER
+    lifeline: Connection  # its connection to the segment socket: the session's life
     pid: int
     name: str
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
-    # The secret its segment handoffs carry (Welcome), and the segments handed over:
-    # descriptors by id, closed with the session.
-    token: bytes = b""
-    segments: dict[int, int] = field(default_factory=dict)
+    segments: dict[int, int] = field(default_factory=dict)  # descriptors by segment id
 
 
 class LocalServer:
-    def __init__(self, config: Config, engine: Engine, epoch: int,
-                 daemon: Any = None, frame_budget: FrameBudget | None = None) -> None:
+    def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
+                 daemon: Any = None) -> None:
         self.daemon = daemon  # for the peer plane's figures in stats
-        self.frame_budget = frame_budget  # shared with the peer port (kvd.framing)
         self.config = config
         self.engine = engine
         self.epoch = epoch
+        self.endpoint = f"ipc://{config.socket_path}"
         self.bad_messages: dict[str, int] = {}
         # Bad messages are each answered and counted, and logged at most once per reason
         # every few seconds: a client sending nothing else cannot flood the log.
         self._bad_logs: dict[str, Throttled] = {}
-        self.sessions: dict[_Connection, Session] = {}
-        self.connections: set[_Connection] = set()
+        self.sessions: dict[bytes, Session] = {}  # by routing id
+        self._by_lifeline: dict[Connection, Session] = {}
         self._next_sid = 1
         self._closers: set[asyncio.Task[None]] = set()
         self._drain_requests: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
-        self._server: Acceptor | None = None  # accepts on the local socket
-        self._accepting: set[asyncio.Task[None]] = set()
         self._reading_stopped = False  # draining or stopping: no new clients
-        self._by_token: dict[bytes, Session] = {}
         self.segment_socket = segment_socket_path(config.socket_path)
         self._bound: BoundFile | None = None  # the socket file bound here: removed at close
-        self._segments = SegmentServer(self.segment_socket, self._loop, self.adopt_segments,
-                                       self.count_bad)
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone client: refused
+        router.setsockopt(zmq.MAXMSGSIZE, max(_HARD_LIMIT_BYTES, config.max_message_bytes))
+        router.setsockopt(zmq.RCVHWM, _MAX_QUEUED_REQUESTS)
+        router.setsockopt(zmq.SNDHWM, _MAX_UNREAD_REPLIES)
+        self._router = LoopSocket(router, self.on_frames, self._loop, "local socket")
+        self._lifelines = LifelineServer(self.segment_socket, self.adopt_segments,
+                                         self._lifeline_lost, self.count_bad)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -175,71 +158,45 @@ class LocalServer:
         if os.path.exists(path) and _socket_answers(path):
             raise ConfigError(f"socket_path: another daemon is serving {path}")
         prepare_socket_dir(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o117)  # socket mode 0660
         try:
-            # (a socket file there was left by a daemon that died: a live one answered above)
-            self._bound = bind_unix(sock, path)
-            sock.listen(128)
-        except OSError as exc:
-            sock.close()
+            # (ZeroMQ replaces a socket file left by a daemon that died: a live one
+            # answered above)
+            self._router.sock.bind(self.endpoint)
+            self._bound = socket_identity(path)
+        except (OSError, zmq.ZMQError) as exc:
             raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
         finally:
             os.umask(old_umask)
         try:
-            self._segments.bind()
+            self._lifelines.bind()
         except OSError as exc:
-            sock.close()
             raise ConfigError(f"socket_path: cannot listen on {self.segment_socket}: "
                               f"{exc}") from None
-        sock.setblocking(False)
-        self._server = Acceptor(sock, "socket_path", self._take)
-        log.info("local socket listening path=%s", path)
-
-    def _take(self, sock: socket.socket, _addr: Any) -> None:
-        task = self._loop.create_task(self._admit(sock))
-        self._accepting.add(task)
-        task.add_done_callback(self._accepting.discard)
-
-    async def _admit(self, sock: socket.socket) -> None:
-        try:
-            transport, _ = await self._loop.connect_accepted_socket(
-                lambda: _Connection(self), sock)
-        except OSError as exc:
-            log.info("client connection lost before it was taken: %s", exc)
-            sock.close()
-            return
-        if self._reading_stopped:  # accepted just before a drain began: not served
-            transport.close()
+        self._router.start()
+        log.info("local socket listening endpoint=%s", self.endpoint)
 
     def stop_reading(self) -> None:
         """No new clients, no new requests (replies still go out)."""
         self._reading_stopped = True
-        if self._server is not None:
-            self._server.close()
-        for conn in self.connections:
-            if conn.transport is not None:
-                conn.transport.pause_reading()
+        self._lifelines.stop_accepting()
+        self._router.pause()
 
     async def close(self) -> None:
         if self._drain_requests:  # let the drain reports go out first
             await asyncio.wait(set(self._drain_requests), timeout=5.0)
         self.stop_reading()
-        await asyncio.to_thread(self._segments.close)
         for session in list(self.sessions.values()):
             await self._close_session(session, "daemon stopping")
         if self._closers:
             await asyncio.wait(set(self._closers), timeout=5.0)
-        # Replies already queued (a drain report, say) get a moment to leave.
-        deadline = self._loop.time() + 0.5
-        for conn in list(self.connections):
-            transport = conn.transport
-            while (transport is not None and transport.get_write_buffer_size()
-                   and self._loop.time() < deadline):
-                await asyncio.sleep(0.01)
-            if transport is not None:
-                transport.close()
-        remove_bound(self._bound)  # ours only: a daemon refused at start bound none
+        self._lifelines.close()
+        # Replies already queued (a drain report, say) get a moment to leave: ZeroMQ's
+        # I/O thread writes them while the context is destroyed.
+        self._router.close(linger_s=0.5)
+        # ZeroMQ removes the socket file it bound at close: the path is this daemon's
+        # until its PathClaim is released (service.py), so no other daemon's is removed.
+        remove_bound(self._bound)
         self._bound = None
 
     def pending_tasks(self) -> list[asyncio.Task[None]]:
@@ -250,73 +207,90 @@ class LocalServer:
     def count_bad(self, reason: str) -> None:
         self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
 
-    def _bad(self, conn: _Connection, reason: str, req_id: int, err: KvdError) -> None:
+    def _bad(self, identity: bytes, reason: str, req_id: int, err: KvdError) -> None:
         self.count_bad(reason)
         self._bad_logs.setdefault(reason, Throttled(log)).warning(
             "bad message reason=%s req_id=%d: %s", reason, req_id, err.message)
-        self._send(conn, ErrorReply(req_id=req_id, code=err.code, message=err.message))
+        self._send(identity, ErrorReply(req_id=req_id, code=err.code, message=err.message))
 
-    def on_message(self, conn: _Connection, payload: bytes | Oversized) -> None:
+    def on_frames(self, frames: list[bytes]) -> None:
         self.engine.busy_poll.touch()
-        if isinstance(payload, Oversized):
-            self._bad(conn, "too_large", salvage_req_id(payload.payload), ProtocolError(
-                f"message of {payload.nbytes} bytes exceeds max_message_bytes "
+        if self._reading_stopped:
+            return
+        identity = frames[0]
+        if len(frames) != 2:
+            self._bad(identity, "frames", 0, ProtocolError(
+                f"a message is one frame, got {len(frames) - 1}"))
+            return
+        payload = frames[1]
+        if len(payload) > self.config.max_message_bytes:
+            self._bad(identity, "too_large", salvage_req_id(payload), ProtocolError(
+                f"message of {len(payload)} bytes exceeds max_message_bytes "
                 f"{self.config.max_message_bytes}"))
             return
         try:
             msg = decode_request(payload)
         except ProtocolError as err:
-            self._bad(conn, "malformed", salvage_req_id(payload), err)
+            self._bad(identity, "malformed", salvage_req_id(payload), err)
             return
         if isinstance(msg, Hello):
-            self._hello(conn, msg)
+            self._hello(identity, msg)
             return
-        session = conn.session
+        session = self.sessions.get(identity)
         if session is None:
-            self._bad(conn, "no_session", msg.req_id, DaemonUnavailable(
+            self._bad(identity, "no_session", msg.req_id, DaemonUnavailable(
                 "unknown client: say Hello first (the daemon may have restarted; "
                 "registrations do not survive a restart, create a new client)"))
             return
         self._dispatch(session, msg)
 
-    def _hello(self, conn: _Connection, msg: Hello) -> None:
+    def _hello(self, identity: bytes, msg: Hello) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
-            self._bad(conn, "version", msg.req_id, ProtocolError(
+            self._bad(identity, "version", msg.req_id, ProtocolError(
                 f"protocol version {msg.protocol_version} is not supported; this daemon "
                 f"speaks version {PROTOCOL_VERSION}"))
             return
-        if conn.session is not None:
-            self._bad(conn, "duplicate_hello", msg.req_id,
+        if identity in self.sessions:
+            self._bad(identity, "duplicate_hello", msg.req_id,
                       ProtocolError("this client already said hello"))
             return
         if self.engine.draining:
-            self._send(conn, ErrorReply(req_id=msg.req_id, code="draining",
-                                        message="daemon is draining: no new clients"))
+            self._send(identity, ErrorReply(req_id=msg.req_id, code="draining",
+                                            message="daemon is draining: no new clients"))
             return
-        session = Session(self._next_sid, conn, msg.pid, msg.name,
-                          token=secrets.token_bytes(SEGMENT_TOKEN_BYTES))
+        lifeline = self._lifelines.claim(msg.lifeline)
+        if lifeline is None:
+            self._bad(identity, "no_lifeline", msg.req_id, ProtocolError(
+                f"hello needs a lifeline: connect to the segment socket {self.segment_socket} "
+                "and present the token of its Lifeline message, unclaimed (the session lives "
+                "as long as that connection)"))
+            return
+        session = Session(self._next_sid, identity, lifeline, msg.pid, msg.name)
         self._next_sid += 1
-        conn.session = session
-        self.sessions[conn] = session
-        self._by_token[session.token] = session
+        self.sessions[identity] = session
+        self._by_lifeline[lifeline] = session
         log.info("client connected session=%d pid=%d name=%s", session.sid, msg.pid, msg.name)
-        self._send(conn, Welcome(
+        self._send(identity, Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
-            node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__,
-            segment_socket=self.segment_socket, segment_token=session.token))
+            node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__))
 
-    def adopt_segments(self, token: bytes, ids: list[int], fds: list[int]) -> str:
-        """A handoff from the segment socket (on the loop): the session ``token`` names
-        takes the descriptors (''), or nothing (the reason; the caller closes them)."""
-        session = self._by_token.get(token)
+    def _lifeline_lost(self, lifeline: Connection) -> None:
+        session = self._by_lifeline.get(lifeline)
+        if session is not None:
+            self.start_close(session, "client disconnected")
+
+    def adopt_segments(self, lifeline: Connection, ids: list[int], fds: list[int]) -> str:
+        """A handoff on a session's lifeline: the session takes the descriptors (''), or
+        nothing (the reason; the caller closes them)."""
+        session = self._by_lifeline.get(lifeline)
         if session is None or session.closing:
-            return "unknown session (say hello on the local socket first)"
+            return "the session of this connection is closed"
         new = [i for i in ids if i not in session.segments]
         if len(session.segments) + len(new) > MAX_SEGMENTS_PER_SESSION:
             return (f"a session holds at most {MAX_SEGMENTS_PER_SESSION} segments; "
                     "allocate larger tensors, or fewer")
         for seg_id, fd in zip(ids, fds, strict=True):
-            if seg_id in session.segments:  # handed twice (two threads): one is enough
+            if seg_id in session.segments:  # handed twice: one is enough
                 os.close(fd)
             else:
                 session.segments[seg_id] = fd
@@ -329,17 +303,17 @@ class LocalServer:
         op = msg.__struct_config__.tag
         timeline.mark(f"local.request.{op}")
         if msg.req_id in s.tasks:
-            self._bad(s.conn, "duplicate_req_id", msg.req_id, ProtocolError(
+            self._bad(s.identity, "duplicate_req_id", msg.req_id, ProtocolError(
                 f"request {msg.req_id} is still pending; req_ids must be unique"))
             return
         try:
             match msg:
                 case Ping():
-                    self._send(s.conn, Pong(req_id=msg.req_id, node_id=self.config.node_id,
+                    self._send(s.identity, Pong(req_id=msg.req_id, node_id=self.config.node_id,
                                                 epoch=self.epoch, draining=e.draining))
                 case Stats():
                     stats = self.daemon.status() if self.daemon is not None else self.stats()
-                    self._send(s.conn, StatsReply(req_id=msg.req_id, stats=stats))
+                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=stats))
                 case Register():
                     self._spawn(s, msg.req_id, op, self._register(s, msg))
                 case Publish():
@@ -418,14 +392,14 @@ class LocalServer:
     async def _register(self, s: Session, msg: Register) -> _Replied:
         r = await self.engine.register(s.sid, msg.name, msg.tensors, msg.block_dim,
                                        s.segments)
-        self._send(s.conn, Registered(req_id=msg.req_id, region_id=r.region_id,
+        self._send(s.identity, Registered(req_id=msg.req_id, region_id=r.region_id,
                                           num_blocks=r.num_blocks, layout=list(r.layout)))
         return _REPLIED
 
     async def _drain(self, s: Session, req_id: int, grace_s: float | None) -> None:
         report = await self.daemon.drain_on_request(grace_s)
         self.engine.counters.request("drain", "ok")
-        self._send(s.conn, StatsReply(req_id=req_id, stats=report))
+        self._send(s.identity, StatsReply(req_id=req_id, stats=report))
 
     async def _cancel(self, s: Session, target: int) -> int:
         """Done once ``target`` has ended: its reply went out first, and no more bytes
@@ -442,18 +416,31 @@ class LocalServer:
 
     # ------------------------------------------------------------ replies
 
-    def _send(self, conn: _Connection, msg: Any) -> None:
+    def _send(self, identity: bytes, msg: Any) -> None:
         timeline.mark(f"local.reply.{msg.__struct_config__.tag}")
-        conn.send(encode(msg))  # a client that is gone: its loss, not ours
+        if self._router.send((identity, encode(msg))):
+            return
+        # Refused: the client's queue of unread replies is full, or its connection is
+        # gone (it closed it, or ZeroMQ ended it for a message over the hard limit).
+        session = self.sessions.get(identity)
+        if session is None or session.closing:
+            return  # a client that is gone: its loss, not ours
+        full = self._router.refused_errno == zmq.EAGAIN
+        self.count_bad("unread_replies" if full else "connection_lost")
+        log.warning("client session=%d %s: closing its session", session.sid,
+                    f"stopped reading its replies ({_MAX_UNREAD_REPLIES} waiting)" if full
+                    else "lost its connection to the local socket")
+        self._lifelines.cut(session.lifeline)
+        self.start_close(session, "cut off")
 
     def _done(self, s: Session, req_id: int, nbytes: int = 0) -> None:
-        self._send(s.conn, Done(req_id=req_id, nbytes=nbytes))
+        self._send(s.identity, Done(req_id=req_id, nbytes=nbytes))
 
     def _error(self, s: Session, req_id: int, op: str, err: KvdError) -> None:
         self.engine.counters.request(op, err.code)
         log.info("request failed op=%s req_id=%d session=%d code=%s: %s",
                  op, req_id, s.sid, err.code, err.message)
-        self._send(s.conn, ErrorReply(req_id=req_id, code=err.code, message=err.message))
+        self._send(s.identity, ErrorReply(req_id=req_id, code=err.code, message=err.message))
 
     # ------------------------------------------------------------ sessions
 
@@ -467,23 +454,23 @@ class LocalServer:
         if session.closing:
             return
         session.closing = True
-        self.sessions.pop(session.conn, None)
-        if session.conn.session is session:
-            session.conn.session = None  # the connection may say hello again (after bye)
+        self.sessions.pop(session.identity, None)
+        self._by_lifeline.pop(session.lifeline, None)
+        if reply_to is not None:  # (after bye the client may say hello again on it)
+            self._lifelines.release(session.lifeline)
         tasks = list(session.tasks.values())
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
         await self.engine.drop_session(session.sid, reason)
-        self._by_token.pop(session.token, None)
         for fd in session.segments.values():  # the regions' mappings hold their own
             os.close(fd)
         session.segments.clear()
         log.info("client gone session=%d pid=%d reason=%s", session.sid, session.pid, reason)
         if reply_to is not None:
             if any(not t.done() for t in tasks):  # not confirmed: the client says so
-                self._send(session.conn, ErrorReply(
+                self._send(session.identity, ErrorReply(
                     req_id=reply_to, code=KvdTimeout.code, message=(
                         f"requests of the session did not stop within {_CANCEL_WAIT_S:g}s; "
                         "they may still move bytes")))
@@ -494,8 +481,6 @@ class LocalServer:
         stats = self.engine.stats()
         stats["clients"] = len(self.sessions)
         stats["bad_messages"] = dict(self.bad_messages)
-        if self.frame_budget is not None:
-            stats["frame_budget"] = self.frame_budget.stats()
         stats["epoch"] = self.epoch
         stats["in_flight"] = len(self.pending_tasks())
         peers = getattr(self.daemon, "peers", None)

@@ -1,28 +1,43 @@
 """The peer plane: links to other daemons, their handshake, heartbeats and death.
 
-Each daemon listens on ``peer_host:peer_port`` (TCP, TLS when configured: see
-``daemon/auth.py``) for control messages, and on ``data_port`` (plain TCP) for bytes. To
-talk to a peer it opens a connection and says ``PeerHello`` (version, node id, epoch, its
-address, its data port and a fresh *data token*); the peer answers ``PeerWelcome`` with
-the same fields. The link then carries messages both ways over that one connection,
-length-prefixed msgspec messages (``kvd.framing``) in order: the NCCL channels rely on
-that order. Each side opens its own data connection to the other's data port for the
+Each daemon binds a ZeroMQ ROUTER on ``tcp://peer_host:peer_port`` for control messages
+and listens on ``data_port`` (TCP) for bytes. To talk to a peer it connects a DEALER of
+its own (one per link: a new handshake gets a new DEALER, which never reconnects) and
+says ``PeerHello`` (version, node id, epoch, its address, its data port, a fresh *data
+token*, and the fingerprint of its data port's certificate when data is encrypted); the
+peer answers ``PeerWelcome`` with the same fields through its ROUTER, to the routing id
+the hello came from. The link then carries one msgspec message per ZeroMQ message both
+ways, in order (the NCCL channels rely on that order): ours on the DEALER, theirs on
+their ROUTER. Each side opens its own data connection to the other's data port for the
 bytes it sends, presenting the token it was given, so the data port only ever accepts
-peers that passed the handshake.
+peers that passed the handshake. Every ZeroMQ socket is read on the loop through
+``kvd.loop_socket.LoopSocket``.
 
-A link ends when its connection closes (a peer that exits or dies: at once), or when it
-is silent for longer than ``peer_grace_s`` (a hung peer; heartbeats go both ways every
-``heartbeat_interval_s``, and any message counts as a sign of life). Its transfers then
-fail with ``PeerUnreachable`` (through ``on_link_lost``) and its channels are aborted. A
-``PeerHello`` claiming the address of a link whose connection lives (open, and heard within
-the grace) is refused: without TLS anyone could claim it. A peer that restarted closed its
-old connection when it died (or falls silent past the grace); its hello is taken then, and
-the old link dies the same way.
+Security (``daemon/auth.py``): with ``curve_secret_key_file`` the ROUTER is a CurveZMQ
+server whose ZAP handler admits only the public keys on ``curve_allowed_keys_file``, and a
+peer's hello is taken only for the address the list gives its key; our DEALERs dial with
+the peer's key from the same list. With ``encrypt_data`` the data connections are TLS,
+pinned by the fingerprint exchanged over the CURVE-secured handshake. Without keys the
+plane is open.
 
-Connections on either port that have not linked yet (no hello, no data token) are
-bounded together (``MAX_UNLINKED_CONNECTIONS``), so are links (``MAX_LINKS``: a hello past
-it is refused), and the accept loops outlive a shortage of descriptors
-(``daemon/accepting.py``).
+A link ends at once when its connection does: the socket monitors say so (a DEALER's
+``EVENT_DISCONNECTED`` is its link's; on the ROUTER the event names the connection's
+descriptor, which the hello's frame carried). A link silent for longer than
+``peer_grace_s`` ends too (a hung peer; heartbeats go both ways every
+``heartbeat_interval_s``, and any message counts as a sign of life), and so does a link to
+which ZeroMQ refuses a message (the peer stopped reading: ``_SEND_HWM`` messages wait for
+it). Its transfers then fail with ``PeerUnreachable`` (through ``on_link_lost``) and its
+channels are aborted. A ``PeerHello`` claiming the address of a link that answers (heard
+within the grace) is refused: without CurveZMQ anyone could claim it. A peer that
+restarted closed its old connection when it died (or falls silent past the grace); its
+hello is taken then, and the old link dies the same way.
+
+What a peer can make the daemon hold: ``MAX_LINKS`` links (a hello past it is refused);
+per connection, ``_RECV_HWM`` messages of at most ``MAX_PEER_MESSAGE_BYTES`` read ahead by
+ZeroMQ (a larger message ends the connection); a connection that does not finish ZeroMQ's
+handshake within ``peer_connect_timeout_s`` is closed by ZeroMQ. On the data port,
+connections that have not presented a token are bounded (``MAX_UNLINKED_CONNECTIONS``),
+and its accept loop outlives a shortage of descriptors (``daemon/accepting.py``).
 """
 
 from __future__ import annotations
@@ -30,20 +45,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import secrets
 import socket
 import ssl
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import zmq
+
 from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.accepting import Acceptor, Throttled
-from kvd.daemon.auth import TlsContexts, load_tls
-from kvd.errors import BadRequest, ConfigError, KvdError, PeerUnreachable, ProtocolError
-from kvd.framing import FrameBudget, FramedProtocol, Oversized
+from kvd.daemon.auth import (
+    ZAP_DOMAIN,
+    ZAP_ENDPOINT,
+    CurveKeys,
+    DataTls,
+    fingerprint_of,
+    load_keys,
+    make_data_tls,
+    zap_answer,
+)
+from kvd.errors import (
+    BadRequest,
+    ConfigError,
+    KvdError,
+    PeerUnreachable,
+    ProtocolError,
+    error_from_code,
+)
+from kvd.loop_socket import LoopSocket
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -66,61 +101,116 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 CPU_DEVICE = "cpu"
-MAX_PEER_MESSAGE_BYTES = 1 << 20  # larger ones end the connection
-# Control messages queued for a peer that does not read them: past this the link is
-# declared dead rather than buffered without end (they are ~100 bytes each).
-_MAX_UNSENT_BYTES = 16 * 1024 * 1024
-# Accepted connections not linked yet (before their PeerHello, or their data token), on
-# both ports together: past this a new one is closed at once. Linking takes a round trip,
-# so a cluster starting at once stays far below it; a flood of silent connections cannot
-# take every descriptor the daemon has (each one lasts peer_connect_timeout_s at most).
+MAX_PEER_MESSAGE_BYTES = 1 << 20  # ZMQ_MAXMSGSIZE: a larger message ends its connection
+# Control messages queued for one peer (its ZeroMQ pipe) that it has not taken: past this
+# the peer counts as not reading and its link ends (they are ~100 bytes each: a few MiB).
+_SEND_HWM = 32768
+# Messages ZeroMQ reads ahead from one connection before it stops reading it (TCP pushes
+# back to the sender; nothing is lost). With MAX_PEER_MESSAGE_BYTES, what one connection
+# can make the daemon hold: a flood of garbage is bounded by it.
+_RECV_HWM = 64
+# Connections accepted on the data port that have not presented their token yet: past
+# this a new one is closed at once. A flood of silent connections cannot take every
+# descriptor the daemon has (each one lasts peer_connect_timeout_s at most).
 MAX_UNLINKED_CONNECTIONS = 64
 # Links at once, those we made and those peers made together: past it a peer's hello is
 # refused (ours to a peer are not: a client asked for them). A link holds a thread (its
-# data connection's receiver) and its state while it lives, and without TLS anyone who
-# reaches the peer port can make one and keep it. A node links to the daemons it
+# data connection's receiver) and its state while it lives, and without CurveZMQ anyone
+# who reaches the peer port can make one and keep it. A node links to the daemons it
 # exchanges KV with: a few, or tens in a large disaggregated deployment, far below this.
 MAX_LINKS = 256
 
+_MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event, value
+_monitor_ids = itertools.count()
 
-class _PeerConnection(FramedProtocol):
-    """One control connection to a peer: messages in (to the plane), messages out."""
 
-    def __init__(self, plane: PeerPlane, outgoing: bool) -> None:
-        super().__init__(MAX_PEER_MESSAGE_BYTES, write_limit=_MAX_UNSENT_BYTES,
-                         budget=plane.frame_budget, bad_messages=plane.bad_messages,
-                         what="peer")
+class _Monitor:
+    """The connection events of one ZeroMQ socket (its monitor), read on the loop:
+    ``on_event(event, value)`` for each."""
+
+    def __init__(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], events: int,
+                 on_event: Callable[[int, int], None], what: str) -> None:
+        self._watched = sock
+        self._on_event = on_event
+        # A name of our own: pyzmq's default (the socket's descriptor) is reused by the
+        # next socket while the old monitor's endpoint may still be bound.
+        address = f"inproc://kvd-monitor-{next(_monitor_ids)}"
+        sock.monitor(address, events)
+        pair = ctx.socket(zmq.PAIR)
+        pair.connect(address)  # (before the watched socket connects: no event is missed)
+        self.reader = LoopSocket(pair, self._on_message, what=what)
+        self.reader.start()
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) == 2 and len(frames[0]) == _MONITOR_EVENT.size:
+            event, value = _MONITOR_EVENT.unpack(frames[0])
+            self._on_event(event, value)
+
+    def drain(self) -> None:
+        """Handle every event that has come (before a hello: see PeerPlane._on_hello)."""
+        sock = self.reader.sock
+        while not self.reader.closed:
+            try:
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return
+                self._on_message(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                return
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._watched.disable_monitor()
+        self.reader.close()
+
+
+class _Dial:
+    """Our DEALER to one peer, from its handshake to its link's end."""
+
+    def __init__(self, plane: PeerPlane, address: str) -> None:
         self.plane = plane
+        self.address = address
+        sock = plane.ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection: a new link, a new DEALER
+            sock.setsockopt(zmq.HANDSHAKE_IVL, plane.handshake_ms)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE_BYTES)
+            sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
+            keys = plane.keys
+            if keys is not None:
+                server_key = keys.by_address.get(address)
+                if server_key is None:
+                    raise PeerUnreachable(
+                        f"no public key for peer {address}: add '<its key> {address}' to "
+                        f"curve_allowed_keys_file")
+                sock.curve_serverkey = server_key
+                sock.curve_publickey = keys.public
+                sock.curve_secretkey = keys.secret
+            self.monitor = _Monitor(
+                plane.ctx, sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, self._on_event,
+                f"peer {address} monitor")
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self.sock = LoopSocket(sock, self._on_message, what=f"peer {address}")
+        self.welcome: asyncio.Future[PeerWelcome] = plane._loop.create_future()
         self.link: PeerLink | None = None
-        self.peer = "?"
-        # An outgoing connection waits for the PeerWelcome that completes its handshake.
-        self.welcome: asyncio.Future[PeerWelcome] | None = (
-            plane._loop.create_future() if outgoing else None)
         self.early: list[bytes] = []  # messages behind the welcome, until the link is made
-        self.silence_timer: asyncio.TimerHandle | None = None  # no hello yet: see _expire_silent
+        self.sock.start()
+        sock.connect(f"tcp://{address}")
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        if isinstance(peer, tuple):
-            self.peer = f"{peer[0]}:{peer[1]}"
-        self.plane._connections.add(self)
+    def _on_message(self, frames: list[bytes]) -> None:
+        self.plane._on_dial_message(self, frames)
 
-    def on_frame(self, item: bytes | Oversized) -> None:
-        self.plane._on_message(self, item)
+    def _on_event(self, event: int, value: int) -> None:
+        self.plane._on_dial_event(self, event, value)
 
-    def pause_writing(self) -> None:
-        self.plane._on_stalled(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self.plane._connections.discard(self)
-        self.plane._on_closed(self)
-
-    def stop_timer(self) -> None:
-        if self.silence_timer is not None:
-            self.silence_timer.cancel()
-            self.silence_timer = None
+    def close(self, linger_s: float = 0.0) -> None:
+        self.monitor.close()
+        self.sock.close(linger_s)
 
 
 @dataclass(eq=False)
@@ -131,8 +221,10 @@ class PeerLink:
     data_port: int
     token_for_them: bytes  # they present it on our data port
     token_for_us: bytes  # we present it on theirs
-    conn: _PeerConnection | None = None  # the control connection
-    outgoing: bool = False  # we opened it
+    dial: _Dial | None = None  # an outgoing link: our DEALER
+    routing_id: bytes = b""  # an incoming link: their connection on our ROUTER
+    fd: int = -1  # an incoming link: that connection's descriptor (its monitor events)
+    data_fingerprint: bytes = b""  # their data port's certificate (b"": plain TCP)
     last_seen: float = 0.0
     devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
     nccl_blocking_calls: bool = False  # the peer splits its channels for blocking calls
@@ -144,6 +236,10 @@ class PeerLink:
     reported_up: bool = False  # on_link_up was called (see PeerPlane._link_up)
 
     @property
+    def outgoing(self) -> bool:
+        return self.dial is not None
+
+    @property
     def host(self) -> str:
         return self.address.rsplit(":", 1)[0]
 
@@ -152,19 +248,20 @@ class PeerLink:
                 "direction": "out" if self.outgoing else "in",
                 "alive": self.alive, "last_heard_s_ago": round(now - self.last_seen, 3),
                 "devices": self.devices, "nccl_blocking_calls": self.nccl_blocking_calls,
+                "data_encrypted": bool(self.data_fingerprint),
                 "channels": {"send": self.send_channel is not None,
                              "recv": self.recv_channel is not None}}
 
 
 class PeerPlane:
-    def __init__(self, config: Config, epoch: int,
+    def __init__(self, config: Config, ctx: zmq.Context[Any], epoch: int,
                  on_message: Callable[[PeerLink, PeerMessage], None],
                  on_link_lost: Callable[[PeerLink, KvdError], None],
                  gpus: Sequence[str] = (),
                  on_link_up: Callable[[PeerLink], None] | None = None,
-                 nccl_blocking_calls: bool = False,
-                 frame_budget: FrameBudget | None = None) -> None:
+                 nccl_blocking_calls: bool = False) -> None:
         self.config = config
+        self.ctx = ctx
         self.gpus = list(gpus)  # our GPUs that NCCL channels can use, told to peers
         # Told to peers too: our channels can split for blocking calls (config and NCCL).
         self.nccl_blocking_calls = nccl_blocking_calls
@@ -172,28 +269,32 @@ class PeerPlane:
         self.on_message = on_message
         self.on_link_lost = on_link_lost
         self.on_link_up = on_link_up
-        self.frame_budget = frame_budget  # shared with the local socket (kvd.framing)
         self.bad_messages: dict[str, int] = {}
         self._bad_logs: dict[str, Throttled] = {}  # per reason (see _bad)
         self.links: dict[str, PeerLink] = {}  # by address
+        self._by_routing_id: dict[bytes, PeerLink] = {}  # incoming links
+        self._by_fd: dict[int, PeerLink] = {}  # incoming links, by their connection
         self._by_token: dict[bytes, PeerLink] = {}
-        self._connections: set[_PeerConnection] = set()
+        self._dials: set[_Dial] = set()  # DEALERs open (handshaking or linked)
         # Tokens of our handshakes in flight: the peer may dial our data port as soon as
         # it has welcomed us, before our loop has made the link that knows the token.
         self._handshake_done: dict[bytes, asyncio.Future[None]] = {}
         self._linking: dict[str, asyncio.Task[PeerLink]] = {}
         self._warmups: set[asyncio.Task[None]] = set()
         self._admitting: set[asyncio.Task[None]] = set()
-        # Accepted connections not linked yet (see MAX_UNLINKED_CONNECTIONS): a peer
-        # connection, or a data connection's socket, until it links or closes.
-        self._unlinked: set[object] = set()
+        self._unlinked: set[socket.socket] = set()  # data connections before their token
         self._refusing = Throttled(log)
         self._loop = asyncio.get_running_loop()
-        self.tls = load_tls(config)
-        self._listener: socket.socket | None = None
+        self.keys: CurveKeys | None = load_keys(config)
+        self._data_tls: DataTls | None = (
+            make_data_tls() if self.keys is not None and config.encrypt_data else None)
+        self.handshake_ms = max(1, int(config.peer_connect_timeout_s * 1000))
+        self._router: LoopSocket | None = None
+        self._router_monitor: _Monitor | None = None
+        self._zap: LoopSocket | None = None
         self._data_listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._acceptors: list[Acceptor] = []
+        self._acceptor: Acceptor | None = None
         self.address = ""
         self.data_port = 0
         self.configured = [a.strip() for a in config.peers.split(",") if a.strip()]
@@ -202,34 +303,82 @@ class PeerPlane:
 
     def bind(self) -> None:
         cfg = self.config
-        self._listener = _listen(cfg.peer_host, cfg.peer_port, "peer_port")
-        port = self._listener.getsockname()[1]
+        router = self.ctx.socket(zmq.ROUTER)
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown routing id: an error
+            router.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE_BYTES)
+            router.setsockopt(zmq.HANDSHAKE_IVL, self.handshake_ms)
+            router.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            router.setsockopt(zmq.RCVHWM, _RECV_HWM)
+            if self.keys is not None:
+                zap = self.ctx.socket(zmq.REP)
+                zap.bind(ZAP_ENDPOINT)
+                self._zap = LoopSocket(zap, self._on_zap_request, what="ZAP handler")
+                self._zap.start()
+                router.curve_server = True
+                router.curve_publickey = self.keys.public
+                router.curve_secretkey = self.keys.secret
+                router.zap_domain = ZAP_DOMAIN
+            # Handshakes that fail inside ZeroMQ (no CURVE, a wrong key, garbage, silence
+            # past HANDSHAKE_IVL) are counted; ZAP's refusals are counted by the handler.
+            self._router_monitor = _Monitor(
+                self.ctx, router, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, self._on_router_event, "peer monitor")
+            try:
+                router.bind(f"tcp://{cfg.peer_host}:{cfg.peer_port}")
+            except zmq.ZMQError as exc:
+                raise ConfigError(f"peer_port: cannot listen on {cfg.peer_host}:"
+                                  f"{cfg.peer_port}: {exc}") from None
+        except BaseException:
+            self._close_router_side()
+            router.close(linger=0)
+            raise
+        endpoint = router.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        port = int(endpoint.decode().rsplit(":", 1)[1])
         self.address = f"{cfg.advertise_host or cfg.peer_host}:{port}"
+        self._router = LoopSocket(router, self._on_router_message, what="peer socket",
+                                  copy=False)
+        self._router.start()
         self._data_listener = _listen(cfg.peer_host, cfg.data_port, "data_port")
         self.data_port = self._data_listener.getsockname()[1]
+        self._acceptor = Acceptor(self._data_listener, "data_port", self._take_data)
         self._tasks = [
             self._loop.create_task(self._heartbeat_loop(), name="kvd-peer-heartbeat")]
-        self._acceptors = [Acceptor(self._listener, "peer_port", self._take_peer),
-                           Acceptor(self._data_listener, "data_port", self._take_data)]
-        log.info("peer socket listening address=%s data_port=%d tls=%s", self.address,
-                 self.data_port, "on" if self.tls else "off")
+        log.info("peer socket listening address=%s data_port=%d curve=%s encrypt_data=%s",
+                 self.address, self.data_port, "on" if self.keys else "off",
+                 "on" if self._data_tls else "off")
+
+    def _close_router_side(self) -> None:
+        if self._router_monitor is not None:
+            self._router_monitor.close()
+            self._router_monitor = None
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
 
     async def close(self) -> None:
-        for acceptor in self._acceptors:
-            acceptor.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
         tasks = [*self._tasks, *self._warmups, *self._linking.values(), *self._admitting]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, *(a.wait_closed() for a in self._acceptors),
+        await asyncio.gather(*tasks, *([self._acceptor.wait_closed()] if self._acceptor else []),
                              return_exceptions=True)
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
         await asyncio.sleep(0)
-        for conn in list(self._connections):
-            conn.close()
-        for listener in (self._listener, self._data_listener):
-            if listener is not None:
-                listener.close()
+        # What is queued (a CHANNEL_DOWN, a last PeerError) may still go out for a moment,
+        # in ZeroMQ's I/O thread, while the context ends.
+        for dial in list(self._dials):
+            dial.close(linger_s=1.0)
+        self._dials.clear()
+        self._close_router_side()
+        if self._router is not None:
+            self._router.close(linger_s=1.0)
+        for sock in list(self._unlinked):
+            sock.close()
 
     # ------------------------------------------------------------ links
 
@@ -237,7 +386,8 @@ class PeerPlane:
         return {"protocol_version": PROTOCOL_VERSION, "node_id": self.config.node_id,
                 "epoch": self.epoch, "address": self.address, "data_port": self.data_port,
                 "data_token": token, "devices": [CPU_DEVICE, *self.gpus],
-                "nccl_blocking_calls": self.nccl_blocking_calls}
+                "nccl_blocking_calls": self.nccl_blocking_calls,
+                "data_fingerprint": self._data_tls.fingerprint if self._data_tls else b""}
 
     async def link_to(self, address: str, timeout_s: float) -> PeerLink:
         """The live link to ``address``, after a handshake if there is none. Concurrent
@@ -264,45 +414,63 @@ class PeerPlane:
             raise BadRequest(f"peer address must be host:port, got {address!r}")
         token = secrets.token_bytes(32)
         done = self._handshake_done[token] = self._loop.create_future()
-        conn: _PeerConnection | None = None
+        dial: _Dial | None = None
         try:
+            try:
+                dial = _Dial(self, address)
+            except zmq.ZMQError as exc:  # (out of sockets or descriptors)
+                raise PeerUnreachable(f"cannot open a socket to peer {address}: {exc}") from None
+            self._dials.add(dial)
             async with asyncio.timeout(min(timeout_s, self.config.peer_connect_timeout_s)):
-                _, conn = await self._loop.create_connection(
-                    lambda: _PeerConnection(self, outgoing=True), host, int(port),
-                    ssl=self.tls.client if self.tls else None,
-                    server_hostname=host if self.tls else None)
-                assert conn.welcome is not None
-                conn.send(encode(PeerHello(**self._hello_fields(token))))
-                welcome = await conn.welcome
-        except (TimeoutError, OSError, KvdError) as exc:
-            if conn is not None:
-                conn.close()
+                if not dial.sock.send([encode(PeerHello(**self._hello_fields(token)))]):
+                    raise PeerUnreachable(f"peer {address} took no hello")
+                welcome = await dial.welcome
+            self._check_data_encryption(welcome.data_fingerprint, address)
+        except (TimeoutError, KvdError) as exc:
+            if dial is not None:
+                self._dials.discard(dial)
+                dial.close()
             if isinstance(exc, KvdError) and not isinstance(exc, PeerUnreachable):
                 raise
-            hint = (" (with TLS: is our certificate in its tls_allowed_certs_file, and its "
-                    "in ours?)" if self.tls else "")
-            detail = "" if isinstance(exc, TimeoutError) else (
-                f": {exc.message}" if isinstance(exc, KvdError) else f": {exc}")
+            hint = (" (with CurveZMQ: is our public key in its curve_allowed_keys_file?)"
+                    if self.keys is not None and isinstance(exc, TimeoutError) else "")
+            detail = "" if isinstance(exc, TimeoutError) else f": {exc.message}"
             raise PeerUnreachable(f"no answer from peer {address}{hint}{detail}") from None
+        except BaseException:
+            if dial is not None:
+                self._dials.discard(dial)
+                dial.close()
+            raise
         finally:
             del self._handshake_done[token]
             if not done.done():
                 done.set_result(None)
         link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
                         data_port=welcome.data_port, token_for_them=token,
-                        token_for_us=welcome.data_token, conn=conn, outgoing=True,
+                        token_for_us=welcome.data_token, dial=dial,
+                        data_fingerprint=welcome.data_fingerprint,
                         last_seen=self._loop.time(), devices=list(welcome.devices),
                         nccl_blocking_calls=welcome.nccl_blocking_calls)
-        conn.link = link
+        dial.link = link
         self._add_link(link)
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
                  link.epoch)
         self._warm_up(link)
         self._link_up(link)
-        early, conn.early = conn.early, []
-        for item in early:  # what came right behind the welcome, before the link was made
-            self._on_message(conn, item)
+        early, dial.early = dial.early, []
+        for payload in early:  # what came right behind the welcome, before the link was made
+            self._on_link_payload(link, payload, None)
         return link
+
+    def _check_data_encryption(self, their_fingerprint: bytes, address: str) -> None:
+        """Both ends encrypt data connections, or neither: otherwise our bytes would go
+        in the clear to a peer that does not, against this operator's choice."""
+        ours = self._data_tls is not None
+        if ours != bool(their_fingerprint):
+            raise PeerUnreachable(
+                f"peer {address} {'does not encrypt' if ours else 'encrypts'} its data "
+                f"connections and this daemon {'does' if ours else 'does not'}: set "
+                f"encrypt_data (and CurveZMQ) the same on both")
 
     def _add_link(self, link: PeerLink) -> None:
         old = self.links.get(link.address)
@@ -364,7 +532,7 @@ class PeerPlane:
         assert connecting is not None
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
-        tls = self._data_tls()
+        tls = self._data_tls if link.data_fingerprint else None
         try:
             async with asyncio.timeout(self.config.peer_connect_timeout_s):
                 await self._loop.sock_connect(sock, (link.host, link.data_port))
@@ -374,6 +542,11 @@ class PeerPlane:
                 else:
                     sock = tls.client.wrap_socket(sock, do_handshake_on_connect=False)
                     await self._tls_step(sock, sock.do_handshake)
+                    # The certificate the peer told us of over the CURVE-secured link: the
+                    # token goes to nobody else.
+                    if fingerprint_of(sock) != link.data_fingerprint:
+                        raise ssl.SSLError(f"data port of {link.address} presented a "
+                                           "certificate other than the one its hello named")
                     await self._tls_step(sock, lambda: sock.sendall(hello))
             sock.setblocking(True)
         except (OSError, TimeoutError) as exc:
@@ -394,11 +567,6 @@ class PeerPlane:
         channel.attach(sock)
         link.send_channel = channel
         connecting.set_result(channel)
-
-    def _data_tls(self) -> TlsContexts | None:
-        """The TLS contexts for data connections: the peer plane's, unless ``tls_data`` is
-        off (plain TCP on a trusted network, for speed)."""
-        return self.tls if self.config.tls_data else None
 
     async def _tls_step(self, sock: ssl.SSLSocket, op: Callable[[], _T]) -> _T:
         """Run a TLS operation on a non-blocking socket on the loop, waiting for the socket
@@ -432,12 +600,20 @@ class PeerPlane:
             (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
 
     def send(self, link: PeerLink, msg: Any) -> None:
-        """Send a message on the link (dropped silently if the link is gone)."""
-        if not link.alive or link.conn is None:
+        """Send a message on the link (dropped if the link is gone). A message ZeroMQ
+        will not take ends the link: the peer stopped reading, or its connection is gone."""
+        if not link.alive:
             return
         timeline.mark(f"peer.send.{msg.__struct_config__.tag}")
-        if not link.conn.send(encode(msg)):
-            log.debug("peer message dropped address=%s: connection closing", link.address)
+        if not self._send_on(link, encode(msg)):
+            self._lose(link, PeerUnreachable(
+                f"peer {link.address} stopped reading ({_SEND_HWM} messages unsent) or its "
+                f"connection is gone"))
+
+    def _send_on(self, link: PeerLink, data: bytes) -> bool:
+        if link.dial is not None:
+            return link.dial.sock.send([data])
+        return self._router is not None and self._router.send([link.routing_id, data])
 
     def _lose(self, link: PeerLink, error: KvdError) -> None:
         if not link.alive:
@@ -448,6 +624,10 @@ class PeerPlane:
         if self.links.get(link.address) is link:
             del self.links[link.address]
         self._by_token.pop(link.token_for_them, None)
+        if link.routing_id and self._by_routing_id.get(link.routing_id) is link:
+            del self._by_routing_id[link.routing_id]
+        if self._by_fd.get(link.fd) is link:
+            del self._by_fd[link.fd]
         for channel in (link.send_channel, link.recv_channel):
             if channel is not None:
                 channel.abort(error)
@@ -461,117 +641,96 @@ class PeerPlane:
         channels = [c for c in (link.send_channel, link.recv_channel) if c is not None]
         if channels:
             self._loop.run_in_executor(None, _close_channels, channels)
-        if link.conn is not None:
-            link.conn.close()
+        if link.dial is not None:
+            self._dials.discard(link.dial)
+            link.dial.close()
 
     # ------------------------------------------------------------ reading
 
-    def _room_for(self, sock: socket.socket, addr: Any, port: str) -> bool:
-        """Whether one more connection may wait to link (MAX_UNLINKED_CONNECTIONS); if
-        not, it is closed now, counted and logged."""
-        if len(self._unlinked) < MAX_UNLINKED_CONNECTIONS:
-            return True
-        sock.close()
-        self.bad_messages["unlinked_limit"] = self.bad_messages.get("unlinked_limit", 0) + 1
-        self._refusing.warning(
-            "%s: connection from=%s closed: %d connections are waiting to link already "
-            "(the most); a flood of connections that do not link, or peers that do not "
-            "finish their handshake", port, _host_port(addr), len(self._unlinked))
-        return False
-
-    def _take_peer(self, sock: socket.socket, addr: Any) -> None:
-        """A connection on the peer port: it passes the TLS handshake (when configured)
-        before it may say anything, and must say PeerHello in time."""
-        if not self._room_for(sock, addr, "peer_port"):
-            return
-        conn = _PeerConnection(self, outgoing=False)
-        self._unlinked.add(conn)
-        task = self._loop.create_task(self._admit_peer(conn, sock, addr))
-        self._admitting.add(task)
-        task.add_done_callback(self._admitting.discard)
-
-    async def _admit_peer(self, conn: _PeerConnection, sock: socket.socket,
-                          addr: Any) -> None:
-        try:
-            # The protocol is made here and handed in: with TLS, what the call returns is
-            # the TLS layer's protocol, not ours.
-            await self._loop.connect_accepted_socket(
-                lambda: conn, sock, ssl=self.tls.server if self.tls else None,
-                ssl_handshake_timeout=self.config.peer_connect_timeout_s if self.tls else None)
-        except (OSError, ssl.SSLError, TimeoutError) as exc:
-            self._unlinked.discard(conn)
-            refused = isinstance(exc, ssl.SSLCertVerificationError)
-            reason = "auth" if refused else "handshake"
-            self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
-            log.warning("peer connection refused from=%s: %s", _host_port(addr),
-                        "certificate not in tls_allowed_certs_file" if refused else repr(exc))
-            sock.close()
-            return
-        except BaseException:
-            self._unlinked.discard(conn)
-            raise
-        if conn.link is None and conn.transport is not None:
-            # A connection that never says hello is not kept (a port scan, a stuck peer).
-            conn.silence_timer = self._loop.call_later(
-                self.config.peer_connect_timeout_s, self._expire_silent, conn)
-
-    def _expire_silent(self, conn: _PeerConnection) -> None:
-        conn.silence_timer = None
-        if conn.link is None and conn.transport is not None:
-            self.bad_messages["no_hello"] = self.bad_messages.get("no_hello", 0) + 1
-            log.warning("peer connection from=%s closed: no peer_hello within %gs", conn.peer,
-                        self.config.peer_connect_timeout_s)
-            conn.close()
-
-    def _on_closed(self, conn: _PeerConnection) -> None:
-        self._unlinked.discard(conn)
-        conn.stop_timer()
-        if conn.welcome is not None and not conn.welcome.done():
-            conn.welcome.set_exception(PeerUnreachable(
-                f"peer {conn.peer} closed the connection during the handshake"))
-        link = conn.link
-        if link is not None and link.alive and link.conn is conn:
-            self._lose(link, PeerUnreachable(f"connection to peer {link.address} closed"))
-
-    def _on_stalled(self, conn: _PeerConnection) -> None:
-        link = conn.link
-        if link is not None and link.alive:
-            self._lose(link, PeerUnreachable(
-                f"peer {link.address} stopped reading ({_MAX_UNSENT_BYTES} bytes unsent)"))
-        conn.close(abort=True)  # what is queued would never be read
-
-    def _bad(self, reason: str, conn: _PeerConnection, err: KvdError) -> None:
+    def _bad(self, reason: str, reply: Callable[[bytes], object] | None, err: KvdError,
+             source: str) -> None:
+        """Count a bad message (or connection), log it (at most once per reason every few
+        seconds: a peer sending nothing else cannot flood the log), and answer it with a
+        PeerError where there is a way back."""
         self.bad_messages[reason] = self.bad_messages.get(reason, 0) + 1
-        # Answered and counted each time, logged at most once per reason every few
-        # seconds: a peer sending nothing else cannot flood the log.
         self._bad_logs.setdefault(reason, Throttled(log)).warning(
-            "bad peer message reason=%s from=%s: %s", reason, conn.peer, err.message)
-        conn.send(encode(PeerError(code=err.code, message=err.message)))
+            "bad peer message reason=%s from=%s: %s", reason, source, err.message)
+        if reply is not None:
+            reply(encode(PeerError(code=err.code, message=err.message)))
 
-    def _on_message(self, conn: _PeerConnection, payload: bytes | Oversized) -> None:
-        if isinstance(payload, Oversized):
-            self._bad("too_large", conn, ProtocolError(
-                f"message of {payload.nbytes} bytes exceeds {MAX_PEER_MESSAGE_BYTES}"))
-            conn.close()  # out of step on purpose: nothing sends such messages
+    def _reply_to(self, routing_id: bytes) -> Callable[[bytes], object]:
+        router = self._router
+
+        def reply(data: bytes) -> object:
+            return router is not None and router.send([routing_id, data])
+        return reply
+
+    def _on_router_message(self, frames: Sequence[bytes | zmq.Frame]) -> None:
+        """A message on our ROUTER: [routing id, payload] from a peer's DEALER."""
+        routing_id = _bytes(frames[0])
+        reply = self._reply_to(routing_id)
+        source = f"routing id {routing_id.hex()}"
+        if len(frames) != 2:
+            self._bad("frames", reply, ProtocolError(
+                f"expected one frame per message, got {len(frames) - 1}"), source)
+            return
+        frame = frames[1]
+        payload = frame.buffer if isinstance(frame, zmq.Frame) else frame
+        if not len(payload):
+            self._bad("empty", reply, ProtocolError("empty message"), source)
             return
         try:
             msg = decode_peer(payload)
         except ProtocolError as err:
-            self._bad("malformed", conn, err)
-            return
-        if conn.welcome is not None and conn.link is None:
-            if conn.welcome.done():  # the link is being made: keep the message for it
-                conn.early.append(payload)
-            else:
-                self._on_handshake_reply(conn, msg)
+            self._bad("malformed", reply, err, source)
             return
         if isinstance(msg, PeerHello):
-            self._on_hello(conn, msg)
+            self._on_hello(routing_id, frame, msg)
             return
-        link = conn.link
+        link = self._by_routing_id.get(routing_id)
         if link is None or not link.alive:
-            self._bad("no_link", conn, ProtocolError(
-                "unknown peer: send peer_hello first (this daemon may have restarted)"))
+            self._bad("no_link", reply, ProtocolError(
+                "unknown peer: send peer_hello first (this daemon may have restarted)"),
+                source)
+            return
+        self._on_link_message(link, msg, reply)
+
+    def _on_dial_message(self, dial: _Dial, frames: list[bytes]) -> None:
+        """A message on one of our DEALERs: the peer's answer to our hello, then the
+        link's messages."""
+        if len(frames) != 1 or not frames[0]:
+            self._bad("frames", None, ProtocolError(
+                f"expected one non-empty frame per message, got {len(frames)}"),
+                dial.address)
+            return
+        if dial.link is not None:
+            self._on_link_payload(dial.link, frames[0], None)
+        elif dial.welcome.done():  # the link is being made: keep the message for it
+            dial.early.append(frames[0])
+        else:
+            try:
+                msg = decode_peer(frames[0])
+            except ProtocolError as err:
+                self._bad("malformed", None, err, dial.address)
+                return
+            self._on_handshake_reply(dial, msg)
+
+    def _on_link_payload(self, link: PeerLink, payload: bytes,
+                         reply: Callable[[bytes], object] | None) -> None:
+        try:
+            msg = decode_peer(payload)
+        except ProtocolError as err:
+            self._bad("malformed", reply, err, link.address)
+            return
+        if isinstance(msg, PeerHello):
+            self._bad("unexpected", reply, ProtocolError("peer_hello on a link we opened"),
+                      link.address)
+            return
+        self._on_link_message(link, msg, reply)
+
+    def _on_link_message(self, link: PeerLink, msg: PeerMessage,
+                         reply: Callable[[bytes], object] | None) -> None:
+        if not link.alive:
             return
         link.last_seen = self._loop.time()
         if not link.reported_up:
@@ -583,13 +742,16 @@ class PeerPlane:
             log.warning("peer %s reported: [%s] %s", link.address, msg.code, msg.message)
             return
         if isinstance(msg, PeerWelcome):
-            self._bad("unexpected", conn, ProtocolError("unexpected peer_welcome"))
+            self._bad("unexpected", reply or self._link_reply(link),
+                      ProtocolError("unexpected peer_welcome"), link.address)
             return
         self.on_message(link, msg)
 
-    def _on_handshake_reply(self, conn: _PeerConnection, msg: PeerMessage) -> None:
-        fut = conn.welcome
-        assert fut is not None
+    def _link_reply(self, link: PeerLink) -> Callable[[bytes], object]:
+        return functools.partial(self._send_on, link)
+
+    def _on_handshake_reply(self, dial: _Dial, msg: PeerMessage) -> None:
+        fut = dial.welcome
         if fut.done():
             return
         if isinstance(msg, PeerWelcome):
@@ -599,61 +761,129 @@ class PeerPlane:
             else:
                 fut.set_result(msg)
         elif isinstance(msg, PeerError):
-            from kvd.errors import error_from_code
-
             fut.set_exception(error_from_code(msg.code, f"peer refused: {msg.message}"))
 
-    def _answers(self, link: PeerLink) -> bool:
-        """The link's connection is open and the peer was heard within its grace."""
-        transport = link.conn.transport if link.conn is not None else None
-        return (link.alive and transport is not None and not transport.is_closing()
-                and self._loop.time() - link.last_seen <= self.config.peer_grace_s)
+    def _on_dial_event(self, dial: _Dial, event: int, value: int) -> None:
+        """Our DEALER's connection failed or ended: its handshake fails, or its link ends."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"it refused our public key (status {value}): is it in the peer's "
+                   f"curve_allowed_keys_file?")
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            why = ("the ZeroMQ handshake failed (a CurveZMQ key that does not match, or one "
+                   "side without CurveZMQ)")
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            why = "the ZeroMQ handshake failed"
+        elif event == zmq.EVENT_CLOSED:
+            why = "connection refused or closed"
+        else:
+            why = "connection closed"
+        if not dial.welcome.done():
+            dial.welcome.set_exception(PeerUnreachable(f"peer {dial.address}: {why}"))
+        elif dial.link is not None and dial.link.alive:
+            self._lose(dial.link, PeerUnreachable(f"connection to peer {dial.address}: {why}"))
 
-    def _on_hello(self, conn: _PeerConnection, hello: PeerHello) -> None:
-        if conn.welcome is not None:
-            self._bad("unexpected", conn, ProtocolError("peer_hello on a link we opened"))
+    def _on_router_event(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            link = self._by_fd.get(value)
+            if link is not None:
+                self._lose(link, PeerUnreachable(f"connection from peer {link.address} closed"))
             return
+        # A connection that did not finish ZeroMQ's handshake: no CURVE, a wrong key,
+        # garbage, silence past HANDSHAKE_IVL (ZAP's refusals are counted by the handler).
+        self._bad("handshake", None, ProtocolError(
+            f"ZeroMQ handshake failed ({_event_name(event)}, {value})"), "peer port")
+
+    def _on_zap_request(self, frames: list[bytes]) -> None:
+        assert self.keys is not None and self._zap is not None
+
+        def refused(peer: str, why: str) -> None:
+            self._bad("auth", None, ProtocolError(f"refused at the handshake: {why}"), peer)
+
+        self._zap.send(zap_answer(frames, self.keys, refused))
+
+    def _answers(self, link: PeerLink) -> bool:
+        """The link is up (its connection not known closed) and was heard within its
+        grace."""
+        return link.alive and self._loop.time() - link.last_seen <= self.config.peer_grace_s
+
+    def _on_hello(self, routing_id: bytes, frame: bytes | zmq.Frame, hello: PeerHello) -> None:
+        reply = self._reply_to(routing_id)
+        source = f"{hello.address} (node {hello.node_id})"
         if hello.protocol_version != PROTOCOL_VERSION:
-            self._bad("version", conn, ProtocolError(
+            self._bad("version", reply, ProtocolError(
                 f"protocol version {hello.protocol_version} is not supported; this daemon "
-                f"speaks version {PROTOCOL_VERSION}"))
+                f"speaks version {PROTOCOL_VERSION}"), source)
             return
-        if conn.link is not None:
-            self._bad("duplicate_hello", conn, ProtocolError("already said peer_hello"))
+        if routing_id in self._by_routing_id:
+            self._bad("duplicate_hello", reply, ProtocolError("already said peer_hello"),
+                      source)
             return
+        fd = _property(frame, "__fd")
+        if self.keys is not None:
+            key = _property(frame, "User-Id")
+            allowed = self.keys.address_of.get(key.encode()) if isinstance(key, str) else None
+            if allowed != hello.address:
+                self._bad("auth", reply, PeerUnreachable(
+                    f"the key this peer connected with is listed for {allowed or 'no address'}"
+                    f" in curve_allowed_keys_file, not {hello.address}"), source)
+                return
+        try:
+            self._check_data_encryption(hello.data_fingerprint, hello.address)
+        except PeerUnreachable as err:
+            self._bad("data_encryption", reply, err, source)
+            return
+        # Events that came before this hello first: the connection that had this
+        # descriptor before may have closed, and its event must not end the new link.
+        if self._router_monitor is not None:
+            self._router_monitor.drain()
         old = self.links.get(hello.address)
         if old is not None and self._answers(old):
-            # Without TLS anyone can claim an address: the link that holds it keeps it
-            # while it answers. A peer that restarted closed its old connection when it
+            # Without CurveZMQ anyone can claim an address: the link that holds it keeps
+            # it while it answers. A peer that restarted closed its old connection when it
             # died (or falls silent past the grace), and its new hello is taken then.
-            self._bad("takeover", conn, PeerUnreachable(
+            self._bad("takeover", reply, PeerUnreachable(
                 f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
-                f"and that connection is alive: refused until it closes or is silent for "
-                f"{self.config.peer_grace_s:g}s"))
-            conn.close()
+                f"and that link answers: refused until its connection closes or it is silent "
+                f"for {self.config.peer_grace_s:g}s"), source)
             return
         if old is None and len(self.links) >= MAX_LINKS:  # (one in old's place adds none)
-            self._bad("link_limit", conn, PeerUnreachable(
+            self._bad("link_limit", reply, PeerUnreachable(
                 f"{self.config.node_id} has {len(self.links)} links already (the most): "
-                f"hello from {hello.address} (node {hello.node_id}) refused"))
-            conn.close()
+                f"hello from {hello.address} (node {hello.node_id}) refused"), source)
             return
         token = secrets.token_bytes(32)
         link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
                         data_port=hello.data_port, token_for_them=token,
-                        token_for_us=hello.data_token, conn=conn,
+                        token_for_us=hello.data_token, routing_id=routing_id,
+                        fd=fd if isinstance(fd, int) else -1,
+                        data_fingerprint=hello.data_fingerprint,
                         last_seen=self._loop.time(), devices=list(hello.devices),
                         nccl_blocking_calls=hello.nccl_blocking_calls)
-        conn.link = link
-        self._unlinked.discard(conn)
-        conn.stop_timer()
         self._add_link(link)
+        self._by_routing_id[routing_id] = link
+        if link.fd >= 0:
+            self._by_fd[link.fd] = link
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
                  link.node_id, link.epoch)
-        conn.send(encode(PeerWelcome(**self._hello_fields(token))))
+        if not reply(encode(PeerWelcome(**self._hello_fields(token)))):
+            self._lose(link, PeerUnreachable(f"peer {link.address} took no welcome"))
+            return
         self._warm_up(link)
 
     # ------------------------------------------------------------ data connections
+
+    def _room_for(self, sock: socket.socket, addr: Any, port: str) -> bool:
+        """Whether one more connection may wait for its token (MAX_UNLINKED_CONNECTIONS);
+        if not, it is closed now, counted and logged."""
+        if len(self._unlinked) < MAX_UNLINKED_CONNECTIONS:
+            return True
+        sock.close()
+        self.bad_messages["unlinked_limit"] = self.bad_messages.get("unlinked_limit", 0) + 1
+        self._refusing.warning(
+            "%s: connection from=%s closed: %d connections are waiting to link already "
+            "(the most); a flood of connections that do not link, or peers that do not "
+            "finish their handshake", port, _host_port(addr), len(self._unlinked))
+        return False
 
     def _take_data(self, sock: socket.socket, addr: Any) -> None:
         if not self._room_for(sock, addr, "data_port"):
@@ -666,7 +896,7 @@ class PeerPlane:
 
     async def _admit_data(self, conn: socket.socket, addr: Any) -> None:
         conn.setblocking(False)
-        tls = self._data_tls()
+        tls = self._data_tls
         try:
             if tls is not None:
                 conn = tls.server.wrap_socket(conn, server_side=True,
@@ -693,9 +923,7 @@ class PeerPlane:
             link.recv_channel.attach(conn)
             log.info("data connection up from=%s node=%s", addr, link.node_id)
         except (ProtocolError, OSError, TimeoutError) as exc:
-            if isinstance(exc, ssl.SSLCertVerificationError):
-                reason = "data_auth"  # a certificate not in tls_allowed_certs_file
-            elif isinstance(exc, ssl.SSLError):
+            if isinstance(exc, ssl.SSLError):
                 reason = "data_handshake"  # not TLS, or TLS gone wrong
             else:
                 reason = "data_token" if isinstance(exc, ProtocolError) else "data_connect"
@@ -764,6 +992,28 @@ def _settle_none(fut: asyncio.Future[None]) -> None:
 
 def _host_port(addr: Any) -> str:
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+
+
+def _bytes(frame: bytes | zmq.Frame) -> bytes:
+    return frame.bytes if isinstance(frame, zmq.Frame) else frame
+
+
+def _property(frame: bytes | zmq.Frame, name: str) -> int | str | None:
+    """A property of the connection a message came on (None if ZeroMQ has none)."""
+    if not isinstance(frame, zmq.Frame):
+        return None
+    try:
+        value = frame.get(name)
+    except zmq.ZMQError:
+        return None
+    return int(value) if name == "__fd" else value
+
+
+def _event_name(event: int) -> str:
+    try:
+        return zmq.Event(event).name or str(event)
+    except ValueError:
+        return str(event)
 
 
 def _close_channels(channels: list[Any]) -> None:

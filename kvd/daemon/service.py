@@ -28,11 +28,11 @@ from kvd.daemon.local_server import LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.notify import Notifier
-from kvd.daemon.peers import MAX_PEER_MESSAGE_BYTES, PeerPlane
+from kvd.daemon.peers import PeerPlane
 from kvd.daemon.socket_files import PathClaim
 from kvd.daemon.transfers import PeerTransfers
 from kvd.errors import Draining
-from kvd.framing import FrameBudget, frame_budget_bytes
+from kvd.loop_socket import new_context
 from kvd.memory.pool import HostPool
 from kvd.transport.local import CopyWorker
 from kvd.transport.nccl import (
@@ -160,15 +160,15 @@ class Daemon:
         self.engine = Engine(self.config, pool, worker, self.metrics, gpu_pools,
                              await asyncio.to_thread(self._busy_poll_window_s))
         transfers: list[PeerTransfers] = []
-        # The bytes of unfinished messages, the local socket's and the peer port's together.
-        frames = FrameBudget(frame_budget_bytes(self.config.max_message_bytes,
-                                                MAX_PEER_MESSAGE_BYTES))
+        # One ZeroMQ context, one I/O thread, for the local socket and the peer plane.
+        zmq_context = new_context()
+        stack.callback(zmq_context.destroy, 0)  # (after the planes closed their sockets)
         self.peers = PeerPlane(
-            self.config, self.epoch,
+            self.config, zmq_context, self.epoch,
             on_message=lambda link, msg: transfers[0].on_message(link, msg),
             on_link_lost=lambda link, err: transfers[0].on_link_lost(link, err),
             gpus=gpus, on_link_up=lambda link: transfers[0].on_link_up(link),
-            nccl_blocking_calls=bool(gpus) and self._blocking_calls(), frame_budget=frames)
+            nccl_blocking_calls=bool(gpus) and self._blocking_calls())
         nccl = NcclLinks(self.config, self.peers) if gpus else None
         self.transfers = PeerTransfers(self.engine, self.peers, nccl)
         transfers.append(self.transfers)
@@ -176,8 +176,7 @@ class Daemon:
         stack.push_async_callback(self.peers.close)
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
-        self.local = LocalServer(self.config, self.engine, self.epoch, self,
-                                 frame_budget=frames)
+        self.local = LocalServer(self.config, self.engine, zmq_context, self.epoch, self)
         stack.push_async_callback(self.local.close)
         await self.local.bind()
         self.peers.bind()

@@ -1,0 +1,168 @@
+"""A ZeroMQ socket read and written on an asyncio loop, without ``zmq.asyncio``.
+
+The daemon's local and peer planes and the async client each own ZeroMQ sockets. A
+``LoopSocket`` adds the socket's ``zmq.FD`` to the loop with ``add_reader`` and takes
+every waiting message right in that callback, handing each one (its frames, copied) to
+``on_message``. Measured on the 2-core machine, a 200-byte round trip costs 51-82 us this
+way against 87-143 us through ``zmq.asyncio``, which wakes a task and builds a future per
+message.
+
+``zmq.FD`` is edge-triggered: it becomes readable when ZeroMQ's command mailbox gets a
+command, and any call on the socket (a send included) may consume that command. So
+reading goes on until ``zmq.EVENTS`` shows no ``POLLIN``, and after every send ``EVENTS``
+is checked again: a message that came in while the send ran would otherwise wait, with
+no edge left to announce it, until the next message arrives (a hang, when none does).
+
+A batch of ``_BATCH`` messages at most is taken per callback; more waiting are taken in
+the next loop turn, so one busy socket cannot starve the loop's other callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+_BATCH = 256
+# Frames up to this size are copied into ZeroMQ's message at send (one allocation and a
+# memcpy beat pyzmq's zero-copy bookkeeping for control messages); larger ones are sent
+# without a copy, their buffer held until ZeroMQ has written them.
+COPY_BELOW_BYTES = 64 * 1024
+
+
+# Plain ints: pyzmq's enum members cost a microsecond more per use, on every message.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def has_message(sock: zmq.Socket[Any]) -> bool:
+    """Whether a whole message waits to be received (``zmq.EVENTS``; it also processes
+    ZeroMQ's pending commands, which is what resets the edge of ``zmq.FD``)."""
+    return bool(cast(int, sock.get(_EVENTS)) & _POLLIN)
+
+
+def descriptor(sock: zmq.Socket[Any]) -> int:
+    """The socket's ``zmq.FD``: readable (edge-triggered) when ZeroMQ has news for it."""
+    return cast(int, sock.getsockopt(zmq.FD))
+
+
+def new_context() -> zmq.Context[Any]:
+    """A context with one I/O thread: more gained nothing at control-message sizes, and
+    each one is a thread to wake."""
+    ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+    ctx.setsockopt(zmq.LINGER, 0)  # (sockets made from it; a close never waits)
+    return ctx
+
+
+class LoopSocket:
+    """``sock`` read on ``loop``: each message's frames go to ``on_message`` as they come
+    (bytes, or ``zmq.Frame`` objects with ``copy=False``).
+
+    ``send`` queues one message without blocking (False when ZeroMQ refuses it: the
+    peer's queue is full, or, on a ROUTER with ``ROUTER_MANDATORY``, the routing id is
+    unknown). A handler's bug is logged and reading goes on."""
+
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None],
+                 loop: asyncio.AbstractEventLoop | None = None, what: str = "", *,
+                 copy: bool = True) -> None:
+        self.sock = sock
+        # False: on_message gets ``zmq.Frame``s, whose properties (``__fd``, ``User-Id``)
+        # a handler may need; True: bytes.
+        self._copy = copy
+        self.what = what or "zmq socket"
+        self._on_message = on_message
+        self._loop = loop or asyncio.get_running_loop()
+        self._fd = descriptor(sock)
+        self._queued = False  # a read is scheduled with call_soon
+        self._in_read = False  # sends from handlers: _read checks EVENTS next anyway
+        self._watching = False
+        self.closed = False
+        self.refused_errno = 0  # why the last send that returned False was refused
+
+    def start(self) -> None:
+        """Watch the socket; what arrived before is read in the next loop turn."""
+        if self._watching or self.closed:
+            return
+        self._watching = True
+        self._loop.add_reader(self._fd, self._read)
+        self._read_soon()
+
+    def pause(self) -> None:
+        """Stop reading (messages wait in ZeroMQ's queue); ``start`` resumes."""
+        if self._watching:
+            self._watching = False
+            self._loop.remove_reader(self._fd)
+
+    def _read_soon(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self._loop.call_soon(self._read)
+
+    def _read(self) -> None:
+        self._queued = False
+        if not self._watching:
+            return
+        sock = self.sock
+        self._in_read = True
+        try:
+            for _ in range(_BATCH):
+                try:
+                    if not has_message(sock):
+                        return
+                    frames = sock.recv_multipart(NOBLOCK, copy=self._copy)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError:  # closed under us
+                    return
+                try:
+                    self._on_message(frames)
+                except Exception:  # a bug must not stop the reader
+                    log.exception("unhandled error in the %s message handler", self.what)
+                if not self._watching:
+                    return
+        finally:
+            self._in_read = False
+        self._read_soon()  # more may wait: the next turn takes them
+
+    def send(self, frames: Sequence[bytes | memoryview]) -> bool:
+        """Queue one message (its frames); False if ZeroMQ would not take it now."""
+        if self.closed:
+            return False
+        sock = self.sock
+        last = len(frames) - 1
+        try:
+            for i, frame in enumerate(frames):
+                sock.send(frame, (_SNDMORE if i < last else 0) | NOBLOCK,
+                          copy=len(frame) < COPY_BELOW_BYTES)
+        except zmq.ZMQError as exc:  # Again (queue full), EHOSTUNREACH (unknown routing id)
+            # (a multipart message is atomic: frames queued before the failure are dropped)
+            self.refused_errno = exc.errno or 0
+            return False
+        finally:
+            self._check_after_send()
+        return True
+
+    def _check_after_send(self) -> None:
+        """The send may have consumed the edge that announced a message (module doc)."""
+        if self._watching and not self._queued and not self._in_read:
+            try:
+                if has_message(self.sock):
+                    self._read_soon()
+            except zmq.ZMQError:
+                pass
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop reading and close the socket; ``linger_s``: how long what is queued may
+        still go out (in ZeroMQ's I/O thread; this does not wait)."""
+        if self.closed:
+            return
+        self.pause()
+        self.closed = True
+        self.sock.close(linger=int(linger_s * 1000))
