@@ -1,12 +1,16 @@
 """Daemon-to-daemon TCP throughput of kvd against raw loopback TCP with the same chunking.
 
 Run: ``python benchmarks/tcp_transfer.py [--quick] [--json] [--sizes 64MiB,1GiB] [--repeat N]
-[--tls]``
+[--encrypt]``
 
-With ``--tls`` both sides speak TLS 1.3 with the same pinned self-signed certificates:
-the raw baseline wraps its two sockets, and the daemons run with ``tls_*`` set (their data
-connections are TLS too, ``tls_data``). Certificates are made for the run (``kvd keygen``'s
-code, which needs ``cryptography``).
+With ``--encrypt`` both sides encrypt the bytes with TLS 1.3. The daemons run with CurveZMQ
+on the peer plane (a key pair each, made for the run with ``kvd keygen``'s code, and one
+allow-list naming both, so their peer ports are picked before they start) and
+``encrypt_data`` on: their data connections are TLS with a throwaway certificate each,
+pinned by fingerprint over the CURVE link. The raw baseline wraps its two sockets the same
+way: the receiver presents a self-signed certificate made for the run (``cryptography``),
+the sender pins its SHA-256 fingerprint. The run checks that kvd's link reports its data
+connection encrypted (or, without ``--encrypt``, plain).
 
 What it measures, one transfer in flight at a time, on this machine's loopback:
 
@@ -15,8 +19,10 @@ What it measures, one transfer in flight at a time, on this machine's loopback:
   memoryviews of a preallocated buffer in chunks of 4 MiB (kvd's default
   ``tcp_chunk_bytes``) after an 8-byte length header; the receiver ``recvmsg_into``-s a
   preallocated buffer in chunks of 4 MiB and answers with a 1-byte ack after the last
-  byte. Neither side copies in Python. The time is taken on the sender from just before
-  the header goes out to the ack coming back: one transfer plus one small round trip.
+  byte (with ``--encrypt``: ``sendall`` and ``recv_into`` on the TLS sockets, in the
+  same chunks). Neither side copies in Python. The time is taken on the sender from just
+  before the header goes out to the ack coming back: one transfer plus one small round
+  trip.
 * **kvd**: two ``kvd serve`` subprocesses (a, b) with a client on each. The sender
   registers a ``kvd.shared_empty`` region of 16 MiB blocks, the receiver one of the same
   shape. Two flows, a fresh key each time:
@@ -47,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -62,7 +70,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +84,7 @@ TARGET_RATIO = 0.8
 TARGET = f"kvd flow (a) median >= {TARGET_RATIO:.0%} of raw median"
 IO_TIMEOUT_S = 60.0
 LEN = 8  # raw header: payload length, little endian; then 1 byte: 1 = reply with a CRC32
+ENCRYPTED = " encrypted (raw: TLS 1.3; kvd: CurveZMQ peer plane, TLS 1.3 data connections)"
 now = time.perf_counter
 
 
@@ -113,43 +122,87 @@ def machine() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Tls:
-    """Certificates for a TLS run: a's and b's, and one bundle trusting both."""
+class RawTls:
+    """The raw baseline's TLS identity, shaped like kvd's encrypted data connections
+    (daemon/auth.py ``make_data_tls``): the receiver presents a self-signed EC P-256
+    certificate, the sender pins its SHA-256 fingerprint and presents none."""
 
-    a_cert: str
-    a_key: str
-    b_cert: str
-    b_key: str
-    bundle: str
+    pem_file: str  # the receiver's key and certificate
+    fingerprint: bytes  # SHA-256 of the certificate (DER)
 
     @classmethod
-    def make(cls, directory: str) -> Tls:
-        from kvd.daemon.auth import write_cert
+    def make(cls, directory: str) -> RawTls:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
 
-        (a_cert, a_key), (b_cert, b_key) = (write_cert(directory, n) for n in ("a", "b"))
-        bundle = os.path.join(directory, "bundle.pem")
-        with open(bundle, "wb") as out:
-            for cert in (a_cert, b_cert):
-                with open(cert, "rb") as f:
-                    out.write(f.read())
-        return cls(a_cert, a_key, b_cert, b_key, bundle)
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench raw")])
+        start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+        cert = (x509.CertificateBuilder()
+                .subject_name(subject).issuer_name(subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=1))
+                .sign(key, hashes.SHA256()))
+        os.makedirs(directory, exist_ok=True)
+        pem_file = os.path.join(directory, "raw.pem")
+        fd = os.open(pem_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        der = cert.public_bytes(serialization.Encoding.DER)
+        return cls(pem_file, hashlib.sha256(der).digest())
 
-    def flags(self, name: str) -> tuple[str, ...]:
-        cert, key = (self.a_cert, self.a_key) if name == "a" else (self.b_cert, self.b_key)
-        return ("--tls-cert-file", cert, "--tls-key-file", key,
-                "--tls-allowed-certs-file", self.bundle)
+    def wrap_sender(self, sock: socket.socket) -> ssl.SSLSocket:
+        """TLS 1.3 client side; the receiver's certificate must be the pinned one."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # pinned by fingerprint below, as kvd does
+        tls = ctx.wrap_socket(sock)
+        der = tls.getpeercert(binary_form=True)
+        if not der or hashlib.sha256(der).digest() != self.fingerprint:
+            tls.close()
+            raise ConnectionError("raw receiver presented a certificate that is not pinned")
+        return tls
 
 
-def tls_context(server: bool, cert: str, key: str, bundle: str) -> ssl.SSLContext:
-    """What kvd's peer plane uses (daemon/auth.py): TLS 1.3, mutual, pinned certificates."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+def wrap_receiver(sock: socket.socket, pem_file: str) -> ssl.SSLSocket:
+    """TLS 1.3 server side with the run's certificate (no client certificate asked)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.load_cert_chain(cert, key)
-    ctx.load_verify_locations(cafile=bundle)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-    return ctx
+    ctx.load_cert_chain(pem_file)
+    return ctx.wrap_socket(sock, server_side=True)
+
+
+def curve_flags(directory: str, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Each daemon's flags for CurveZMQ and encrypted data connections: its key pair
+    (``kvd keygen``'s code), a peer port picked now, and one allow-list naming every
+    daemon by key and ``127.0.0.1:port`` (the list names addresses, so the ports cannot
+    be left to the daemons)."""
+    from kvd.daemon.auth import write_keys
+
+    os.makedirs(directory, exist_ok=True)
+    allowed = os.path.join(directory, "allowed_keys")
+    flags: dict[str, tuple[str, ...]] = {}
+    with open(allowed, "w", encoding="utf-8") as f:
+        for name in names:
+            _, secret_file, public = write_keys(directory, name)
+            port = free_port()
+            f.write(f"{public} 127.0.0.1:{port}\n")
+            flags[name] = ("--curve-secret-key-file", secret_file,
+                           "--curve-allowed-keys-file", allowed,
+                           "--peer-port", str(port), "--encrypt-data", "true")
+    return flags
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def recv_exactly(sock: socket.socket, view: memoryview, chunk: int) -> bool:
@@ -179,22 +232,23 @@ def send_exactly(sock: socket.socket, view: memoryview, chunk: int) -> None:
             sent += sock.sendmsg([piece])
 
 
-def raw_receiver(pipe: Any, max_bytes: int, chunk: int, tls: tuple[str, ...] | None) -> None:
-    """Child process: accept one connection, receive transfers until EOF, ack each."""
+def raw_receiver(pipe: Any, max_bytes: int, chunk: int, tls_pem_file: str | None) -> None:
+    """Child process: accept one connection (TLS with ``tls_pem_file``'s certificate when
+    given), receive transfers until EOF, ack each."""
     buf = memoryview(bytearray(max_bytes))
     header = memoryview(bytearray(LEN + 1))
     with socket.create_server(("127.0.0.1", 0)) as srv:
         srv.settimeout(IO_TIMEOUT_S)
         pipe.send(srv.getsockname()[1])
         sock, _ = srv.accept()
-    if tls is not None:
+    if tls_pem_file is not None:
         sock.settimeout(IO_TIMEOUT_S)
-        sock = tls_context(True, *tls).wrap_socket(sock, server_side=True)
+        sock = wrap_receiver(sock, tls_pem_file)
     with sock:
         # Under TLS a socket timeout costs a poll per record (~16 KiB): ~0.9 against ~1.3
         # GB/s on the 2-core machine. The baseline goes without; a dead peer still ends
         # it (EOF), and the parent kills a stuck child.
-        sock.settimeout(None if tls is not None else IO_TIMEOUT_S)
+        sock.settimeout(None if tls_pem_file is not None else IO_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while recv_exactly(sock, header, chunk):
             n, check = int.from_bytes(header[:LEN], "little"), header[LEN]
@@ -203,13 +257,12 @@ def raw_receiver(pipe: Any, max_bytes: int, chunk: int, tls: tuple[str, ...] | N
             sock.sendall(zlib.crc32(buf[:n]).to_bytes(4, "little") if check else b"\x01")
 
 
-def start_raw_receiver(max_bytes: int, tls: Tls | None = None
+def start_raw_receiver(max_bytes: int, tls: RawTls | None = None
                        ) -> tuple[Any, socket.socket]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=raw_receiver, daemon=True, args=(
-        child, max_bytes, CHUNK_BYTES, None if tls is None else (tls.b_cert, tls.b_key,
-                                                                 tls.bundle)))
+        child, max_bytes, CHUNK_BYTES, None if tls is None else tls.pem_file))
     proc.start()
     try:
         deadline = time.monotonic() + 30
@@ -219,7 +272,7 @@ def start_raw_receiver(max_bytes: int, tls: Tls | None = None
         port = parent.recv()
         sock = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S)
         if tls is not None:
-            sock = tls_context(False, tls.a_cert, tls.a_key, tls.bundle).wrap_socket(sock)
+            sock = tls.wrap_sender(sock)
     except BaseException:
         stop_raw_receiver(proc)
         raise
@@ -249,7 +302,7 @@ def pattern_buffer(nbytes: int) -> memoryview:
     return memoryview(buf)
 
 
-def raw_bench(sizes: list[int], repeat: int, tls: Tls | None = None
+def raw_bench(sizes: list[int], repeat: int, tls: RawTls | None = None
               ) -> dict[int, list[float]]:
     """Seconds per transfer (including the 1-byte ack) for each size."""
     proc = sock = None
@@ -290,6 +343,8 @@ def raw_bench(sizes: list[int], repeat: int, tls: Tls | None = None
 
 def start_daemon(root: str, name: str, pool_bytes: int, *extra: str
                  ) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``kvd serve`` under ``root/name`` answering pings, and its socket path. Flags in
+    ``extra`` come last and so override the defaults here (``--peer-port``)."""
     from kvd import KvdClient, KvdError
 
     tmp = os.path.join(root, name)
@@ -342,6 +397,14 @@ class KvdPair:
         self.to = self.watch.stats()["peer"]["address"]
         self.keys = 0
         self.b_split: list[tuple[float, float]] = []  # flow (b): (put s, get s) per run
+
+    def data_encrypted(self) -> bool:
+        """Whether a's link to b carries its data connection over TLS."""
+        links = [link for link in self.tx.stats()["peer"]["links"]
+                 if link["address"] == self.to]
+        if len(links) != 1:
+            raise RuntimeError(f"daemon a has {len(links)} links to {self.to}, expected 1")
+        return bool(links[0]["data_encrypted"])
 
     def close(self) -> None:
         for c in self.clients:
@@ -398,8 +461,12 @@ class KvdPair:
         return t_get - t0
 
 
-def kvd_bench(root: str, sizes: list[int], repeat: int, tls: Tls | None = None
+def kvd_bench(root: str, sizes: list[int], repeat: int,
+              curve: dict[str, tuple[str, ...]] | None = None
               ) -> dict[str, dict[int, list[float]]]:
+    """Seconds per transfer for flows (a) and (b), and flow (b)'s put and get parts.
+    ``curve``: the daemons' CurveZMQ flags by name (``curve_flags``), which encrypt their
+    data connections; checked on the link after the run."""
     import torch
 
     from kvd import shared_empty
@@ -408,8 +475,8 @@ def kvd_bench(root: str, sizes: list[int], repeat: int, tls: Tls | None = None
     pool = 2 * max(sizes) + 256 * MiB
     a = b = pair = None
     try:
-        a, a_path = start_daemon(root, "a", pool, *(tls.flags("a") if tls else ()))
-        b, b_path = start_daemon(root, "b", pool, *(tls.flags("b") if tls else ()))
+        a, a_path = start_daemon(root, "a", pool, *(curve["a"] if curve else ()))
+        b, b_path = start_daemon(root, "b", pool, *(curve["b"] if curve else ()))
         pair = KvdPair(a_path, b_path)
         for n in sizes:
             block = min(BLOCK_BYTES, n)
@@ -436,6 +503,9 @@ def kvd_bench(root: str, sizes: list[int], repeat: int, tls: Tls | None = None
             pair.rx.unregister(r_dst)
             del src, dst
             gc.collect()
+        if pair.data_encrypted() != (curve is not None):
+            raise RuntimeError("kvd's data connection is "
+                               f"{'plain' if curve else 'encrypted'}, expected the other")
     except BaseException:
         for name in ("a", "b"):
             with contextlib.suppress(OSError), open(os.path.join(root, name, "daemon.log"),
@@ -457,7 +527,7 @@ def report(raw: dict[int, list[float]], kvd: dict[str, dict[int, list[float]]],
            sizes: list[int], args: argparse.Namespace) -> dict:
     host = machine()
     out: dict[str, Any] = {"target": TARGET, "repeat": args.repeat, "machine": host,
-                           "tls": bool(args.tls),
+                           "encrypt": bool(args.encrypt),
                            "chunk_bytes": CHUNK_BYTES, "block_bytes": BLOCK_BYTES,
                            "sizes": [fmt_size(n) for n in sizes]}
     rows = []
@@ -480,7 +550,7 @@ def report(raw: dict[int, list[float]], kvd: dict[str, dict[int, list[float]]],
         rows.append((label, st))
     out["target_met"] = all(out[f"target_met_{fmt_size(n)}"] for n in sizes)
 
-    print(f"kvd TCP transfer{' over TLS 1.3' if args.tls else ''}, daemon to daemon over "
+    print(f"kvd TCP transfer{ENCRYPTED if args.encrypt else ''}, daemon to daemon over "
           f"loopback; {args.repeat} timed runs per "
           f"size and flow after one checked warm-up; chunks {fmt_size(CHUNK_BYTES)}, "
           f"kvd blocks {fmt_size(BLOCK_BYTES)}")
@@ -518,9 +588,9 @@ def main() -> int:
                                     "--quick: 64MiB)")
     ap.add_argument("--repeat", type=int, help="timed runs per size and flow (default 5; "
                                                "--quick: 2)")
-    ap.add_argument("--tls", action="store_true",
-                    help="TLS 1.3 on both the raw sockets and kvd's peer plane and data "
-                         "connections")
+    ap.add_argument("--encrypt", action="store_true",
+                    help="TLS 1.3 on the raw sockets; CurveZMQ on kvd's peer plane and "
+                         "encrypt_data (TLS 1.3 data connections)")
     args = ap.parse_args()
     args.repeat = args.repeat or (2 if args.quick else 5)
     if args.repeat < 1:
@@ -537,9 +607,10 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="kvd-b-", dir="/tmp")  # short: Unix socket paths ~100 bytes
     try:
-        tls = Tls.make(os.path.join(tmp, "keys")) if args.tls else None
-        raw = raw_bench(sizes, args.repeat, tls)
-        kvd = kvd_bench(tmp, sizes, args.repeat, tls)
+        keys = os.path.join(tmp, "keys")
+        raw = raw_bench(sizes, args.repeat, RawTls.make(keys) if args.encrypt else None)
+        kvd = kvd_bench(tmp, sizes, args.repeat,
+                        curve_flags(keys, ("a", "b")) if args.encrypt else None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,10 +17,17 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+import zmq
 
 import kvd
-from kvd.framing import HEADER, frame
-from kvd.protocol import PROTOCOL_VERSION, ErrorReply, Pong, decode_reply
+from kvd.client.lifeline import ClientLifeline
+from kvd.protocol import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Pong,
+    decode_reply,
+    segment_socket_path,
+)
 from tests.gpu_nodes import running_node, start_node, stop_node
 
 pytestmark = [pytest.mark.gpu,
@@ -126,21 +132,10 @@ def test_pinned_pool_offload_and_get_speed() -> None:
               f"pool -> GPU0 (get) {gib / get / 1e9:.1f} GB/s, request to reply")
 
 
-def _raw_call(sock: socket.socket, message: dict[str, Any]) -> Any:
-    """One request on a raw local connection, its decoded reply."""
-    sock.sendall(frame(msgspec.msgpack.encode(message)))
-    header = _read_exactly(sock, HEADER.size)
-    (n,) = HEADER.unpack(header)
-    return decode_reply(_read_exactly(sock, n))
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        assert part, "the daemon closed the connection"
-        buf += part
-    return buf
+def _raw_call(sock: zmq.Socket[bytes], message: dict[str, Any]) -> Any:
+    """One request on a raw DEALER on the local socket, its decoded reply."""
+    sock.send(msgspec.msgpack.encode(message))
+    return decode_reply(sock.recv())
 
 
 def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
@@ -173,13 +168,17 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
         (dict(handle=garbage), "cannot open"),
         (dict(gpu_uuid="GPU-00000000-0000-0000-0000-000000000000"), "not visible"),
     ]
-    with contextlib.ExitStack() as cleanup, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    with contextlib.ExitStack() as cleanup:
         cleanup.callback(os.unlink, "/dev/shm" + small_name)
-        sock.settimeout(60)
-        sock.connect(daemon)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        cleanup.callback(sock.close, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        sock.connect(f"ipc://{daemon}")
+        lifeline = ClientLifeline.connect(segment_socket_path(daemon), 60.0)
+        cleanup.callback(lifeline.close)
         welcome = _raw_call(sock, {"op": "hello", "req_id": 1,
-                                   "protocol_version": PROTOCOL_VERSION, "pid": os.getpid()})
+                                   "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(),
+                                   "lifeline": lifeline.token})
         assert welcome.__struct_config__.tag == "welcome", welcome
         for i, (change, needle) in enumerate(cases):
             forged = msgspec.structs.replace(spec, **change)
