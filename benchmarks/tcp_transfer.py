@@ -504,8 +504,8 @@ def kvd_bench(root: str, sizes: list[int], repeat: int,
             del src, dst
             gc.collect()
         if pair.data_encrypted() != (curve is not None):
-            raise RuntimeError("kvd's data connection is "
-                               f"{'plain' if curve else 'encrypted'}, expected the other")
+            raise RuntimeError(f"kvd's data connection is {'plain' if curve else 'encrypted'}"
+                               f", but this run {'encrypts' if curve else 'does not encrypt'}")
     except BaseException:
         for name in ("a", "b"):
             with contextlib.suppress(OSError), open(os.path.join(root, name, "daemon.log"),

@@ -51,6 +51,7 @@ from kvd.loop_socket import NOBLOCK, descriptor, has_message
 from kvd.protocol import Bye, Done, Reply, encode
 
 log = logging.getLogger(__name__)
+_MAIN_THREAD = threading.main_thread().ident  # (signal handlers run in it: _wait_reply)
 
 
 class Transfer:
@@ -281,7 +282,7 @@ class KvdClient:
         """Send ``call``. ``waits``: the caller waits for its reply next, and is counted
         as waiting from now on (``_wait_reply``, to which it passes the result)."""
         req_id = call.msg.req_id
-        counted = waits and threading.current_thread() is not threading.main_thread()
+        counted = waits and threading.get_ident() != _MAIN_THREAD
         with self._write_lock:  # (another thread's write holds it at most its timeout)
             if self._sock is None or (self._closed and not isinstance(call.msg, Bye)):
                 raise DaemonUnavailable("client is not connected")
@@ -316,7 +317,7 @@ class KvdClient:
         one does, so that it loses no other thread's reply. Another thread counts as
         waiting from before its request goes (``_send``: ``counted``, ended here)."""
         deadline = time.monotonic() + timeout_s
-        main = threading.current_thread() is threading.main_thread()
+        main = threading.get_ident() == _MAIN_THREAD
         if counted is None:
             counted = not main
             if counted:
