@@ -49,7 +49,7 @@ RUN pip install --no-cache-dir ".${KVD_EXTRAS}" \
 WORKDIR /home/kvd
 USER kvd:kvd
 
-# The config file (kvd.toml, TLS certificate and key, peers' certificates), mounted
+# The config file (kvd.toml, the node's CurveZMQ key pair, the allow-list), mounted
 # read-only from the host.
 VOLUME /etc/kvd
 

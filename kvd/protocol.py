@@ -1,8 +1,9 @@
 """Messages between clients and the daemon: typed msgspec Structs encoded as msgpack.
 
-Every message is one length-prefixed frame (``kvd.framing``) holding one tagged Struct. A
-client's first message is ``Hello`` with the protocol version; the daemon checks it before
-anything else. Every request carries a ``req_id`` chosen by the client and gets exactly
+Every message is one ZeroMQ frame holding one tagged Struct (behind the client's routing
+id at the daemon's ROUTER). A client's first message is ``Hello`` with the protocol
+version and its lifeline's token (``Lifeline``); the daemon checks them before anything
+else. Every request carries a ``req_id`` chosen by the client and gets exactly
 one reply with the same ``req_id``: a typed result or an ``ErrorReply`` with a wire code
 from ``kvd.errors``. Long operations (``Get``, ``Put``) are ordinary requests whose reply
 comes late; a client can ``Cancel`` one by its ``req_id``.
@@ -47,7 +48,7 @@ MAX_BLOCKS_PER_OP = 1 << 20
 
 # Shared-memory segments the client library creates for CPU tensors are memfds with this
 # name prefix (seen in /proc/<pid>/fd and /proc/<pid>/maps), sealed against shrinking, and
-# handed to the daemon as file descriptors (``SegmentHandoff``, daemon/segment_server.py).
+# handed to the daemon as file descriptors (``SegmentHandoff`` on the lifeline, daemon/lifelines.py).
 SHM_PREFIX = "kvd-"
 MAX_SEGMENTS_PER_HANDOFF = 64  # file descriptors in one message (SCM_RIGHTS allows 253)
 SEGMENT_TOKEN_BYTES = 16

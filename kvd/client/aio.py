@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import zmq
+
 from kvd.client.base import (
     Call,
     Region,
@@ -113,8 +115,8 @@ class AsyncKvdClient:
         self._lifeline = lifeline
         loop.add_reader(lifeline.fileno(), self._on_lifeline)
         try:
-            self._sock = LoopSocket(dealer(context(), self._b.socket_path), self._on_frames,
-                                    loop, "kvd client")
+            sock: zmq.Socket[Any] = dealer(context(), self._b.socket_path)
+            self._sock = LoopSocket(sock, self._on_frames, loop, "kvd client")
             self._sock.start()
             welcome = await self._call(self._b.hello(wait_s, lifeline.token))
         except (KvdError, OSError) as exc:

@@ -5,7 +5,7 @@ named ``kvd-<pid>-<n>``) sealed against shrinking and growing, maps it, and retu
 tensor on that mapping. The library remembers which segment each tensor's storage lives
 in, so ``register`` can describe a tensor (or any view of one) to the daemon as (segment,
 byte offset, shape, stride, dtype); the segment itself goes to the daemon as a file
-descriptor, once per session, over the daemon's segment socket (``hand_over``). A CPU
+descriptor, once per session, over the client's lifeline (``client/lifeline.py``). A CPU
 tensor that is not in such a segment cannot be shared and is refused with a message that
 says how to allocate it.
 

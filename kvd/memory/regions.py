@@ -9,7 +9,7 @@ The *layout* of a region is, per tensor, the bytes of one block and the dtype. T
 ``LayoutMismatch`` naming both, never a silent reinterpretation.
 
 CPU tensors arrive as segments (``protocol.ShmTensor``): memfds the client handed over as
-file descriptors (daemon/segment_server.py), sealed so that they can never shrink under
+file descriptors (daemon/lifelines.py), sealed so that they can never shrink under
 the daemon's mapping; a spec names one of its session's segments by id, so a client
 cannot make the daemon map anything it did not hand over. GPU tensors (CUDA IPC) are
 another kind of spec, mapped by the same ``RegionTable.register``.

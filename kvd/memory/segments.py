@@ -1,6 +1,6 @@
 """What the daemon accepts as a client's shared-memory segment (client/shm.py makes them).
 
-A segment is a file descriptor a client handed over (daemon/segment_server.py): it must be
+A segment is a file descriptor a client handed over (daemon/lifelines.py): it must be
 a non-empty regular file sealed against shrinking. The seal is what makes mapping it
 safe: a mapping of a file that is truncated under it faults (SIGBUS) on the next touch,
 and the daemon touches client memory from its own threads, so one truncating client
