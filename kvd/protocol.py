@@ -48,7 +48,8 @@ MAX_BLOCKS_PER_OP = 1 << 20
 
 # Shared-memory segments the client library creates for CPU tensors are memfds with this
 # name prefix (seen in /proc/<pid>/fd and /proc/<pid>/maps), sealed against shrinking, and
-# handed to the daemon as file descriptors (``SegmentHandoff`` on the lifeline, daemon/lifelines.py).
+# handed to the daemon as file descriptors (``SegmentHandoff`` on the lifeline,
+# daemon/lifelines.py).
 SHM_PREFIX = "kvd-"
 MAX_SEGMENTS_PER_HANDOFF = 64  # file descriptors in one message (SCM_RIGHTS allows 253)
 SEGMENT_TOKEN_BYTES = 16
