@@ -202,8 +202,9 @@ def main() -> int:
                     help="requests pulled at once in the last flow (0: skip it)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
     ap.add_argument("--daemon-flag", action="append", default=[],
-                    help="an extra flag for both kvd serve, e.g. "
-                         "--daemon-flag=--nccl-chunk-bytes=32MiB")
+                    help="an extra operator flag for both kvd serve, e.g. "
+                         "--daemon-flag=--gpu-staging-bytes=2GiB (development settings: "
+                         "KVD_DEV in this environment, which the daemons inherit)")
     args = ap.parse_args()
     if args.blocks < 1 or args.repeat < 1 or args.concurrent < 0:
         ap.error("--blocks and --repeat must be at least 1, --concurrent at least 0")

@@ -10,7 +10,7 @@ it waiting; the time runs from ``put(..., to=b)`` to the get's return — put ->
 what a decode worker waits for once prefill says "sent". It includes the client -> daemon
 requests, OFFER/ACCEPT between the daemons, NCCL, and the get's reply. The put's own reply
 comes after the receiver's confirmation travels back (~0.1-0.2 ms later): the time to the
-later of the two is reported too, as "acked" (it was the headline figure until 2026-11-30).
+later of the two is reported too, as "acked".
 
 * (a) 1 GiB contiguous: one uint8 tensor of 1024 blocks of 1 MiB, all blocks.
 * (b) a Llama-3-8B-shaped request: 32 layers x K and V, each ``[1024, 16, 8, 128]`` bf16
@@ -302,8 +302,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--latency-repeat", type=int, default=100)
     ap.add_argument("--daemon-flag", action="append", default=[],
-                    help="an extra flag for every kvd serve, e.g. "
-                         "--daemon-flag=--nccl-chunk-bytes=256MiB")
+                    help="an extra operator flag for every kvd serve, e.g. "
+                         "--daemon-flag=--gpu-staging-bytes=2GiB (development settings: "
+                         "KVD_DEV in this environment, which the daemons inherit)")
     args = ap.parse_args()
     EXTRA_FLAGS.extend(args.daemon_flag)
     if torch.cuda.device_count() < 2:

@@ -350,7 +350,8 @@ def start_daemon(root: str, name: str, pool_bytes: int, *extra: str
     tmp = os.path.join(root, name)
     os.makedirs(tmp)
     path, log_path = os.path.join(tmp, "kvd.sock"), os.path.join(tmp, "daemon.log")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    # (a measurement's development settings, KVD_DEV, are kept)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") or k == "KVD_DEV"}
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", path,
            "--node-id", f"bench-{name}", "--peer-port", "0", "--data-port", "0",
            "--http-port", "0", "--pool-size-bytes", str(pool_bytes), "--log-level", "warning",

@@ -196,7 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"kvd {__version__} (protocol {PROTOCOL_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve = sub.add_parser(
+        "serve", help="run the daemon in the foreground",
+        description="Run the kvd daemon in the foreground. Its settings are the flags below, "
+                    "the same keys in a TOML file (--config) or KVD_<KEY> variables; "
+                    "docs/operations.md explains each.")
     add_config_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 

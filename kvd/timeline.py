@@ -1,13 +1,13 @@
 """Timeline marks: where one transfer's time goes, across processes and threads.
 
 A development aid for latency work. While a process records (a daemon started with
-``timeline_dir``, or ``start()`` called in a client), ``mark(name)`` appends the time
+``KVD_DEV=timeline_dir=DIR``, or ``start()`` called in a client), ``mark(name)`` appends the time
 (``time.perf_counter``: CLOCK_MONOTONIC, comparable between processes of one host), the
 name and the thread to a list, written as JSON to ``<dir>/<pid>.json`` when recording stops
 (``stop()``, at a clean daemon exit, or at interpreter exit). While not recording, a mark
 costs a function call. ``tools/timeline.py`` runs transfers with it on and prints, per
 mark, its median offset from the start of each transfer: that is how the per-hop costs in
-docs/architecture.md ("The GPU data plane", *Measured*) were found.
+docs/architecture.md's *Decisions* were found.
 """
 
 from __future__ import annotations

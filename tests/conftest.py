@@ -310,15 +310,17 @@ class ProcessDaemon:
         return code
 
 
-def start_daemons(root: str, *names: str, extra: Sequence[str] = ()) -> list[ProcessDaemon]:
-    """A ready `kvd serve` per name, each in its own folder under ``root``, node id = name
-    (started together, then waited for; if one fails, all are stopped)."""
+def start_daemons(root: str, *names: str, extra: Sequence[str] = (),
+                  env: dict[str, str] | None = None) -> list[ProcessDaemon]:
+    """A ready `kvd serve` per name, each in its own folder under ``root``, node id = name,
+    ``env`` added to its environment (started together, then waited for; if one fails, all
+    are stopped)."""
     daemons: list[ProcessDaemon] = []
     try:
         for name in names:
             path = os.path.join(root, name)
             os.makedirs(path)
-            daemons.append(ProcessDaemon(path, "--node-id", name, *extra))
+            daemons.append(ProcessDaemon(path, "--node-id", name, *extra, env=env))
         for d in daemons:
             d.wait_ready()
     except BaseException:

@@ -85,8 +85,8 @@ def test_off_never_spins() -> None:
 
 @pytest.fixture
 def spinning_pair(sock_dir: str) -> Iterator[list[Node]]:
-    nodes = Nodes(sock_dir)  # (if one is not ready in time, it stops both)
-    yield nodes(2, "--busy-poll", "on", "--busy-poll-window-s", "0.05")
+    nodes = Nodes(sock_dir, env={"KVD_DEV": "busy_poll=on,busy_poll_window_s=0.05"})
+    yield nodes(2)  # (if one is not ready in time, it stops both)
     nodes.stop_all(codes=(0,))
 
 

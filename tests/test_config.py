@@ -1,27 +1,40 @@
-"""Tests for kvd.config: defaults, precedence, parsing, errors, argparse glue."""
+"""Tests for kvd.config: defaults, precedence, parsing, errors, argparse glue, and the
+development settings kept apart from the operator's (KVD_DEV)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import re
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from kvd import KvdClient
+from kvd.cli import build_parser
 from kvd.config import (
+    DEVELOPMENT_SETTINGS,
     MAX_SOCKET_PATH_BYTES,
+    OPERATOR_SETTINGS,
     Config,
     add_config_arguments,
     check_socket_path,
     config_from_args,
+    development_overrides,
     format_size,
     load_config,
+    operator_settings_markdown,
     parse_size,
 )
 from kvd.errors import ConfigError, KvdError
+from tests.conftest import ProcessDaemon
+
+REPO = Path(__file__).resolve().parent.parent
 
 GiB = 1024**3
 MiB = 1024**2
@@ -78,7 +91,6 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "http_port": 9400,
         "pool_size_bytes": GiB,
         "pool_min_block_bytes": 4096,
-        "pool_pin": False,
         "drain_grace_s": 30.0,
         "max_ttl_s": 86400.0,
         "put_ttl_s": 300.0,
@@ -184,11 +196,12 @@ def test_config_file_from_kvd_config_env(tmp_path: Path, sock: str) -> None:
 def test_overrides_accept_typed_values(sock: str) -> None:
     cfg = load(
         sock,
-        overrides={"http_port": 0, "pool_pin": True, "max_ttl_s": 5, "pool_size_bytes": 8192},
+        overrides={"http_port": 0, "encrypt_data": False, "max_ttl_s": 5,
+                   "pool_size_bytes": 8192},
     )
-    assert (cfg.http_port, cfg.pool_pin, cfg.max_ttl_s, cfg.pool_size_bytes) == (
+    assert (cfg.http_port, cfg.encrypt_data, cfg.max_ttl_s, cfg.pool_size_bytes) == (
         0,
-        True,
+        False,
         5.0,
         8192,
     )
@@ -203,8 +216,8 @@ def test_toml_types(tmp_path: Path, sock: str) -> None:
                 f'socket_path = "{sock}"',
                 'node_id = "node-7"',
                 "pool_size_bytes = 1_048_576",
-                'pool_min_block_bytes = "64KiB"',
-                "pool_pin = true",
+                'gpu_staging_bytes = "64KiB"',
+                "encrypt_data = false",
                 "drain_grace_s = 0",
                 "max_ttl_s = 1.5",
                 'log_level = "WARNING"',
@@ -214,8 +227,8 @@ def test_toml_types(tmp_path: Path, sock: str) -> None:
     cfg = load_config(config_file=path, env={})
     assert cfg.node_id == "node-7"
     assert cfg.pool_size_bytes == MiB
-    assert cfg.pool_min_block_bytes == 64 * 1024
-    assert cfg.pool_pin is True
+    assert cfg.gpu_staging_bytes == 64 * 1024
+    assert cfg.encrypt_data is False
     assert cfg.drain_grace_s == 0.0 and isinstance(cfg.drain_grace_s, float)
     assert cfg.max_ttl_s == 1.5
     assert cfg.log_level == "warning"
@@ -315,15 +328,15 @@ def test_format_size_round_trips(size: int, text: str) -> None:
     ],
 )
 def test_bool_parsing(sock: str, text: str, expected: bool) -> None:
-    assert load(sock, env={"KVD_POOL_PIN": text}).pool_pin is expected
-    assert load(sock, overrides={"pool_pin": text}).pool_pin is expected
+    assert load(sock, env={"KVD_ENCRYPT_DATA": text}).encrypt_data is expected
+    assert load(sock, overrides={"encrypt_data": text}).encrypt_data is expected
 
 
 @pytest.mark.parametrize("text", ["", "2", "y", "enable", "truee"])
 def test_bool_parsing_errors(sock: str, text: str) -> None:
-    message = config_error(env={"KVD_POOL_PIN": text, "KVD_SOCKET_PATH": sock})
-    assert message.startswith("pool_pin: expected a boolean")
-    assert message.endswith("(from env KVD_POOL_PIN)")
+    message = config_error(env={"KVD_ENCRYPT_DATA": text, "KVD_SOCKET_PATH": sock})
+    assert message.startswith("encrypt_data: expected a boolean")
+    assert message.endswith("(from env KVD_ENCRYPT_DATA)")
 
 
 def test_env_values_parse(sock: str) -> None:
@@ -428,8 +441,8 @@ def test_unknown_override(sock: str) -> None:
         ("http_port = true", "http_port", "expected an integer, got boolean true"),
         ("http_port = 94.0", "http_port", "expected an integer, got float 94.0"),
         ("http_port = [1, 2]", "http_port", "expected an integer, got array"),
-        ("pool_pin = 1", "pool_pin", "expected a boolean, got int 1"),
-        ('pool_pin = "true"', "pool_pin", "expected a boolean, got 'true'"),
+        ("encrypt_data = 1", "encrypt_data", "expected a boolean, got int 1"),
+        ('encrypt_data = "true"', "encrypt_data", "expected a boolean, got 'true'"),
         ('max_ttl_s = "10"', "max_ttl_s", "expected a number of seconds, got '10'"),
         ("max_ttl_s = false", "max_ttl_s", "expected a number of seconds, got boolean"),
         ("pool_size_bytes = 1.5", "pool_size_bytes", "expected an integer or a size string"),
@@ -449,11 +462,7 @@ def test_wrong_type_in_file(tmp_path: Path, sock: str, line: str, key: str, reas
     ("var", "value", "expected"),
     [
         ("KVD_POOL_SIZE_BYTES", "-5", "pool_size_bytes: must be >= 0, got -5"),
-        ("KVD_NCCL_WARM_UP", "sometimes",
-         "nccl_warm_up: must be one of off, matching, all, got 'sometimes'"),
         ("KVD_POOL_SIZE_BYTES", "lots", "pool_size_bytes: expected a size"),
-        ("KVD_POOL_MIN_BLOCK_BYTES", "32", "pool_min_block_bytes: must be >= 64, got 32"),
-        ("KVD_POOL_MIN_BLOCK_BYTES", "96", "pool_min_block_bytes: must be a power of two"),
         ("KVD_MAX_MESSAGE_BYTES", "1KiB", "max_message_bytes: must be >= 4096, got 1024"),
         ("KVD_HTTP_PORT", "abc", "http_port: expected an integer, got 'abc'"),
         ("KVD_HTTP_PORT", "65536", "http_port: must be a port in 0..65535, got 65536"),
@@ -628,7 +637,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def test_argparse_flags(tmp_path: Path, sock: str) -> None:
-    path = write(tmp_path / "kvd.toml", "http_port = 1001\npool_pin = false\n")
+    path = write(tmp_path / "kvd.toml", "http_port = 1001\nencrypt_data = false\n")
     args = make_parser().parse_args(
         [
             "--config",
@@ -637,7 +646,7 @@ def test_argparse_flags(tmp_path: Path, sock: str) -> None:
             sock,
             "--pool-size-bytes",
             "512MiB",
-            "--pool-pin",
+            "--encrypt-data",
             "yes",
             "--max-wait-s",
             "12.5",
@@ -646,7 +655,7 @@ def test_argparse_flags(tmp_path: Path, sock: str) -> None:
     cfg = config_from_args(args, env={"KVD_HTTP_PORT": "1002", "KVD_PEER_PORT": "2002"})
     assert cfg.socket_path == sock
     assert cfg.pool_size_bytes == 512 * MiB
-    assert cfg.pool_pin is True
+    assert cfg.encrypt_data is True
     assert cfg.max_wait_s == 12.5
     assert cfg.http_port == 1002  # env over file, no flag
     assert cfg.peer_port == 2002
@@ -660,11 +669,11 @@ def test_argparse_defaults_are_none(sock: str) -> None:
     assert cfg == load_config(env={"KVD_SOCKET_PATH": sock})
 
 
-def test_argparse_every_field_has_a_flag() -> None:
+def test_argparse_every_operator_setting_has_a_flag() -> None:
     help_text = make_parser().format_help()
-    for f in dataclasses.fields(Config):
-        assert "--" + f.name.replace("_", "-") in help_text
-        assert "KVD_" + f.name.upper() in help_text
+    for name in OPERATOR_SETTINGS:
+        assert "--" + name.replace("_", "-") in help_text
+        assert "KVD_" + name.upper() in help_text
 
 
 def test_argparse_errors_name_the_flag(tmp_path: Path, sock: str) -> None:
@@ -678,3 +687,194 @@ def test_argparse_errors_name_the_flag(tmp_path: Path, sock: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_args(args, env={})
     assert str(info.value).startswith(f"config file '{missing}' (from flag --config): cannot")
+
+
+# --------------------------------------------------------------------------- development settings
+
+# The settings that are tuning, not an operator's decision (chunk sizes, code-path switches,
+# the timeline marks): pinned here, so that moving one across is a decision in a diff.
+DEVELOPMENT = {
+    "tcp_chunk_bytes", "nccl_chunk_bytes", "nccl_warm_up", "nccl_eager", "nccl_inline",
+    "nccl_blocking_calls", "busy_poll", "busy_poll_window_s", "pool_min_block_bytes",
+    "pool_prefault", "timeline_dir",
+}
+# A valid value for each, other than its default: as KVD_DEV text, and as it is parsed.
+DEV_VALUES: dict[str, tuple[str, object]] = {
+    "tcp_chunk_bytes": ("1MiB", MiB), "nccl_chunk_bytes": ("256MiB", 256 * MiB),
+    "nccl_warm_up": ("OFF", "off"), "nccl_eager": ("false", False), "nccl_inline": ("no", False),
+    "nccl_blocking_calls": ("0", False), "busy_poll": ("on", "on"),
+    "busy_poll_window_s": ("0.05", 0.05), "pool_min_block_bytes": ("64KiB", 64 * 1024),
+    "pool_prefault": ("off", False), "timeline_dir": ("/tmp/kvd-marks", "/tmp/kvd-marks"),
+}
+
+
+def test_the_development_settings_are_these() -> None:
+    assert DEVELOPMENT_SETTINGS == DEVELOPMENT
+    assert set(DEV_VALUES) == DEVELOPMENT
+    assert {f.name for f in dataclasses.fields(Config)} == OPERATOR_SETTINGS | DEVELOPMENT_SETTINGS
+    assert not OPERATOR_SETTINGS & DEVELOPMENT_SETTINGS
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`kvd serve`'s own parser, as the command builds it."""
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = commands.choices["serve"]
+    return parser
+
+
+def test_serve_help_shows_each_operator_setting_with_what_it_allows() -> None:
+    """Every operator setting has a flag whose help is one line: what it sets, then
+    [allowed values; default; env variable]."""
+    helps = {a.dest: a.help for a in serve_parser()._actions if a.help != argparse.SUPPRESS}
+    assert set(helps) == OPERATOR_SETTINGS | {"help", "config"}
+    for name in OPERATOR_SETTINGS:
+        text = helps[name]
+        assert text is not None and "\n" not in text
+        found = re.fullmatch(rf"(\S.*\S) \[(\S[^;]*); default ([^;]+); env KVD_{name.upper()}\]",
+                             text)
+        assert found, (name, text)
+        what, allowed, _default = found.groups()
+        assert len(what.split()) >= 3 and len(allowed.split()) >= 1, (name, text)
+
+
+def test_serve_help_names_no_development_setting() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    listed = set(re.findall(r"^  (?:-h, )?(--[a-z-]+)", result.stdout, re.MULTILINE))
+    assert listed == {"--help", "--config"} | {"--" + n.replace("_", "-")
+                                                for n in OPERATOR_SETTINGS}
+    for name in DEVELOPMENT:
+        for spelling in (name, name.replace("_", "-"), f"KVD_{name.upper()}"):
+            assert spelling not in result.stdout
+
+
+def toml_literal(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+@pytest.mark.parametrize("name", sorted(DEVELOPMENT))
+def test_a_development_setting_is_refused_from_file_env_and_flag(
+        tmp_path: Path, sock: str, name: str) -> None:
+    """Named in the config file, as KVD_<KEY> or as a flag, with a value it would accept:
+    refused, with a one-line pointer to KVD_DEV."""
+    text, value = DEV_VALUES[name]
+    pointer = f"is a development setting, not an operator one: for a measurement set " \
+              f"KVD_DEV={name}=VALUE"
+    path = write(tmp_path / "kvd.toml", f"{name} = {toml_literal(value)}\n")
+    message = config_error(config_file=path, env={"KVD_SOCKET_PATH": sock})
+    assert message.startswith(f"'{name}' (from file {path}) {pointer}"), message
+    message = config_error(env={"KVD_SOCKET_PATH": sock, f"KVD_{name.upper()}": text})
+    assert message.startswith(f"'{name}' (from env KVD_{name.upper()}) {pointer}"), message
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ConfigError) as info:
+        config_from_args(serve_parser().parse_args([flag, text]), env={"KVD_SOCKET_PATH": sock})
+    assert str(info.value).startswith(f"'{name}' (from flag {flag}) {pointer}")
+    assert "\n" not in str(info.value)
+
+
+def test_kvd_serve_refuses_a_development_flag_with_the_pointer(sock: str) -> None:
+    """The command itself: exit 2 and one line, before any daemon starts."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock, "--nccl-eager",
+         "false"], capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("kvd: config error: 'nccl_eager' (from flag --nccl-eager) is a "
+                             "development setting, not an operator one: for a measurement set "
+                             "KVD_DEV=nccl_eager=VALUE (docs/architecture.md, development "
+                             "settings)\n")
+
+
+def test_kvd_dev_sets_every_development_setting(sock: str) -> None:
+    defaults = load(sock)
+    assert development_overrides(defaults) == {}
+    items = ", ".join(f" {name} = {text} " for name, (text, _) in DEV_VALUES.items())
+    cfg = load(sock, env={"KVD_DEV": items + ","})  # spaces around items and a trailing comma
+    assert {name: getattr(cfg, name) for name in DEVELOPMENT} == \
+        {name: value for name, (_, value) in DEV_VALUES.items()}
+    assert development_overrides(cfg) == {name: value for name, (_, value) in DEV_VALUES.items()}
+    assert dataclasses.replace(cfg, **{n: getattr(defaults, n) for n in DEVELOPMENT}) == defaults
+    # nothing else moved, and an empty KVD_DEV is no setting
+    assert load(sock, env={"KVD_DEV": ""}) == defaults
+    assert load(sock, env={"KVD_DEV": "nccl_eager=off"}) == \
+        dataclasses.replace(defaults, nccl_eager=False)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("nccl_eager=maybe", "nccl_eager: expected a boolean (true/false, 1/0, yes/no, on/off), "
+                         "got 'maybe' (from env KVD_DEV)"),
+    ("nccl_warm_up=sometimes", "nccl_warm_up: must be one of off, matching, all, got "
+                               "'sometimes' (from env KVD_DEV)"),
+    ("busy_poll=fast", "busy_poll: must be one of auto, on, off, got 'fast' (from env KVD_DEV)"),
+    ("busy_poll_window_s=-1", "busy_poll_window_s: must be >= 0, got -1.0 (from env KVD_DEV)"),
+    ("tcp_chunk_bytes=4KiB", "tcp_chunk_bytes: must be >= 65536, got 4096 (from env KVD_DEV)"),
+    ("nccl_chunk_bytes=lots", "nccl_chunk_bytes: expected a size such as 4096, '64KiB', "
+                              "'1.5GiB' or '2GB', got 'lots' (from env KVD_DEV)"),
+    ("pool_min_block_bytes=96", "pool_min_block_bytes: must be a power of two, got 96 "
+                                "(from env KVD_DEV)"),
+    ("pool_min_block_bytes=32", "pool_min_block_bytes: must be >= 64, got 32 (from env KVD_DEV)"),
+    ("nccl_eager", "KVD_DEV: expected key=value items separated by commas, got 'nccl_eager'"),
+    ("=on", "KVD_DEV: expected key=value items separated by commas, got '=on'"),
+    ("nccl_egaer=off", "unknown development setting 'nccl_egaer' (from env KVD_DEV); did you "
+                       "mean 'nccl_eager'?"),
+    ("nccl_eager=on,nccl_eager=off", "'nccl_eager' is set twice (from env KVD_DEV)"),
+    ("x=1", "unknown development setting 'x' (from env KVD_DEV); there are tcp_chunk_bytes, "
+            "nccl_chunk_bytes, nccl_warm_up, nccl_eager, nccl_inline, nccl_blocking_calls, "
+            "busy_poll, busy_poll_window_s, pool_min_block_bytes, pool_prefault, timeline_dir"),
+    ("pool_size_bytes=2GiB", "'pool_size_bytes' (from env KVD_DEV) is an operator setting: set "
+                             "it with KVD_POOL_SIZE_BYTES, --pool-size-bytes or the config file"),
+])
+def test_kvd_dev_refuses_bad_items_in_one_line(sock: str, text: str, expected: str) -> None:
+    assert config_error(env={"KVD_SOCKET_PATH": sock, "KVD_DEV": text}) == expected
+
+
+def test_development_settings_reach_a_daemon_through_kvd_dev(sock_dir: str,
+                                                               tmp_path: Path) -> None:
+    """A `kvd serve` given KVD_DEV runs with its settings: the loop's busy-poll window (which
+    it reports) and the timeline marks it writes at exit."""
+    marks = tmp_path / "marks"
+    d = ProcessDaemon(sock_dir, env={
+        "KVD_DEV": f"busy_poll=on,busy_poll_window_s=0.05,timeline_dir={marks}"})
+    try:
+        d.wait_ready()
+        with KvdClient(d.socket_path, timeout_s=10) as client:
+            assert client.stats()["busy_poll"]["window_s"] == 0.05
+    finally:
+        code = d.stop()
+    assert code == 0, d.log()
+    assert [p.name for p in marks.iterdir()] == [f"{d.proc.pid}.json"]
+
+
+# --------------------------------------------------------------------------- the operator's docs
+
+
+def settings_named(text: str) -> list[str]:
+    """The development settings ``text`` names (not a stats field such as
+    ``peer.links[].nccl_blocking_calls``, which is not a setting)."""
+    return sorted(name for name in DEVELOPMENT if re.search(rf"(?<![.\w]){name}\b", text))
+
+
+def test_operations_md_holds_the_settings_table_and_no_development_setting() -> None:
+    """docs/operations.md's table is the one made from Config (regenerate it with
+    ``python -c "from kvd.config import operator_settings_markdown as t; print(t())"``)."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    assert operator_settings_markdown() in text
+    assert settings_named(text) == []
+
+
+def test_readme_configuration_and_sample_config_name_operator_settings_only() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    sample = (REPO / "systemd" / "kvd.toml").read_text()
+    for text in (section, sample):
+        assert settings_named(text) == []
+    keys = set(re.findall(r"^#? ?([a-z_]+) = ", sample, re.MULTILINE))
+    assert keys and keys <= OPERATOR_SETTINGS, keys - OPERATOR_SETTINGS
+    cfg = load_config(config_file=str(REPO / "systemd" / "kvd.toml"), env={},
+                      check_paths=False)
+    assert cfg.socket_path == "/run/kvd/kvd.sock"
+    assert development_overrides(cfg) == {}

@@ -210,17 +210,30 @@ class Interrupted(Exception):
 
 
 @pytest.mark.parametrize("end", ["task_cancel", "timeout", "interrupt", "transfer_cancel",
-                                 "close"])
+                                 "async_transfer_cancel", "close"])
 async def test_a_get_ended_mid_transfer_lands_nothing_after(
         pair: Pair, end: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A get waits on b; a's put of 128 MiB goes straight into its blocks, and the get
-    ends while it does: async (task cancel, the client's timeout, aclose) and sync
-    (KeyboardInterrupt-like exception, Transfer.cancel)."""
+    ends while it does: async (task cancel, the client's timeout, AsyncTransfer.cancel of
+    a start_get, aclose) and sync (KeyboardInterrupt-like exception, Transfer.cancel of a
+    start_get)."""
     key = f"get-{end}"
     dst = shared_zeros((BLOCKS, BLOCK), torch.uint8)
     feed: kvd.Transfer | None = None
     if end == "interrupt":
         feed = _get_interrupted(pair, key, dst)
+    elif end == "async_transfer_cancel":
+        async with AsyncKvdClient(pair.b.socket_path) as ac:
+            started = await ac.start_get(key, await ac.register("dst", [dst]), ALL,
+                                         timeout_s=30)
+            await until_waiting(pair)
+            feed = pair.put(key)
+            await until_landing(dst)
+            await started.cancel()
+            lands_nothing_after(dst)
+            assert started.done()
+            with contextlib.suppress(kvd.Cancelled):  # (or it had finished)
+                assert await started.wait(5) == BLOCKS * BLOCK
     elif end == "transfer_cancel":
         with KvdClient(pair.b.socket_path) as c:
             get = c.start_get(key, c.register("dst", [dst]), ALL, timeout_s=30)
@@ -345,13 +358,27 @@ async def test_a_cancel_the_daemon_cannot_confirm_closes_the_client(
 # ------------------------------------------------------------------ pull
 
 
-@pytest.mark.parametrize("end", ["task_cancel", "transfer_cancel", "close"])
+@pytest.mark.parametrize("end", ["task_cancel", "async_transfer_cancel", "transfer_cancel",
+                                 "close"])
 async def test_a_pull_ended_mid_transfer_lands_nothing_after(pair: Pair, end: str) -> None:
     """b pulls 128 MiB that a publishes, and the pull ends while a is frozen half way
-    through sending them (b is in the middle of a chunk): async task cancel, sync
-    Transfer.cancel, sync close of the client."""
+    through sending them (b is in the middle of a chunk): async task cancel, async
+    AsyncTransfer.cancel of a start_pull, sync Transfer.cancel of a start_pull, sync close
+    of the client."""
     dst = shared_zeros((BLOCKS, BLOCK), torch.uint8)
-    if end == "task_cancel":
+    if end == "async_transfer_cancel":
+        async with AsyncKvdClient(pair.b.socket_path) as ac:
+            started = await ac.start_pull("pub", pair.a_address,
+                                          await ac.register("dst", [dst]), ALL, timeout_s=30)
+            await until_landing(dst)
+            with frozen(pair.a, FROZEN_S, dst):
+                await started.cancel()
+                snapshot = Snapshot(dst)
+            snapshot.unchanged()
+            assert started.done()
+            with contextlib.suppress(kvd.Cancelled):  # (or it had finished)
+                assert await started.wait(5) == BLOCKS * BLOCK
+    elif end == "task_cancel":
         async with AsyncKvdClient(pair.b.socket_path) as ac:
             task = asyncio.create_task(ac.pull("pub", pair.a_address,
                                                await ac.register("dst", [dst]), ALL,

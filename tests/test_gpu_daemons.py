@@ -28,15 +28,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 GPU_A, GPU_B = node_gpus()  # the daemons' GPUs (the same one on a one-GPU host)
 DEV_A, DEV_B = f"cuda:{GPU_A}", f"cuda:{GPU_B}"  # as this process names them
 
+WARM_UP_OFF = {"KVD_DEV": "nccl_warm_up=off"}  # channels made by transfers only
+SMALL_CHUNKS = {"KVD_DEV": "nccl_chunk_bytes=1MiB"}  # many chunks per transfer
 SHAPE = (128, 16, 8, 128)  # blocks, tokens, kv heads, head dim: 32 KiB per block in bf16
 LAYERS = 8
 
 
 @contextlib.contextmanager
-def two_nodes(*extra: str) -> Iterator[tuple[Node, Node]]:
-    a = start_node(GPU_A, *extra)
+def two_nodes(*extra: str, dev: str = "") -> Iterator[tuple[Node, Node]]:
+    """Two daemons with flags ``extra`` and development settings ``dev`` (KVD_DEV)."""
+    a = start_node(GPU_A, *extra, env={"KVD_DEV": dev})
     try:
-        b = start_node(GPU_B, *extra)
+        b = start_node(GPU_B, *extra, env={"KVD_DEV": dev})
         try:
             yield a, b
         finally:
@@ -71,7 +74,7 @@ def nccl_stats(c: kvd.KvdClient) -> dict:
 def test_put_get_pull_between_gpu_regions_over_nccl() -> None:
     """Channels made on demand (no warm-up): by the first transfer that needs each."""
     rng = torch.Generator().manual_seed(3)
-    with two_nodes("--nccl-warm-up", "off") as (a, b), \
+    with two_nodes(dev="nccl_warm_up=off") as (a, b), \
             kvd.KvdClient(a.sock, timeout_s=60) as ca, \
             kvd.KvdClient(b.sock, timeout_s=60) as cb:
         src, dst = kv_layers(DEV_A, 1), zeros(DEV_B)
@@ -225,10 +228,10 @@ def test_inline_and_threaded_jobs_share_channels() -> None:
     one while the other does the other: a grouped send meets receives issued one by one
     and the other way round. Concurrent puts also queue behind an inline job. Every
     transfer is byte-exact and no channel fails."""
-    b = start_node(GPU_B, "--nccl-chunk-bytes", "1MiB")
+    b = start_node(GPU_B, env=SMALL_CHUNKS)
     a: Node | None = None
     try:
-        a = start_node(GPU_A, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
+        a = start_node(GPU_A, "--peers", b.address, env=SMALL_CHUNKS)
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb:
             wait_warm(ca, cb)
@@ -295,10 +298,10 @@ def test_consecutive_transfers_overlap_on_a_channel() -> None:
     Eight puts at once, of blocks that need staging on either end, neither, or both (four
     1 MiB chunks each, so each job cycles through both buffers twice); every one of them
     byte-exact."""
-    b = start_node(GPU_B, "--nccl-chunk-bytes", "1MiB")
+    b = start_node(GPU_B, env=SMALL_CHUNKS)
     a: Node | None = None
     try:
-        a = start_node(GPU_A, "--nccl-chunk-bytes", "1MiB", "--peers", b.address)
+        a = start_node(GPU_A, "--peers", b.address, env=SMALL_CHUNKS)
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb:
             wait_warm(ca, cb)
@@ -395,12 +398,12 @@ def test_channels_past_the_cap_are_evicted_least_recently_used_first() -> None:
     transfer is byte-exact. Then puts to B and C at once: a channel whose send has not been
     confirmed by its receiver is not idle, so neither is evicted under the other (the cap
     is passed instead), and nothing fails."""
-    b = start_node(GPU_B, "--nccl-warm-up", "off")
+    b = start_node(GPU_B, env=WARM_UP_OFF)
     c: Node | None = None
     a: Node | None = None
     try:
-        c = start_node(GPU_B, "--nccl-warm-up", "off")
-        a = start_node(GPU_A, "--nccl-warm-up", "off", "--nccl-max-channels", "1")
+        c = start_node(GPU_B, env=WARM_UP_OFF)
+        a = start_node(GPU_A, "--nccl-max-channels", "1", env=WARM_UP_OFF)
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb, \
                 kvd.KvdClient(c.sock, timeout_s=60) as cc:
@@ -444,7 +447,7 @@ def test_channels_past_the_cap_are_evicted_least_recently_used_first() -> None:
 def test_many_chunks_and_spill_to_host_pool() -> None:
     # Small chunks (many per transfer, staging reused) and 2 MiB of GPU staging: the
     # second put does not fit there and goes to B's host pool, and is still byte-exact.
-    with two_nodes("--nccl-chunk-bytes", "1MiB", "--gpu-staging-bytes", "2MiB") as (a, b), \
+    with two_nodes("--gpu-staging-bytes", "2MiB", dev="nccl_chunk_bytes=1MiB") as (a, b), \
             kvd.KvdClient(a.sock, timeout_s=60) as ca, \
             kvd.KvdClient(b.sock, timeout_s=60) as cb:
         src, dst = kv_layers(DEV_A, 2), zeros(DEV_B)

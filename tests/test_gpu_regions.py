@@ -110,7 +110,7 @@ def test_gpu_client_exit_drops_its_mappings(daemon: str) -> None:
 
 def test_pinned_pool_offload_and_get_speed() -> None:
     gib = 2**30
-    with running_node(None, "--pool-size-bytes", "3GiB", "--pool-pin", "true") as node, \
+    with running_node(None, "--pool-size-bytes", "3GiB") as node, \
             kvd.KvdClient(node.sock, timeout_s=120) as c:
         assert c.stats()["pool"]["pinned"] is True
         src = torch.randint(0, 256, (64, 16 * 2**20), dtype=torch.uint8, device="cuda:0")

@@ -109,12 +109,14 @@ def random_region(blocks: int, seed: int, block_bytes: int = BLOCK) -> torch.Ten
 class Node:
     """A daemon process and a client on it. ``Node(root, name, *extra)`` starts it and
     waits until it serves; with ``wait=False`` it only starts it, and ``ready`` waits (so
-    that several start side by side)."""
+    that several start side by side). ``env`` is added to its daemon's environment."""
 
-    def __init__(self, root: str, name: str, *extra: str, wait: bool = True) -> None:
+    def __init__(self, root: str, name: str, *extra: str, wait: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir, exist_ok=True)
         self.extra = extra
+        self.env = env
         self.launch()
         if wait:
             self.ready()
@@ -128,7 +130,7 @@ class Node:
         """Start its daemon, not waiting for it."""
         self.proc = ProcessDaemon(self.dir, "--node-id", os.path.basename(self.dir),
                                   "--heartbeat-interval-s", "0.5", "--peer-grace-s", "2",
-                                  *self.extra, *more)
+                                  *self.extra, *more, env=self.env)
         self.client = KvdClient(self.proc.socket_path, timeout_s=30)  # connected by ready
 
     def ready(self) -> Node:
@@ -157,10 +159,11 @@ class Nodes:
     same flags, ``nodes.each(flags, ...)`` one more per list of flags; both wait until the
     new ones serve (if one does not, all the new ones are killed and forgotten, and this
     raises) and return every node started so far (named n0, n1, ...). ``stop_all`` stops
-    them."""
+    them. ``env`` is added to every daemon's environment."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.env = env
         self.started: list[Node] = []
 
     def __call__(self, n: int, *extra: str) -> list[Node]:
@@ -169,7 +172,7 @@ class Nodes:
     def each(self, *flags: Sequence[str]) -> list[Node]:
         new = []
         for extra in flags:
-            node = Node(self.root, f"n{len(self.started)}", *extra, wait=False)
+            node = Node(self.root, f"n{len(self.started)}", *extra, wait=False, env=self.env)
             self.started.append(node)  # (stopped by stop_all from now on)
             new.append(node)
         try:
@@ -926,7 +929,7 @@ def test_timeline_marks_follow_a_transfer_through_both_daemons(tmp_path: Path) -
     across the two processes (the clock is shared by processes of one host)."""
     marks_dir = tmp_path / "marks"
     a, b = start_daemons(str(tmp_path / "daemons"), "a", "b",
-                         extra=["--timeline-dir", str(marks_dir)])
+                         env={"KVD_DEV": f"timeline_dir={marks_dir}"})
     try:
         with KvdClient(a.socket_path) as ca, KvdClient(b.socket_path) as cb:
             src = random_region(4, 21)

@@ -1,11 +1,12 @@
 """Where a transfer's time goes: timeline marks from two daemons and this client.
 
 Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
-[--block-bytes N] [--repeat N] [--contiguous] [--local | --pull] [--daemon-flag F]
-[--json]``
+[--block-bytes N] [--repeat N] [--contiguous] [--local | --pull] [--dev KEY=VALUE]...
+[--daemon-flag F]... [--json]``
 
-Starts two ``kvd serve`` daemons recording timeline marks (``timeline_dir``, see
-``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
+Starts two ``kvd serve`` daemons recording timeline marks (the development setting
+``timeline_dir``, given to them in ``KVD_DEV`` with any ``--dev`` ones, see kvd/config.py
+and ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
 or with ``--local`` one daemon that sees both GPUs, the local transport of case (d)),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
 and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
@@ -107,13 +108,19 @@ def main() -> int:
                     help="time a pull from B of blocks A lent (the vLLM connector's flow) "
                     "instead of a put into a waiting get")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--dev", action="append", default=[], metavar="KEY=VALUE",
+                    help="a development setting for both daemons (added to KVD_DEV), "
+                         "e.g. --dev nccl_eager=false")
     ap.add_argument("--daemon-flag", action="append", default=[],
-                    help="an extra flag for both daemons, e.g. --daemon-flag=--nccl-eager=false")
+                    help="an extra operator flag for both daemons, e.g. "
+                         "--daemon-flag=--gpu-staging-bytes=2GiB")
     args = ap.parse_args()
     EXTRA_FLAGS.extend(args.daemon_flag)
     tdir = tempfile.mkdtemp(prefix="kvd-timeline-")
     root = tempfile.mkdtemp(prefix="kvd-timeline-daemons-", dir="/tmp")
-    EXTRA_FLAGS.extend(["--timeline-dir", tdir])
+    # The daemons inherit this environment (gpu_transfer.start_daemon).
+    os.environ["KVD_DEV"] = ",".join(
+        [os.environ.get("KVD_DEV", ""), *args.dev, f"timeline_dir={tdir}"]).lstrip(",")
     cuda = args.device == "cuda"
     if args.local and not cuda:
         ap.error("--local copies between two GPUs of one daemon: it needs --device cuda")

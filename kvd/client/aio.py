@@ -32,7 +32,7 @@ from kvd.client.base import (
     result_of,
     stoppable,
 )
-from kvd.client.lifeline import ClientLifeline
+from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline
 from kvd.client.shm import Segment
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.loop_socket import LoopSocket
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class AsyncTransfer:
-    """A put or lend in flight: ``await t.wait()``, ``t.done()``, ``await t.cancel()``."""
+    """A request in flight (``put``, ``lend``, ``start_get``, ``start_pull``):
+    ``await t.wait()``, ``t.done()``, ``await t.cancel()``."""
 
     def __init__(self, client: AsyncKvdClient, call: Call, future: asyncio.Future[Reply],
                  started: float) -> None:
@@ -95,6 +96,10 @@ class AsyncKvdClient:
     @property
     def socket_path(self) -> str:
         return self._b.socket_path
+
+    @property
+    def name(self) -> str:
+        return self._b.name
 
     async def __aenter__(self) -> AsyncKvdClient:
         await self.connect()
@@ -180,9 +185,20 @@ class AsyncKvdClient:
         if data:
             log.warning("dropping an unexpected message on the lifeline")
             return
-        asyncio.get_running_loop().remove_reader(self._lifeline.fileno())
-        self._on_lost()
-        self._disconnect()
+        # The daemon is gone: no new request goes, and the replies it sent last (they
+        # travel apart from the lifeline) are taken for LAST_WORDS_S before the calls
+        # still waiting fail.
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._lifeline.fileno())
+        self._lost = True
+        if self._handoff is not None and not self._handoff.done():
+            _fail(self._handoff, self._b.disconnected())
+        loop.call_later(LAST_WORDS_S, self._gone)
+
+    def _gone(self) -> None:
+        if self._sock is not None and not self._sock.closed:
+            self._on_lost()
+            self._disconnect()
 
     def _on_reply(self, reply: Reply) -> None:
         fut = self._pending.pop(reply.req_id, None)
@@ -370,16 +386,29 @@ class AsyncKvdClient:
                   to: str | None = None, ttl_s: float | None = None,
                   timeout_s: float | None = None) -> AsyncTransfer:
         """Send blocks to daemon ``to`` (this one by default) under ``key``."""
-        call = self._b.put(key, region, blocks, to, ttl_s, timeout_s)
-        started = time.perf_counter()
-        return AsyncTransfer(self, call, self._queue(call), started)
+        return self._start(self._b.put(key, region, blocks, to, ttl_s, timeout_s))
 
     async def lend(self, key: str, region: Region | int, blocks: Iterable[int], *,
                    ttl_s: float, timeout_s: float | None = None) -> AsyncTransfer:
         """Publish blocks in place for one reader (a get here, or a peer's pull). The
         transfer ends when the daemon no longer reads them, with the bytes that reader
         took (0 if nobody did within ``ttl_s``); do not reuse the blocks before."""
-        call = self._b.lend(key, region, blocks, ttl_s, timeout_s)
+        return self._start(self._b.lend(key, region, blocks, ttl_s, timeout_s))
+
+    async def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
+                        timeout_s: float | None = None) -> AsyncTransfer:
+        """``get`` without waiting: the returned transfer ends when the bytes are in."""
+        return self._start(self._b.get(key, region, blocks, timeout_s))
+
+    async def start_pull(self, key: str, src: str, region: Region | int,
+                         blocks: Iterable[int], *, timeout_s: float | None = None,
+                         wait_for_key_s: float = 0.0) -> AsyncTransfer:
+        """``pull`` without waiting: the returned transfer ends when the bytes are in."""
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
+
+    def _start(self, call: Call) -> AsyncTransfer:
+        """Send ``call``; its transfer. (No await between the send and the transfer: a
+        cancel of the caller cannot leave the request in flight without a handle.)"""
         started = time.perf_counter()
         return AsyncTransfer(self, call, self._queue(call), started)
 

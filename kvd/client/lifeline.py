@@ -24,6 +24,10 @@ from kvd.errors import BadRequest, DaemonUnavailable, KvdTimeout
 from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, Lifeline, SegmentHandoff, SegmentsTaken
 
 _MAX_ANSWER_BYTES = 4096
+# A daemon's replies and the end of its lifeline travel apart: its last replies (a drain's
+# report, say) may come just after the lifeline closed. A client takes what comes within
+# this long before it fails its calls.
+LAST_WORDS_S = 0.25
 _lifeline_decoder = msgspec.msgpack.Decoder(Lifeline)
 _taken_decoder = msgspec.msgpack.Decoder(SegmentsTaken)
 

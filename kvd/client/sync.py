@@ -45,7 +45,7 @@ from kvd.client.base import (
     result_of,
     stoppable,
 )
-from kvd.client.lifeline import ClientLifeline
+from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline
 from kvd.errors import DaemonUnavailable, KvdError
 from kvd.loop_socket import NOBLOCK, descriptor, has_message
 from kvd.protocol import Bye, Done, Reply, encode
@@ -120,6 +120,7 @@ class KvdClient:
         # The reading thread sleeps in poll on the DEALER's descriptor, the lifeline and
         # this pipe, which a sender writes to when its send took the DEALER's edge.
         self._wake_r = self._wake_w = -1  # (made by connect)
+        self._gone_at = 0.0  # when the lifeline was seen closed (0: not yet)
         # Held around each call on the DEALER (and while it is closed): ZeroMQ sockets are
         # not thread-safe. Never held while waiting for a reply.
         self._write_lock = threading.RLock()
@@ -380,6 +381,11 @@ class KvdClient:
         with self._write_lock:
             if self._sock.closed or has_message(self._sock):
                 return True
+        if self._gone_at:  # (the daemon's last words: see _receive)
+            words_left = self._gone_at + LAST_WORDS_S - time.monotonic()
+            if words_left <= 0:
+                return True  # (_receive says the daemon is gone)
+            wait_s = min(wait_s, words_left)
         ready = self._poller.poll(math.ceil(max(0.0, wait_s) * 1000))
         if any(fd == self._wake_r for fd, _ in ready):
             with contextlib.suppress(OSError):
@@ -398,7 +404,17 @@ class KvdClient:
                     payloads.append(self._sock.recv(NOBLOCK))
             except zmq.ZMQError:  # (closed: the client is shutting down)
                 return None
-        if not payloads and self._lifeline.gone():
+        if payloads:
+            return payloads
+        if not self._gone_at and self._lifeline.gone():
+            # The daemon is gone. Its last replies travel apart from the lifeline and may
+            # still come: they are taken for LAST_WORDS_S, then the waits fail.
+            self._gone_at = time.monotonic()
+            with self._write_lock:
+                assert self._poller is not None
+                with contextlib.suppress(KeyError, ValueError):
+                    self._poller.unregister(self._lifeline.fileno())
+        if self._gone_at and time.monotonic() - self._gone_at >= LAST_WORDS_S:
             return None
         return payloads
 

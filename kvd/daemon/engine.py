@@ -20,14 +20,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.busy_poll import BusyPoll
-from kvd.daemon.futures import on_loop, wait_out
+from kvd.daemon.futures import wait_out
+from kvd.daemon.local_copies import LocalCopies, after_ready
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
 from kvd.errors import (
@@ -38,7 +38,6 @@ from kvd.errors import (
     KvdTimeout,
     LayoutMismatch,
     PoolExhausted,
-    TransferFailed,
     UnknownKey,
 )
 from kvd.memory.pool import HostPool, PoolBlock
@@ -59,16 +58,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-INLINE_COPY_BYTES = 256 * 1024
-# A GPU copy queued from the loop (Engine._gpu_copy_on_loop) is polled at every turn for
-# its expected time (bytes at this rate, plus this much), then every _GPU_COPY_POLL_S,
-# and given up after _GPU_COPY_TIMEOUT_S plus 1 s per GB.
-_GPU_COPY_SPIN_S = 0.002
-_GPU_COPY_BYTES_PER_S = 200e9
-_GPU_COPY_POLL_S = 0.0002
-_GPU_COPY_TIMEOUT_S = 60.0
-
-
 @dataclass
 class Counters:
     """Plain counters; the metrics module exports them."""
@@ -81,25 +70,6 @@ class Counters:
 
     def request(self, op: str, code: str) -> None:
         self.requests[(op, code)] = self.requests.get((op, code), 0) + 1
-
-
-def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float]:
-    """Run ``fn`` in the worker, with when it started and ended (for the metrics)."""
-    started = time.monotonic()
-    timeline.mark("copy.start")
-    result = fn(*args)
-    timeline.mark("copy.end")
-    return started, result, time.monotonic()
-
-
-def _after_ready(source: Region, fn: Callable[..., _T], *args: Any) -> _T:
-    """Run a copy that reads ``source`` after the writes its client recorded (interprocess
-    CUDA events, see ``protocol.CudaIpcTensor.ready_event``)."""
-    if source.ready_events:
-        from kvd.memory.cuda_ipc import wait_ready
-
-        wait_ready(source.ready_events)
-    return fn(*args)
 
 
 def _sum_by(table: dict[tuple[str, str], int], part: int) -> dict[str, int]:
@@ -149,6 +119,20 @@ class Arrival:
         return self.blocks.views()
 
 
+class Remote(Protocol):
+    """Transfers to and from other daemons (``transfers.PeerTransfers``): what the engine
+    hands a put to another daemon, and a pull from one."""
+
+    @property
+    def address(self) -> str: ...
+
+    async def push_blocks(self, key: str, region: Region, idx: torch.Tensor, to: str,
+                          ttl_s: float | None, timeout_s: float) -> int: ...
+
+    async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
+                   timeout_s: float, wait_for_key_s: float = 0.0) -> int: ...
+
+
 @dataclass(frozen=True)
 class _Delivered:
     """A waiter's get was served directly by a put: the bytes are already in place."""
@@ -164,7 +148,6 @@ class Engine:
         self.config = config
         self.gpu_pools = gpu_pools or {}  # "cuda:N" -> staging for arrivals nobody awaits
         self.metrics = metrics or Metrics()
-        self._copies_in_flight: dict[int, int] = {}  # id -> bytes
         self.pool = pool
         self.worker = worker
         self.regions = RegionTable()
@@ -174,10 +157,9 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         # Messages touch it; work handed to threads pauses it (daemon/busy_poll.py).
         self.busy_poll = BusyPoll(self._loop, busy_poll_window_s)
-        self._region_copies: dict[int, set[asyncio.Future[Any]]] = {}
-        self._background: set[asyncio.Task[None]] = set()  # GPU copies polled past a cancel
+        self.copies = LocalCopies(worker, self.busy_poll, self.metrics)
         self.self_names = {"", "local", config.node_id}
-        self.remote: Any = None  # the peer transfers, when the daemon has a peer plane
+        self.remote: Remote | None = None  # set once the daemon has a peer plane
         # Told each key that appears (stored, published, lent), after the gets waiting here.
         self.key_listeners: list[Callable[[str], None]] = []
 
@@ -217,135 +199,6 @@ class Engine:
             raise BadRequest(f"timeout_s must be <= {self.config.max_wait_s}, got {timeout_s}")
         return timeout_s
 
-    async def _copy(
-        self, regions: Sequence[Region], nbytes: int, fn: Callable[..., int], *args: Any,
-        gpu: bool = False,
-    ) -> int:
-        """Run a copy in the worker; if cancelled mid-copy, wait for it to finish first.
-
-        A copy of at most INLINE_COPY_BYTES runs on the loop: it takes microseconds, less
-        than the two thread hand-offs (and GIL switches) the worker would cost."""
-        submitted = time.monotonic()
-        if nbytes <= INLINE_COPY_BYTES and not gpu and not any(r.on_gpu for r in regions):
-            try:
-                result = fn(*args)
-            except Exception:
-                self._record_copy("failed", nbytes, 0.0, None)
-                raise
-            self._record_copy("done", nbytes, 0.0, time.monotonic() - submitted)
-            return result
-        cfut = self.worker.submit(_timed, fn, *args)
-        self.busy_poll.thread_work(cfut)
-        afut = on_loop(cfut)
-        self._copies_in_flight[id(afut)] = nbytes
-        outcome, started, ended = "failed", None, None
-        self.hold_regions(regions, afut)
-        try:
-            try:
-                started, result, ended = await asyncio.shield(afut)
-                outcome = "done"
-                return int(result)
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                if not cfut.cancel():
-                    await wait_out(afut, 60.0)
-                raise
-        finally:
-            del self._copies_in_flight[id(afut)]
-            self._record_copy(outcome, nbytes,
-                              None if started is None else started - submitted,
-                              None if started is None or ended is None else ended - started)
-
-    async def _copy_blocks(
-        self, regions: Sequence[Region], nbytes: int, source: Region, src_idx: torch.Tensor,
-        dst: Sequence[torch.Tensor], dst_idx: torch.Tensor, dst_blocks: BlockSet | None = None,
-    ) -> int:
-        """Blocks of ``source`` into blocks of another region (``regions``: both). Between
-        GPU regions the copy is queued from the loop and its completion polled there
-        (``_gpu_copy_on_loop``); otherwise, or where the copy kernel cannot describe the
-        memory, in the copy worker."""
-        if source.on_gpu and dst and dst[0].is_cuda:
-            done = await self._gpu_copy_on_loop(regions, nbytes, source, src_idx, dst,
-                                                dst_idx, dst_blocks)
-            if done is not None:
-                return done
-        return await self._copy(regions, nbytes, _after_ready, source, local.copy_blocks,
-                                source.tensors, src_idx, dst, dst_idx)
-
-    async def _gpu_copy_on_loop(
-        self, regions: Sequence[Region], nbytes: int, source: Region, src_idx: torch.Tensor,
-        dst: Sequence[torch.Tensor], dst_idx: torch.Tensor, dst_blocks: BlockSet | None,
-    ) -> int | None:
-        """Queue a copy between GPU regions from the loop: kernel launches and stream
-        waits, no wait for the GPU here. That saves the copy worker's two hand-offs
-        (~200 us on the H200 host before the worker started, then its wait and the way
-        back) and keeps the loop spinning (busy_poll) instead of pausing for a thread.
-        The bytes are in when the destination's events complete, polled at every turn of
-        the loop while the copy should still be running, then every 0.2 ms; the regions
-        stay mapped until then, even past a cancel or the deadline. None: not queued."""
-        submitted = time.monotonic()
-        try:
-            queued = _after_ready(source, local.copy_gpu_blocks_queued, source.tensors,
-                                  src_idx, dst, dst_idx, dst_blocks)
-        except Exception:
-            self._record_copy("failed", nbytes, 0.0, None)
-            raise
-        if queued is None:
-            return None
-        copied, events = queued
-        done: asyncio.Future[None] = self._loop.create_future()
-        self.hold_regions(regions, done)
-        self._copies_in_flight[id(done)] = nbytes
-        busy_until = submitted + _GPU_COPY_SPIN_S + nbytes / _GPU_COPY_BYTES_PER_S
-        deadline = submitted + _GPU_COPY_TIMEOUT_S + nbytes / 1e9
-
-        async def complete() -> None:
-            try:
-                while not all(e.query() for e in events):
-                    now = time.monotonic()
-                    if now > deadline:
-                        # Still holding the regions: a GPU this late is stuck, but the
-                        # copy may yet write into them.
-                        log.error("a GPU copy of %d bytes is not done after %.0fs",
-                                  nbytes, now - submitted)
-                        await asyncio.sleep(1.0)
-                    else:
-                        await asyncio.sleep(0 if now < busy_until else _GPU_COPY_POLL_S)
-                done.set_result(None)
-            except BaseException as exc:  # a failed launch shows here (CUDA error)
-                done.set_exception(exc)
-
-        waiter = self._loop.create_task(complete())
-        outcome = "failed"
-        try:
-            await asyncio.wait_for(asyncio.shield(done), deadline - time.monotonic())
-            outcome = "done"
-            return copied
-        except TimeoutError:
-            raise TransferFailed(f"GPU copy of {nbytes} bytes did not complete within "
-                                 f"{deadline - submitted:.0f}s") from None
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            await wait_out(done, 60.0)  # bytes already on their way land first
-            raise
-        finally:
-            del self._copies_in_flight[id(done)]
-            if done.done() and not done.cancelled():
-                done.exception()  # retrieved: reported through the await above
-            if not waiter.done():
-                self._background.add(waiter)
-                waiter.add_done_callback(self._background.discard)
-            self._record_copy(outcome, nbytes, 0.0, time.monotonic() - submitted)
-
-    def _record_copy(self, outcome: str, nbytes: int, queue_s: float | None,
-                     wire_s: float | None) -> None:
-        self.metrics.transfer(peer="local", direction="local", transport="local",
-                              outcome=outcome, nbytes=nbytes, queue_s=queue_s, wire_s=wire_s)
-
-    def in_flight(self) -> tuple[int, int]:
-        """Local copies running or queued: how many, how many bytes."""
-        return len(self._copies_in_flight), sum(self._copies_in_flight.values())
-
     def _schedule_expiry(self, item: Item) -> None:
         if item.expires_at is None:
             return
@@ -381,7 +234,7 @@ class Engine:
             block = self.pool.alloc(max(nbytes, 1))
             try:
                 view = self.pool.view(block)
-                await self._copy([region], nbytes, _after_ready, region, local.gather,
+                await self.copies.copy([region], nbytes, after_ready, region, local.gather,
                                  region.tensors, region.layout,
                                  idx, view)
             except BaseException:
@@ -446,14 +299,14 @@ class Engine:
         try:
             if item.region is not None:
                 assert item.region_idx is not None
-                nbytes = await self._copy_blocks(
+                nbytes = await self.copies.copy_blocks(
                     [item.region, region], item.nbytes, item.region, item.region_idx,
                     region.tensors, idx)
             else:
                 assert item.pool_block is not None
                 pool = item.pool or self.pool
                 view = pool.view(item.pool_block)
-                nbytes = await self._copy(
+                nbytes = await self.copies.copy(
                     [region], item.nbytes, local.scatter, view, item.layout, region.tensors,
                     idx, gpu=view.is_cuda)
             item.bytes_read += nbytes
@@ -498,9 +351,9 @@ class Engine:
         for item in self.store.items():
             if item.region is region:
                 self.store.remove(item)
-        pending = self._region_copies.get(region.region_id)
+        pending = self.copies.holding(region)
         if pending:
-            await asyncio.wait(set(pending), timeout=60.0)
+            await asyncio.wait(pending, timeout=60.0)
         self.regions.remove(region)
         log.info("region dropped region=%d name=%s reason=%s", region.region_id,
                  region.name, reason)
@@ -615,7 +468,7 @@ class Engine:
         """Put straight into the blocks of a waiting get: one copy, no pool."""
         waiter.delivering = True
         try:
-            nbytes = await self._copy_blocks(
+            nbytes = await self.copies.copy_blocks(
                 [region, waiter.region], region.bytes_per_block * len(idx), region, idx,
                 waiter.region.tensors, waiter.idx, waiter.blocks)
         except BaseException as exc:
@@ -817,22 +670,6 @@ class Engine:
                              f"{num_blocks} asked for")
         self._claim(item)
         return item
-
-    def hold_regions(self, regions: Sequence[Region], fut: asyncio.Future[Any]) -> None:
-        """Keep ``regions`` mapped until ``fut`` settles: call it when a thread starts
-        reading or writing their memory, before anything else can run on the loop."""
-        for region in regions:
-            self._region_copies.setdefault(region.region_id, set()).add(fut)
-
-        def release(_fut: asyncio.Future[Any]) -> None:
-            for region in regions:
-                pending = self._region_copies.get(region.region_id)
-                if pending is not None:
-                    pending.discard(fut)
-                    if not pending:
-                        del self._region_copies[region.region_id]
-
-        fut.add_done_callback(release)
 
     # ------------------------------------------------------------ sessions and stats
 

@@ -21,19 +21,23 @@ import socket
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvd.config import Config
 from kvd.daemon.accepting import Acceptor
+from kvd.daemon.parts import ReadyCheck, Status
 from kvd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, config: Config, daemon: Any) -> None:
+    def __init__(self, config: Config, registry: CollectorRegistry, status: Status,
+                 not_ready: ReadyCheck) -> None:
         self.config = config
-        self.daemon = daemon
+        self._registry = registry
+        self._daemon_status = status
+        self._not_ready = not_ready
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
@@ -90,22 +94,22 @@ class HttpServer:
                 raise
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.daemon.metrics.registry)
+        body = generate_latest(self._registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})  # answering at all means the loop is alive
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        reasons = self.daemon.not_ready_reasons()
+        reasons = self._not_ready()
         status = 503 if reasons else 200
         return web.json_response({"ready": not reasons, "reasons": reasons}, status=status)
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.daemon.status())
+        return web.json_response(self._daemon_status())
 
     async def _peers(self, request: web.Request) -> web.Response:
-        return web.json_response(self.daemon.status().get("peer", {}))
+        return web.json_response(self._daemon_status().get("peer", {}))
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:

@@ -37,6 +37,7 @@ from kvd.config import Config, socket_dir_problem
 from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Engine
 from kvd.daemon.lifelines import Connection, LifelineServer
+from kvd.daemon.parts import DrainRequest, Status
 from kvd.daemon.socket_files import BoundFile, remove_bound, socket_identity
 from kvd.errors import (
     Cancelled,
@@ -120,8 +121,9 @@ class Session:
 
 class LocalServer:
     def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
-                 daemon: Any = None) -> None:
-        self.daemon = daemon  # for the peer plane's figures in stats
+                 status: Status, drain: DrainRequest | None = None) -> None:
+        self._status = status  # the daemon's report, for Stats
+        self._drain_daemon = drain  # kvd drain; None: this daemon is not drained from here
         self.config = config
         self.engine = engine
         self.epoch = epoch
@@ -190,10 +192,12 @@ class LocalServer:
             await self._close_session(session, "daemon stopping")
         if self._closers:
             await asyncio.wait(set(self._closers), timeout=5.0)
-        self._lifelines.close()
         # Replies already queued (a drain report, say) get a moment to leave: ZeroMQ's
-        # I/O thread writes them while the context is destroyed.
+        # I/O thread writes them while the context is destroyed. The lifelines close after
+        # them (a client gives the replies of a daemon gone a moment to come: see
+        # client/lifeline.py's LAST_WORDS_S).
         self._router.close(linger_s=0.5)
+        self._lifelines.close()
         # ZeroMQ removes the socket file it bound at close: the path is this daemon's
         # until its PathClaim is released (service.py), so no other daemon's is removed.
         remove_bound(self._bound)
@@ -312,8 +316,7 @@ class LocalServer:
                     self._send(s.identity, Pong(req_id=msg.req_id, node_id=self.config.node_id,
                                                 epoch=self.epoch, draining=e.draining))
                 case Stats():
-                    stats = self.daemon.status() if self.daemon is not None else self.stats()
-                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=stats))
+                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=self._status()))
                 case Register():
                     self._spawn(s, msg.req_id, op, self._register(s, msg))
                 case Publish():
@@ -349,10 +352,11 @@ class LocalServer:
                 case Unregister():
                     self._spawn(s, msg.req_id, op, e.unregister(s.sid, msg.region_id))
                 case Drain():
-                    if self.daemon is None:
+                    if self._drain_daemon is None:
                         raise ProtocolError("this daemon cannot be drained over its socket")
-                    task = self._loop.create_task(self._drain(s, msg.req_id, msg.grace_s),
-                                                  name="kvd-drain-request")
+                    task = self._loop.create_task(
+                        self._drain(s, msg.req_id, msg.grace_s, self._drain_daemon),
+                        name="kvd-drain-request")
                     self._drain_requests.add(task)
                     task.add_done_callback(self._drain_requests.discard)
                 case Cancel():
@@ -396,8 +400,9 @@ class LocalServer:
                                           num_blocks=r.num_blocks, layout=list(r.layout)))
         return _REPLIED
 
-    async def _drain(self, s: Session, req_id: int, grace_s: float | None) -> None:
-        report = await self.daemon.drain_on_request(grace_s)
+    async def _drain(self, s: Session, req_id: int, grace_s: float | None,
+                     drain: DrainRequest) -> None:
+        report = await drain(grace_s)
         self.engine.counters.request("drain", "ok")
         self._send(s.identity, StatsReply(req_id=req_id, stats=report))
 
@@ -478,18 +483,9 @@ class LocalServer:
                 self._done(session, reply_to)
 
     def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        stats["clients"] = len(self.sessions)
-        stats["bad_messages"] = dict(self.bad_messages)
-        stats["epoch"] = self.epoch
-        stats["in_flight"] = len(self.pending_tasks())
-        peers = getattr(self.daemon, "peers", None)
-        transfers = getattr(self.daemon, "transfers", None)
-        if peers is not None and transfers is not None:
-            stats["peer"] = peers.stats()
-            stats["transfers"] = transfers.stats()
-        return stats
-
+        """This socket's part of the daemon's status."""
+        return {"clients": len(self.sessions), "bad_messages": dict(self.bad_messages),
+                "in_flight": len(self.pending_tasks())}
 
 def prepare_socket_dir(path: str) -> None:
     """Create the socket's directory, and refuse one that another user could change

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,6 +21,10 @@ from prometheus_client.registry import Collector
 
 from kvd import __version__
 from kvd.protocol import PROTOCOL_VERSION
+
+if TYPE_CHECKING:  # (the engine records into Metrics: types only the other way)
+    from kvd.daemon.engine import Engine
+    from kvd.daemon.parts import DaemonParts
 
 # 10 µs … 60 s: a small control round trip up to a multi-GB transfer over a slow link.
 DURATION_BUCKETS = (
@@ -81,19 +85,19 @@ class Metrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def attach(self, daemon: Any) -> None:
-        """Expose the daemon's state (read at scrape time)."""
-        self.registry.register(_StateCollector(daemon))
+    def attach(self, parts: DaemonParts) -> None:
+        """Expose the state of the daemon's parts (read at scrape time, as they come up)."""
+        self.registry.register(_StateCollector(parts))
 
 
 class _StateCollector(Collector):
-    def __init__(self, daemon: Any) -> None:
-        self.daemon = daemon
+    def __init__(self, parts: DaemonParts) -> None:
+        self.parts = parts
         self.nccl = _nccl_version()
 
     def collect(self) -> Iterator[Any]:
-        d = self.daemon
-        engine, local, peers, transfers = d.engine, d.local, d.peers, d.transfers
+        p = self.parts
+        engine, local, peers, transfers = p.engine, p.local, p.peers, p.transfers
         build = GaugeMetricFamily(
             "kvd_build_info", "Versions of kvd, its protocol, torch and NCCL.",
             labels=["version", "protocol_version", "torch_version", "nccl_version"])
@@ -141,7 +145,7 @@ class _StateCollector(Collector):
         in_bytes = GaugeMetricFamily("kvd_in_flight_bytes", "Bytes of transfers in progress.",
                                      labels=["direction"])
         flights = transfers.in_flight() if transfers else {}
-        flights["local"] = engine.in_flight()
+        flights["local"] = engine.copies.in_flight()
         for direction, (count, nbytes) in sorted(flights.items()):
             in_flight.add_metric([direction], count)
             in_bytes.add_metric([direction], nbytes)
@@ -165,7 +169,7 @@ class _StateCollector(Collector):
         yield from _gpu_families(engine, nccl)
 
 
-def _gpu_families(engine: Any, nccl: dict[str, Any] | None) -> Iterator[Any]:
+def _gpu_families(engine: Engine, nccl: dict[str, Any] | None) -> Iterator[Any]:
     """GPU staging and NCCL channel figures (no samples on a daemon without GPUs)."""
     staging = GaugeMetricFamily("kvd_gpu_staging_bytes", "GPU staging for NCCL arrivals "
                                 "nobody waits for yet, by GPU and state.",

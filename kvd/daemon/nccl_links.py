@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from kvd.config import Config
-from kvd.daemon.peers import PeerLink, PeerPlane
+from kvd.daemon.peer_link import PeerLink
+from kvd.daemon.peers import PeerPlane
 from kvd.errors import KvdError, PeerUnreachable, TransferFailed
 from kvd.protocol import ChannelDown, ChannelWarm
 from kvd.transport.nccl import new_unique_id

@@ -47,7 +47,8 @@ from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Arrival, Engine
 from kvd.daemon.futures import on_loop, wait_out
 from kvd.daemon.nccl_links import NcclLinks
-from kvd.daemon.peers import CPU_DEVICE, PeerLink, PeerPlane
+from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
+from kvd.daemon.peers import PeerPlane
 from kvd.daemon.waiting_pulls import WaitingPull, WaitingPulls
 from kvd.errors import (
     BadRequest,
@@ -444,7 +445,7 @@ class PeerTransfers:
 
     def _send_started(self, out: _Outgoing, fut: concurrent.futures.Future[int]) -> None:
         """A send job now reads the client's regions: they stay mapped until it ends."""
-        self.engine.hold_regions(out.regions, _ended(fut))
+        self.engine.copies.hold_regions(out.regions, _ended(fut))
 
     async def _wait_started(self, out: _Outgoing) -> None:
         """A send the ACCEPT started must end before the pusher answers: no byte may be
@@ -863,7 +864,7 @@ class PeerTransfers:
             return False
         incoming = _Incoming(tid, offer.key, link, arrival, job)
         # The job may start writing before _receive runs: hold the regions from now on.
-        self.engine.hold_regions(incoming.regions, _ended(job.future))
+        self.engine.copies.hold_regions(incoming.regions, _ended(job.future))
         if arrival.waiter is not None:  # a cancelled get drops the rest (Engine.get)
             arrival.waiter.stop_delivery = lambda: self._forget(incoming)
         self._incoming[(id(link), tid)] = incoming

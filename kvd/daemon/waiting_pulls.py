@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvd.daemon.peers import PeerLink
+from kvd.daemon.peer_link import PeerLink
 from kvd.protocol import PullRequest
 
 

@@ -59,8 +59,9 @@ class HostPool:
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), capacity_bytes, 0)
             if int(err) != 0:
                 raise ConfigError(
-                    f"pool_pin: cudaHostRegister of {capacity_bytes} bytes failed ({err}); "
-                    "is the locked-memory limit high enough (LimitMEMLOCK=infinity)?")
+                    f"pool_size_bytes: pinning the host pool (cudaHostRegister of "
+                    f"{capacity_bytes} bytes) failed ({err}); is the locked-memory limit "
+                    "high enough (LimitMEMLOCK=infinity, docker --ulimit memlock=-1)?")
             self.pinned = True
 
     def alloc(self, nbytes: int) -> PoolBlock:

@@ -106,8 +106,8 @@ class BlockMap:
     What describes the tensors (``rows``) is made and uploaded once per region and device
     (``_Facts.rows_on``); a transfer uploads only its block ids. Making the whole table per
     transfer took ~30 us of numpy in a tight loop and, in a daemon, several times that on
-    the sender's critical path (2026-11-30: a staged sender's start, see
-    docs/architecture.md)."""
+    the sender's critical path (the staged sender's start, docs/architecture.md
+    *Decisions*)."""
 
     def __init__(self, tensors: Any, ids: IdArray, device: torch.device) -> None:
         facts = _facts_of(tensors)

@@ -1,8 +1,9 @@
 """The local transport: both ends on this daemon, bytes moved by a copy worker thread.
 
-The event loop never copies host memory: it hands a job to a ``CopyWorker`` and awaits
-the returned future. A copy between GPU regions is kernel launches and stream waits, so
-the loop queues it itself (``copy_gpu_blocks_queued``) and polls the events it returns.
+The event loop copies host memory only for copies of at most ``INLINE_COPY_BYTES``
+(daemon/local_copies.py); larger jobs go to a ``CopyWorker``, whose returned future the
+loop awaits. A copy between GPU regions is kernel launches and stream waits, so the loop
+queues it itself (``copy_gpu_blocks_queued``) and polls the events it returns.
 Jobs are the three moves a node needs: gather blocks of a region into a packed buffer
 (offload, put into the pool), scatter a packed buffer into blocks (get from the pool), and
 copy blocks from one region to another (put to a waiting get, get of a published key).

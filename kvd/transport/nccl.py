@@ -18,7 +18,7 @@ and the first message on the child — the one that sets its connection up, ~95 
 at once, under a watchdog. After that a call only queues a kernel: measured, a blocking
 send to a SIGKILLed peer returns at once and ``abort()`` frees its kernel. The connection
 setup is the one place a blocking call can wait on the peer; it is bounded two ways
-(probe on 2x H200, 2026-11-30): a peer that is alive but never answers is freed by
+(probe on 2x H200, NCCL 2.28.9): a peer that is alive but never answers is freed by
 ``ncclCommRevoke`` from the watchdog; a dead one by NCCL's socket retries, which kvd caps
 (``NCCL_SOCKET_RETRY_CNT``/``_SLEEP_MSEC``, see ``bound_socket_retries``; with 3 x 50 ms
 the call failed after 0.3 s instead of ~60 s). An abort from another thread while a call
@@ -94,7 +94,7 @@ def bound_socket_retries() -> None:
         os.environ.setdefault(name, value)
 
 
-BLOCKING_CALLS_MIN_NCCL = "2.28"  # ncclCommRevoke, and the probes of 2026-11-30 (2.28.9)
+BLOCKING_CALLS_MIN_NCCL = "2.28"  # ncclCommRevoke, and the probes on 2.28.9
 
 
 def blocking_calls_supported() -> bool:
