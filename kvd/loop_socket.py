@@ -100,6 +100,11 @@ class LoopSocket:
             self._watching = False
             self._loop.remove_reader(self._fd)
 
+    def read_now(self) -> None:
+        """Take what waits now (the owner is about to stop reading)."""
+        if self._watching:
+            self._read()
+
     def _read_soon(self) -> None:
         if not self._queued:
             self._queued = True

@@ -29,6 +29,7 @@ from kvd.client.base import (
     context,
     dealer,
     decode_replies,
+    ended_by,
     result_of,
     stoppable,
 )
@@ -83,6 +84,8 @@ class AsyncKvdClient:
                  timeout_s: float = 30.0) -> None:
         self._b = RequestBuilder(socket_path, name, timeout_s)
         self._sock: LoopSocket | None = None
+        self._monitor: LoopSocket | None = None  # the DEALER's connection's end
+        self._dealer_ended = self._lifeline_ended = False
         self._lifeline: ClientLifeline | None = None
         self._handoff: asyncio.Future[bytes] | None = None  # a handoff's answer, awaited
         self._lost = False  # the daemon closed the lifeline, or we dropped the connection
@@ -120,9 +123,11 @@ class AsyncKvdClient:
         self._lifeline = lifeline
         loop.add_reader(lifeline.fileno(), self._on_lifeline)
         try:
-            sock: zmq.Socket[Any] = dealer(context(), self._b.socket_path)
+            sock, monitor = dealer(context(), self._b.socket_path)
             self._sock = LoopSocket(sock, self._on_frames, loop, "kvd client")
+            self._monitor = LoopSocket(monitor, self._on_monitor, loop, "kvd client monitor")
             self._sock.start()
+            self._monitor.start()
             welcome = await self._call(self._b.hello(wait_s, lifeline.token))
         except (KvdError, OSError) as exc:
             await self.aclose()
@@ -158,6 +163,10 @@ class AsyncKvdClient:
         """Close the DEALER and the lifeline (the daemon ends the session, if any)."""
         self._lost = True
         if self._sock is not None:
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.sock.disable_monitor()
+                self._monitor.close()
             self._sock.close()
         if self._lifeline is not None:
             with contextlib.suppress(ValueError, OSError):
@@ -186,17 +195,28 @@ class AsyncKvdClient:
             log.warning("dropping an unexpected message on the lifeline")
             return
         # The daemon is gone: no new request goes, and the replies it sent last (they
-        # travel apart from the lifeline) are taken for LAST_WORDS_S before the calls
-        # still waiting fail.
+        # travel apart from the lifeline) are taken until the DEALER's connection has
+        # ended too (or for LAST_WORDS_S) before the calls still waiting fail.
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._lifeline.fileno())
         self._lost = True
+        self._lifeline_ended = True
         if self._handoff is not None and not self._handoff.done():
             _fail(self._handoff, self._b.disconnected())
-        loop.call_later(LAST_WORDS_S, self._gone)
+        if self._dealer_ended:
+            self._gone()
+        else:
+            loop.call_later(LAST_WORDS_S, self._gone)
+
+    def _on_monitor(self, event: list[bytes]) -> None:
+        if ended_by(event):
+            self._dealer_ended = True
+            if self._lifeline_ended:
+                self._gone()
 
     def _gone(self) -> None:
         if self._sock is not None and not self._sock.closed:
+            self._sock.read_now()  # (its last replies, if their edge has not fired yet)
             self._on_lost()
             self._disconnect()
 

@@ -134,19 +134,31 @@ def decode_replies(payloads: Iterable[bytes]) -> Iterator[Reply]:
             log.warning("dropping undecodable reply: %s", exc)
 
 
-def dealer(ctx: zmq.Context[Any], socket_path: str) -> zmq.Socket[Any]:
-    """A DEALER connected to the daemon's local socket. It never reconnects: a daemon
-    that restarts has forgotten the session, and the lifeline says it is gone."""
+def dealer(ctx: zmq.Context[Any], socket_path: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+    """A DEALER connected to the daemon's local socket, and its monitor (``ended_by``).
+
+    It keeps ZeroMQ's reconnecting: a DEALER that does not reconnect discards the replies
+    it has not handed over yet when its connection ends, and the last replies of a
+    daemon that stops (a drain's report) come just before that end. A client stops
+    sending once its lifeline says the daemon is gone, so a reconnect carries nothing."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, -1)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         sock.connect(f"ipc://{socket_path}")
     except zmq.ZMQError as exc:
+        monitor.close(linger=0)
         sock.close()
         raise DaemonUnavailable(f"cannot connect to kvd daemon at {socket_path}: {exc}") from None
-    return sock
+    return sock, monitor
+
+
+def ended_by(event: list[bytes]) -> bool:
+    """Whether a DEALER monitor's event says its connection ended: every reply the daemon
+    sent before is in the DEALER then (one connection delivers in order)."""
+    return len(event) >= 1 and len(event[0]) >= 2 and int.from_bytes(
+        event[0][:2], "little") == zmq.EVENT_DISCONNECTED
 
 
 def context() -> zmq.Context[Any]:

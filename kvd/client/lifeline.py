@@ -25,9 +25,10 @@ from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, Lifeline, SegmentHandoff, Seg
 
 _MAX_ANSWER_BYTES = 4096
 # A daemon's replies and the end of its lifeline travel apart: its last replies (a drain's
-# report, say) may come just after the lifeline closed. A client takes what comes within
-# this long before it fails its calls.
-LAST_WORDS_S = 0.25
+# report, say) may come just after the lifeline closed. A client takes them until its
+# DEALER's connection has ended too (all of them are in then), or for this long at most
+# before it fails its calls.
+LAST_WORDS_S = 2.0
 _lifeline_decoder = msgspec.msgpack.Decoder(Lifeline)
 _taken_decoder = msgspec.msgpack.Decoder(SegmentsTaken)
 

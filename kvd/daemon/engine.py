@@ -37,10 +37,9 @@ from kvd.errors import (
     KvdError,
     KvdTimeout,
     LayoutMismatch,
-    PoolExhausted,
     UnknownKey,
 )
-from kvd.memory.pool import HostPool, PoolBlock
+from kvd.memory.pool import HostPool
 from kvd.memory.regions import (
     IdArray,
     Layout,
@@ -79,7 +78,7 @@ def _sum_by(table: dict[tuple[str, str], int], part: int) -> dict[str, int]:
     return out
 
 
-def _unfit(
+def unfit(
     key: str, layout: Layout, num_blocks: int, region: Region, idx: torch.Tensor
 ) -> KvdError | None:
     """Why data of ``layout`` x ``num_blocks`` cannot be written to ``idx`` of ``region``."""
@@ -93,30 +92,6 @@ def _unfit(
             f"key {key!r} holds {num_blocks} blocks, {len(idx)} destination blocks given"
         )
     return None
-
-
-@dataclass(eq=False)
-class Arrival:
-    """Where the bytes of one incoming transfer go, and what to do when they are in."""
-
-    key: str
-    layout: Layout
-    num_blocks: int
-    expires_at: float | None
-    blocks: BlockSet  # the destination memory, wire order
-    waiter: Waiter | None = None  # a get waiting for the key: its blocks
-    pool_block: PoolBlock | None = None  # else pool memory (host or GPU), stored as the key
-    pool: HostPool | None = None
-    region: Region | None = None  # a pull: the puller's blocks
-
-    @property
-    def device(self) -> torch.device:
-        """Where the bytes land (the first tensor's device)."""
-        return self.blocks.tensors[0].device
-
-    def wire_views(self) -> list[memoryview]:
-        """The destination as memoryviews, for a socket (host memory only)."""
-        return self.blocks.views()
 
 
 class Remote(Protocol):
@@ -134,7 +109,7 @@ class Remote(Protocol):
 
 
 @dataclass(frozen=True)
-class _Delivered:
+class Delivered:
     """A waiter's get was served directly by a put: the bytes are already in place."""
 
     nbytes: int
@@ -165,7 +140,7 @@ class Engine:
 
     # ------------------------------------------------------------ helpers
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
         if self.draining:
             raise Draining("daemon is draining: no new work accepted")
 
@@ -173,7 +148,7 @@ class Engine:
         self, session: int, region_id: int, blocks: IdArray
     ) -> tuple[Region, torch.Tensor]:
         """New work reading ``blocks`` of one of the session's regions."""
-        self._check_accepting()
+        self.check_accepting()
         region = self.regions.get(session, region_id)
         return region, region.block_index(blocks, writing=False)
 
@@ -181,13 +156,13 @@ class Engine:
         self, session: int, region_id: int, blocks: IdArray, timeout_s: float
     ) -> tuple[Region, torch.Tensor]:
         """New work writing into ``blocks`` of one of the session's regions."""
-        self._check_accepting()
+        self.check_accepting()
         region = self.regions.get(session, region_id)
         idx = region.block_index(blocks, writing=True)
         self._check_wait(timeout_s)
         return region, idx
 
-    def _ttl_deadline(self, ttl_s: float | None) -> float | None:
+    def ttl_deadline(self, ttl_s: float | None) -> float | None:
         if ttl_s is None:
             return None
         if ttl_s <= 0 or ttl_s > self.config.max_ttl_s:
@@ -212,7 +187,7 @@ class Engine:
 
         item.timer = self._loop.call_at(item.expires_at, expire)
 
-    def _free_pool_item(self, item: Item) -> None:
+    def free_pool_item(self, item: Item) -> None:
         if item.pool_block is not None:
             (item.pool or self.pool).free(item.pool_block)
             item.pool_block = None
@@ -252,13 +227,13 @@ class Engine:
             expires_at=expires_at,
             consume_once=consume_once,
             pool_block=block,
-            on_free=self._free_pool_item,
+            on_free=self.free_pool_item,
         )
         self.counters.bytes_out += nbytes
-        self._add_item(item)
+        self.add_item(item)
         return item
 
-    def _add_item(self, item: Item) -> None:
+    def add_item(self, item: Item) -> None:
         self.store.insert(item)
         self._schedule_expiry(item)
         self._wake_waiters(item)
@@ -274,16 +249,16 @@ class Engine:
             waiter = self.store.next_waiter(item.key)
             if waiter is None:
                 return
-            problem = _unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx)
+            problem = unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx)
             if problem is not None:
                 waiter.future.set_exception(problem)
                 continue
-            self._claim(item)
+            self.claim(item)
             waiter.future.set_result(item)
             if item.consume_once:
                 return
 
-    def _claim(self, item: Item) -> None:
+    def claim(self, item: Item) -> None:
         """Take a reader's share of ``item``; a consumed item leaves the store now."""
         item.readers += 1
         if item.consume_once:
@@ -323,7 +298,7 @@ class Engine:
     ) -> Region:
         """``segments``: the session's shared-memory segments (descriptors by id) its CPU
         tensors may live in."""
-        self._check_accepting()
+        self.check_accepting()
         self.regions.check_name(session, name)
         if any(isinstance(spec, CudaIpcTensor) for spec in tensors):
             # Opening CUDA IPC handles (and CUDA itself, the first time) takes a while.
@@ -364,7 +339,7 @@ class Engine:
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
         item = await self._fill_pool_item(
-            key, region, idx, owner=session, expires_at=self._ttl_deadline(ttl_s),
+            key, region, idx, owner=session, expires_at=self.ttl_deadline(ttl_s),
             consume_once=False,
         )
         log.debug("offloaded key=%s bytes=%d", key, item.nbytes)
@@ -379,10 +354,10 @@ class Engine:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
         item = self.store.find(key)
         if item is not None:
-            problem = _unfit(key, item.layout, item.num_blocks, region, idx)
+            problem = unfit(key, item.layout, item.num_blocks, region, idx)
             if problem is not None:
                 raise problem  # the item stays for a get that fits
-            self._claim(item)
+            self.claim(item)
             return await self._read_item_into(item, region, idx)
         if timeout_s == 0:
             raise UnknownKey(f"no key {key!r}")
@@ -407,23 +382,23 @@ class Engine:
             result = late
         finally:
             self.store.drop_waiter(key, waiter)
-        if isinstance(result, _Delivered):
+        if isinstance(result, Delivered):
             return result.nbytes
         return await self._read_item_into(result, region, idx)
 
-    async def _settle_abandoned(self, waiter: Waiter) -> _Delivered | None:
+    async def _settle_abandoned(self, waiter: Waiter) -> Delivered | None:
         """A get is leaving (timeout or cancel). If a put is writing into its blocks, wait
         for that copy so nothing lands after the reply; hand back an unread claim. A
         cancel during that wait (after a timeout) is raised once it is over."""
         cancelled = False
         if waiter.delivering and not waiter.future.done():
             cancelled = await wait_out(waiter.future, 60.0)
-        late: _Delivered | None = None
+        late: Delivered | None = None
         if not waiter.future.done() or waiter.future.cancelled():
             waiter.future.cancel()
         elif waiter.future.exception() is None:
             result = waiter.future.result()
-            if isinstance(result, _Delivered):
+            if isinstance(result, Delivered):
                 late = result
             else:
                 self._unclaim(result)
@@ -436,7 +411,7 @@ class Engine:
         if item.consume_once and self.store.find(item.key) is None and item.removed:
             # Nobody read it: put it back for the next get rather than lose it.
             item.removed = False
-            self._add_item(item)
+            self.add_item(item)
         elif item.removed:
             item.release()
 
@@ -450,11 +425,11 @@ class Engine:
             if self.remote is None:
                 raise BadRequest(f"unknown destination {to!r}: this daemon has no peer plane")
             return await self.remote.push_blocks(key, region, idx, to, ttl_s, timeout_s)
-        expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
+        expires_at = self.ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
         if self.store.exists(key):
             raise BadRequest(f"key {key!r} already exists")
         while (waiter := self.store.next_waiter(key)) is not None:
-            problem = _unfit(key, region.layout, len(idx), waiter.region, waiter.idx)
+            problem = unfit(key, region.layout, len(idx), waiter.region, waiter.idx)
             if problem is None:
                 return await self._deliver(key, region, idx, waiter)
             waiter.future.set_exception(problem)  # that get was wrong; keep the data
@@ -480,7 +455,7 @@ class Engine:
         self.counters.bytes_out += nbytes
         self.counters.bytes_in += nbytes
         if not waiter.future.done():
-            waiter.future.set_result(_Delivered(nbytes))
+            waiter.future.set_result(Delivered(nbytes))
         return nbytes
 
     async def pull(
@@ -509,7 +484,7 @@ class Engine:
     ) -> Item:
         """Store a slice of a region under ``key``, read in place."""
         region, idx = self._source(session, region_id, blocks)
-        expires_at = self._ttl_deadline(ttl_s)
+        expires_at = self.ttl_deadline(ttl_s)
         self.store.reserve(key)
         _, nbytes = packed_offsets(region.layout, len(idx))
         slice_ = BlockSet(region.tensors, idx.numpy())
@@ -522,7 +497,7 @@ class Engine:
         # decode pulls): what its send needs of them is found now, not after the pull came
         # (one may be waiting already: it is served as the item is added).
         self.prepare_gpu_blocks(slice_, region.layout)
-        self._add_item(item)
+        self.add_item(item)
         return item
 
     async def lend(
@@ -569,72 +544,6 @@ class Engine:
 
     # ------------------------------------------------------------ data from other daemons
 
-    def arrival(self, key: str, layout: Layout, num_blocks: int, ttl_s: float | None,
-                gpu: str | None = None) -> Arrival:
-        """Where bytes for ``key`` from a peer go: the blocks of the oldest fitting get
-        that waits for it, else new pool memory — GPU staging on ``gpu`` first when the
-        bytes come over NCCL, then the host pool (``PoolExhausted`` if none: the sender
-        is told BUSY). Gets that wait but cannot take it fail with the reason."""
-        self._check_accepting()
-        if self.store.exists(key):
-            raise BadRequest(f"key {key!r} already exists on {self.config.node_id}")
-        expires_at = self._ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
-        while (waiter := self.store.next_waiter(key)) is not None:
-            problem = _unfit(key, layout, num_blocks, waiter.region, waiter.idx)
-            if problem is None:
-                waiter.delivering = True
-                return Arrival(key, layout, num_blocks, expires_at, waiter.blocks,
-                               waiter=waiter)
-            waiter.future.set_exception(problem)
-        _, packed = packed_offsets(layout, num_blocks)
-        pool, block = self._staging_for(max(packed, 1), gpu)
-        self.store.reserve(key)
-        blocks = BlockSet.packed(pool.view(block), layout, num_blocks)
-        return Arrival(key, layout, num_blocks, expires_at, blocks, pool_block=block,
-                       pool=pool)
-
-    def get_waits_for(self, key: str, layout: Layout, num_blocks: int) -> bool:
-        """Whether a get waits for ``key`` in blocks that fit ``num_blocks`` of ``layout``:
-        ``arrival`` puts such bytes there, whatever room the pools have."""
-        return any(_unfit(key, layout, num_blocks, w.region, w.idx) is None
-                   for w in self.store.waiters(key))
-
-    def _staging_for(self, nbytes: int, gpu: str | None) -> tuple[HostPool, PoolBlock]:
-        """GPU staging on ``gpu`` if it has room, else the host pool (spill)."""
-        gpu_pool = self.gpu_pools.get(gpu) if gpu is not None else None
-        if gpu_pool is not None:
-            try:
-                return gpu_pool, gpu_pool.alloc(nbytes)
-            except PoolExhausted:
-                self.counters.gpu_spills += 1
-        return self.pool, self.pool.alloc(nbytes)
-
-    def arrival_into(self, key: str, region: Region, blocks: BlockSet) -> Arrival:
-        """Bytes a pull asked for go straight into the puller's blocks."""
-        return Arrival(key, region.layout, len(blocks.ids), None, blocks, region=region)
-
-    def arrived(self, arrival: Arrival, nbytes: int) -> None:
-        self.counters.bytes_in += nbytes
-        if arrival.waiter is not None:
-            if not arrival.waiter.future.done():
-                arrival.waiter.future.set_result(_Delivered(nbytes))
-        elif arrival.pool_block is not None:
-            _, packed = packed_offsets(arrival.layout, arrival.num_blocks)
-            self._add_item(Item(
-                key=arrival.key, layout=arrival.layout, num_blocks=arrival.num_blocks,
-                nbytes=packed, owner=None, expires_at=arrival.expires_at, consume_once=True,
-                pool_block=arrival.pool_block, pool=arrival.pool,
-                on_free=self._free_pool_item))
-
-    def arrival_failed(self, arrival: Arrival, error: KvdError) -> None:
-        if arrival.waiter is not None:
-            if not arrival.waiter.future.done():
-                arrival.waiter.future.set_exception(error)
-        elif arrival.pool_block is not None:
-            self.store.unreserve(arrival.key)
-            (arrival.pool or self.pool).free(arrival.pool_block)
-            arrival.pool_block = None
-
     def prepare_gpu_blocks(self, blocks: BlockSet, layout: Layout) -> None:
         """What an NCCL transfer of GPU ``blocks`` needs of them, found ahead of it: the
         copy kernel's map (its upload is ~0.1-0.3 ms, on the critical path when made at
@@ -647,29 +556,6 @@ class Engine:
                                                   self.config.nccl_chunk_bytes), device)
         if any(view is None for view in direct):  # some chunk goes through staging
             blocks.block_map(device)
-
-    def source_blocks(self, item: Item) -> BlockSet:
-        """The bytes of a stored or published item, wire order (the caller holds a read)."""
-        if item.blocks is not None:
-            return item.blocks
-        assert item.pool_block is not None
-        pool = item.pool or self.pool
-        return BlockSet.packed(pool.view(item.pool_block), item.layout, item.num_blocks)
-
-    def readable(self, key: str, layout: Layout, num_blocks: int) -> Item:
-        """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
-        item = self.store.find(key)
-        if item is None:
-            raise UnknownKey(f"no key {key!r} on {self.config.node_id}")
-        if item.layout != layout:
-            raise LayoutMismatch(
-                f"key {key!r} has layout {describe_layout(item.layout)}, the puller's "
-                f"region has {describe_layout(layout)}")
-        if item.num_blocks != num_blocks:
-            raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks, "
-                             f"{num_blocks} asked for")
-        self._claim(item)
-        return item
 
     # ------------------------------------------------------------ sessions and stats
 

@@ -44,7 +44,8 @@ import torch
 
 from kvd import timeline
 from kvd.daemon.accepting import Throttled
-from kvd.daemon.engine import Arrival, Engine
+from kvd.daemon.arrivals import Arrival, Arrivals
+from kvd.daemon.engine import Engine
 from kvd.daemon.futures import on_loop, wait_out
 from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
@@ -185,6 +186,7 @@ class PeerTransfers:
     def __init__(self, engine: Engine, plane: PeerPlane, nccl: NcclLinks | None = None
                  ) -> None:
         self.engine = engine
+        self.arrivals = Arrivals(engine)  # where incoming bytes go, what peers may read
         self.plane = plane
         self.nccl = nccl  # None: this daemon moves bytes over TCP only
         # Offers that went out for NCCL and were given up before their answer: an ACCEPT
@@ -822,7 +824,7 @@ class PeerTransfers:
                 "GPU with NCCL (GPU memory does not go over TCP)"), None
         elif (offer.nbytes > self.engine.pool.capacity_bytes and pull is None
               and not offer.src_gpu
-              and not self.engine.get_waits_for(offer.key, layout, offer.num_blocks)):
+              and not self.arrivals.get_waits_for(offer.key, layout, offer.num_blocks)):
             # No room for it, ever: unless a get waits for it (its blocks are the room)
             # or a pull asked for it (the puller's are), or GPU staging may take it.
             problem = PoolExhausted(
@@ -837,13 +839,13 @@ class PeerTransfers:
                 if offer.key != pull.key or layout != pull.region.layout or (
                         offer.num_blocks != len(pull.idx)):
                     raise ProtocolError("offer does not match the pull it answers")
-                arrival = self.engine.arrival_into(pull.key, pull.region, pull.blocks)
+                arrival = self.arrivals.arrival_into(pull.key, pull.region, pull.blocks)
                 pull.offered = True
             else:
                 # Bytes already queued on a channel land next to it, if anywhere on a GPU.
                 staging = (str(eager_nccl.device) if eager_nccl is not None
                            else self._staging_gpu() if offer.src_gpu else None)
-                arrival = self.engine.arrival(offer.key, layout, offer.num_blocks,
+                arrival = self.arrivals.arrival(offer.key, layout, offer.num_blocks,
                                               offer.ttl_s, gpu=staging)
         except PoolExhausted:
             self.counters.busy_replies += 1
@@ -857,7 +859,7 @@ class PeerTransfers:
         try:
             job, accept = self._receive_job(link, offer, arrival, eager_nccl)
         except KvdError as err:
-            self.engine.arrival_failed(arrival, err)
+            self.arrivals.arrival_failed(arrival, err)
             self._refuse(link, tid, err)
             if pull is not None and not pull.future.done():
                 pull.future.set_exception(err)
@@ -933,7 +935,7 @@ class PeerTransfers:
         except (asyncio.CancelledError, Exception) as exc:
             err = _as_kvd_error(exc, f"transfer {tid}")
             outcome = "cancelled" if isinstance(err, Cancelled) else "failed"
-            self.engine.arrival_failed(incoming.arrival, err)
+            self.arrivals.arrival_failed(incoming.arrival, err)
             log.info("receive failed transfer_id=%d key=%s from=%s: [%s] %s", tid,
                      incoming.key, link.address, err.code, err.message)
             self.plane.send(link, XferFailed(transfer_id=tid, code=err.code,
@@ -945,7 +947,7 @@ class PeerTransfers:
         else:
             outcome = "done"
             self.counters.bytes_received += nbytes
-            self.engine.arrived(incoming.arrival, nbytes)
+            self.arrivals.arrived(incoming.arrival, nbytes)
             if pull is not None and not pull.future.done():
                 pull.future.set_result(nbytes)
             try:
@@ -1007,7 +1009,7 @@ class PeerTransfers:
             self._refuse_pull_over_limit(link, req)
             return
         try:
-            item = self.engine.readable(req.key, tuple(req.layout), req.num_blocks)
+            item = self.arrivals.readable(req.key, tuple(req.layout), req.num_blocks)
         except UnknownKey as err:
             if wait_until is None:  # a new request: its wait starts now
                 wait_until = self._loop.time() + min(req.wait_for_key_s,
@@ -1018,7 +1020,7 @@ class PeerTransfers:
         except KvdError as err:
             self._refuse(link, tid, err)
             return
-        source = _Source(self.engine.source_blocks(item))
+        source = _Source(self.arrivals.source_blocks(item))
         try:  # GPU bytes for a puller without NCCL: tell it now, not at its timeout
             self._check_gpu_route(link, source)
         except KvdError as err:

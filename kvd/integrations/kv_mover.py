@@ -36,24 +36,43 @@ restarting.
 
 Log lines go to the logger the caller gives (the vLLM connector's, so that they reach
 vLLM's log), else to this module's.
+
+This module holds ``KvMover`` itself: its sends, loads, staging region and reconnection.
+Beside it: ``kv_orders`` (the orders, ``Polled`` and ``MoverStats``), ``kv_parts`` (how a
+request is cut into keyed parts), ``kv_requests`` (what each request's parts add up to),
+``kv_staging`` (block arithmetic and copies of staging) and ``kv_discards`` (discarded keys
+and their sink). Every public name of these is importable from here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvd.client.base import Region
-from kvd.client.shm import shared_empty
 from kvd.client.sync import KvdClient, Transfer
 from kvd.errors import BadRequest, DaemonUnavailable, KvdError, UnknownKey
+from kvd.integrations.kv_discards import Discarding, Discards
+from kvd.integrations.kv_orders import (
+    DiscardOrder,
+    LoadOrder,
+    MoverStats,
+    Polled,
+    SendOrder,
+)
+from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
+from kvd.integrations.kv_requests import RequestParts
+from kvd.integrations.kv_staging import Slots, block_dim_of, blocks_like, copy_blocks, wide_pair
+
+__all__ = [  # the mover's surface; callers import all of it from here
+    "DiscardOrder", "KvMover", "LoadOrder", "MoverStats", "Polled", "SendOrder",
+    "block_dim_of", "blocks_for", "part_key", "part_ranges",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,153 +83,6 @@ PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tr
 PULL_KEY_MARGIN_S = 0.25
 RECONNECT_S = 1.0  # after the daemon went away: how often to try a restarted one
 HELLO_TIMEOUT_S = 0.2  # a reconnect attempt blocks the engine's step at most this long
-
-
-@dataclass
-class SendOrder:
-    """Send blocks ``block_ids`` of request ``req_id`` under ``key``: lent for one pull
-    (``push_to`` None) or put to the daemon at ``push_to``; given up after ``lease_s``.
-
-    A request may be sent in parts (one order each, one key each): it is released once its
-    ``final`` order has come and every part is done with the engine's blocks. ``stage``:
-    copy the blocks to staging first even when they could be read in place (a part sent
-    while the request still runs: the engine may reuse its blocks before the send ends)."""
-
-    req_id: str
-    key: str
-    block_ids: list[int]
-    lease_s: float
-    push_to: str | None = None
-    final: bool = True
-    stage: bool = False
-
-
-@dataclass
-class LoadOrder:
-    """Bring ``key`` (``remote_blocks`` blocks) into this engine: its blocks from
-    ``first`` on go into ``block_ids`` (the ones before are cached here already). From
-    daemon ``source`` (pull), or, with ``source`` None, pushed to this daemon."""
-
-    req_id: str
-    key: str
-    source: str | None
-    remote_blocks: int
-    first: int
-    block_ids: list[int]
-    timeout_s: float
-    parts: int = 1  # how many orders (keys) the request is loaded from; all come together
-
-
-@dataclass
-class DiscardOrder:
-    """Take ``key`` (``num_blocks`` blocks, pushed to this daemon) and drop its bytes: a
-    part of a prompt that this engine has cached itself. Taken at once if it is there,
-    else the moment it arrives, until ``timeout_s`` has passed."""
-
-    key: str
-    num_blocks: int
-    timeout_s: float
-
-
-@dataclass
-class Polled:
-    released: set[str] = field(default_factory=set)  # sends: the engine may free the blocks
-    loaded: set[str] = field(default_factory=set)  # loads that completed
-    failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
-    causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
-
-
-@dataclass
-class MoverStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    sends: int = 0
-    sends_unread: int = 0  # lent, and nobody pulled them before the lease ended
-    send_failures: int = 0
-    loads: int = 0
-    load_failures: int = 0
-    load_seconds: float = 0.0  # summed over completed loads
-    pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
-    parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
-
-    def as_dict(self) -> dict[str, int | float]:
-        return dict(self.__dict__)
-
-
-def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
-    """Which dimension indexes blocks: the first one of size ``num_blocks``."""
-    for dim, size in enumerate(tensor.shape[:2]):
-        if size == num_blocks:
-            return dim
-    raise BadRequest(f"KV tensor of shape {tuple(tensor.shape)} has no dimension of "
-                     f"{num_blocks} blocks among its first two")
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (blocks first) as [blocks, words] of the widest integer its block bytes allow,
-    when each block is one contiguous run: a block copy then moves 8 bytes per element
-    instead of 2 (about twice as fast for bf16 on CPU). Otherwise ``t`` itself."""
-    try:
-        flat = t.view(t.shape[0], -1)
-    except RuntimeError:
-        return t  # a block is not one run (e.g. K and V apart): copy it as it is
-    nbytes = flat.shape[1] * flat.element_size()
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        if nbytes % dtype.itemsize == 0 and flat.stride(-1) == 1:
-            try:
-                return flat.view(dtype)
-            except RuntimeError:
-                continue
-    return t
-
-
-def _wide_pair(layer: torch.Tensor, stage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer and its staging, both widened alike, or both as they are."""
-    wide_layer, wide_stage = _wide(layer), _wide(stage)
-    if wide_layer.dtype == wide_stage.dtype and wide_layer.dim() == wide_stage.dim() == 2:
-        return wide_layer, wide_stage
-    return layer, stage
-
-
-class _Slots:
-    """Which staging slots are free (first fit, lowest first)."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._free = list(range(count))
-
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        taken, self._free = self._free[:n], self._free[n:]
-        return taken
-
-    def give(self, slots: Sequence[int]) -> None:
-        self._free = sorted([*self._free, *slots])
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-
-@dataclass(eq=False)
-class _SendGroup:
-    """The parts of one request being sent."""
-
-    open: set[str] = field(default_factory=set)  # keys still holding the engine's blocks
-    final: bool = False
-
-
-@dataclass(eq=False)
-class _LoadGroup:
-    """The parts of one request being loaded."""
-
-    expected: int
-    started: float  # time.monotonic() of its first part
-    ended: int = 0
-    failed_blocks: list[int] = field(default_factory=list)
-    failed: bool = False
-    cause: str = ""  # the first part's failure
 
 
 @dataclass(eq=False)
@@ -230,21 +102,6 @@ class _Load:
     retry_at: float = 0.0
 
 
-@dataclass(eq=False)
-class _Sink:
-    """A region that discarded keys are written into, shared by all discards."""
-
-    region: Region
-    num_blocks: int
-    users: int = 0  # discards whose get writes into it
-
-
-@dataclass(eq=False)
-class _Discard:
-    order: DiscardOrder
-    deadline: float
-    sink: _Sink | None = None
-    transfer: Transfer | None = None
 
 
 class KvMover:
@@ -275,25 +132,23 @@ class KvMover:
         self._staging: list[torch.Tensor] | None = None
         self._staging_region: Any = None
         self._wide_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (layer, staging)
-        self._slots = _Slots(0)
-        self._sink: _Sink | None = None  # the one new discards write into
-        self._register()
+        self._slots = Slots(0)
+        self.stats = MoverStats()
         self.connected = True  # False from when the daemon goes away until one is back
+        self._discards = Discards(self._blocks_like_layers, self.stats, self._note,
+                                  lambda: self.connected, self.log)
+        self._register()
         self._reconnect_at = 0.0
         self._sends: dict[str, _Send] = {}  # by key
         self._loads: dict[str, _Load] = {}  # by key
-        self._discards: dict[str, _Discard] = {}  # by key
-        self._send_groups: dict[str, _SendGroup] = {}  # by request
-        self._load_groups: dict[str, _LoadGroup] = {}  # by request
-        self._done = Polled()
-        self.stats = MoverStats()
+        self._requests = RequestParts(self.stats)  # what the engine hears, by request
 
     def _register(self) -> None:
         """Register with the daemon: GPU tensors in place, CPU ones through staging.
         Staging is made anew each time (memory an old daemon may still hold is not
         reused), and so is the sink."""
-        self._staging, self._staging_region, self._slots = None, None, _Slots(0)
-        self._sink = None
+        self._staging, self._staging_region, self._slots = None, None, Slots(0)
+        self._discards.forget_sink()
         if self.direct:
             self.region = self.client.register(self._name, self._tensors,
                                                block_dim=self.block_dims[0])
@@ -318,9 +173,9 @@ class KvMover:
             self._end_send(send)
         for load in list(self._loads.values()):
             self._end_load(load)
-            self._load_ended(load, ok=False, cause="the kvd daemon went away")
-        for discard in list(self._discards.values()):
-            self._end_discard(discard)
+            self._requests.load_ended(load.order, ok=False, cause="the kvd daemon went away")
+        for discard in self._discards.in_flight():
+            self._discards.end(self.client, discard)
         now = time.monotonic()
         if now < self._reconnect_at:
             return
@@ -344,12 +199,7 @@ class KvMover:
     # ------------------------------------------------------------ staging
 
     def _blocks_like_layers(self, n: int) -> list[torch.Tensor]:
-        """``n`` blocks shaped like one block of each layer, in memory the daemon can map
-        (shared memory for CPU tensors, the same GPU for GPU tensors)."""
-        if self.direct:
-            return [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                    for t in self.layers]
-        return [shared_empty((n, *t.shape[1:]), t.dtype) for t in self.layers]
+        return blocks_like(self.layers, n, on_gpu=self.direct)
 
     def _make_staging(self) -> None:
         n = self._staging_blocks
@@ -358,9 +208,9 @@ class KvMover:
         tensors = self._blocks_like_layers(n)
         self._staging = tensors
         self._staging_region = self.client.register("kv-staging", tensors)
-        self._wide_pairs = [_wide_pair(t, st) for t, st in zip(self.layers, tensors,
-                                                               strict=True)]
-        self._slots = _Slots(n)
+        self._wide_pairs = [wide_pair(t, st) for t, st in zip(self.layers, tensors,
+                                                              strict=True)]
+        self._slots = Slots(n)
 
     def _take_slots(self, n: int) -> list[int] | None:
         if self._staging is None:
@@ -372,30 +222,19 @@ class KvMover:
 
     def _stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool) -> None:
         """Engine blocks into staging slots (``inward``), or staging slots into blocks."""
-        device = self.layers[0].device
-        blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-        staged = torch.tensor(list(slots), dtype=torch.long, device=device)
-        for layer, stage in self._wide_pairs:
-            if inward:
-                stage.index_copy_(0, staged, layer.index_select(0, blocks))
-            else:
-                layer.index_copy_(0, blocks, stage.index_select(0, staged))
+        copy_blocks(self._wide_pairs, block_ids, slots, inward)
 
     # ------------------------------------------------------------ orders
 
     def send(self, order: SendOrder) -> None:
         """Start sending (never raises: a bad order is logged, counted and released)."""
-        group = self._send_groups.setdefault(order.req_id, _SendGroup())
-        group.final = group.final or order.final
-        if order.key in self._sends:
+        refused = order.key in self._sends
+        self._requests.send_ordered(order, holds=not refused)
+        if refused:
             self.stats.send_failures += 1
             self.log.error("kvd send %s: key %r is already being sent: not sending",
                            order.req_id, order.key)
-            if group.final and not group.open:
-                del self._send_groups[order.req_id]
-                self._done.released.add(order.req_id)
             return
-        group.open.add(order.key)
         send = self._sends[order.key] = _Send(order, time.monotonic() + order.lease_s)
         if not self._valid(order.block_ids):
             self.stats.send_failures += 1
@@ -411,7 +250,7 @@ class KvMover:
     def load(self, order: LoadOrder) -> None:
         """Start loading (never raises: a bad order is logged and reported failed)."""
         now = time.monotonic()
-        self._load_groups.setdefault(order.req_id, _LoadGroup(max(order.parts, 1), now))
+        self._requests.load_ordered(order, now)
         load = _Load(order, now + order.timeout_s)
         if (order.key in self._loads
                 or len(order.block_ids) != order.remote_blocks - order.first
@@ -419,7 +258,8 @@ class KvMover:
             self.log.error("kvd load %s of %r: blocks %s for %d remote blocks from %d, or the "
                            "key is loading already: not loading", order.req_id, order.key,
                            order.block_ids, order.remote_blocks, order.first)
-            self._load_ended(load, ok=False, cause=f"bad load order for key {order.key!r}")
+            self._requests.load_ended(order, ok=False,
+                                      cause=f"bad load order for key {order.key!r}")
             return
         self._loads[order.key] = load
         self._advance_load(load)
@@ -431,10 +271,8 @@ class KvMover:
             self._advance_send(send)
         for load in list(self._loads.values()):
             self._advance_load(load)
-        for discard in list(self._discards.values()):
-            self._advance_discard(discard)
-        done, self._done = self._done, Polled()
-        return done
+        self._discards.advance_all(self.client)
+        return self._requests.take_done()
 
     # ------------------------------------------------------------ sends
 
@@ -471,7 +309,7 @@ class KvMover:
                 return  # staging is full: try again at the next poll
             send.slots = slots
             self._stage(order.block_ids, slots, inward=True)
-            self._release(send)  # the bytes are in staging: the engine's blocks are free
+            self._requests.release(order)  # the bytes are in staging: the blocks are free
             region, blocks = self._staging_region, slots
         if order.push_to is None:
             send.transfer = self.client.lend(order.key, region, blocks, ttl_s=left)
@@ -479,34 +317,21 @@ class KvMover:
             send.transfer = self.client.put(order.key, region, blocks, to=order.push_to,
                                             ttl_s=order.lease_s, timeout_s=left)
 
-    def _release(self, send: _Send) -> None:
-        """This part no longer needs the engine's blocks; the request is released when
-        its final part has come and no part needs them (again: nothing)."""
-        req = send.order.req_id
-        group = self._send_groups.get(req)
-        if group is None or send.order.key not in group.open:
-            return
-        group.open.discard(send.order.key)
-        if group.final and not group.open:
-            del self._send_groups[req]
-            self._done.released.add(req)
-
     def _end_send(self, send: _Send) -> None:
         self._sends.pop(send.order.key, None)
         if send.slots is not None:
             self._slots.give(send.slots)
             send.slots = None
-        self._release(send)
+        self._requests.release(send.order)
 
     # ------------------------------------------------------------ loads
 
     def _advance_load(self, load: _Load) -> None:
         order = load.order
         now = time.monotonic()
-        group = self._load_groups.get(order.req_id)
         try:
             if load.transfer is None:
-                if group is not None and group.failed:
+                if self._requests.load_failed(order.req_id):
                     raise KvdError("another part of this request failed")
                 if now >= load.retry_at:  # a retry is always due before the deadline
                     self._start_load(load, now)
@@ -527,38 +352,13 @@ class KvMover:
                 self._stage(order.block_ids, load.slots[order.first:], inward=False)
             self.stats.bytes_received += nbytes
             self._end_load(load)
-            self._load_ended(load, ok=True)
+            self._requests.load_ended(order, ok=True)
         except KvdError as err:
             self._note(err)
             # The request's failure, with its first cause, is the caller's to log (poll).
             self.log.warning("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
-            self._load_ended(load, ok=False, cause=f"key {order.key!r}: {err}")
-
-    def _load_ended(self, load: _Load, ok: bool, cause: str = "") -> None:
-        """Count a part; once every part of the request has ended (none can write into
-        its blocks any more), report the request loaded, or failed with the blocks of
-        the parts that failed and the first part's cause."""
-        order = load.order
-        group = self._load_groups.get(order.req_id)
-        if group is None:
-            return
-        group.ended += 1
-        if not ok:
-            group.failed = True
-            group.failed_blocks.extend(order.block_ids)
-            group.cause = group.cause or cause
-        if group.ended < group.expected:
-            return
-        del self._load_groups[order.req_id]
-        if group.failed:
-            self.stats.load_failures += 1
-            self._done.failed[order.req_id] = group.failed_blocks
-            self._done.causes[order.req_id] = group.cause
-        else:
-            self.stats.loads += 1
-            self.stats.load_seconds += time.monotonic() - group.started
-            self._done.loaded.add(order.req_id)
+            self._requests.load_ended(order, ok=False, cause=f"key {order.key!r}: {err}")
 
     def _start_load(self, load: _Load, now: float) -> None:
         order = load.order
@@ -599,66 +399,15 @@ class KvMover:
                            "discarded, or more blocks than the engine has: not taking it",
                            order.key, order.num_blocks)
             return
-        discard = self._discards[order.key] = _Discard(order,
-                                                       time.monotonic() + order.timeout_s)
-        self._advance_discard(discard)
-
-    def _advance_discard(self, discard: _Discard) -> None:
-        order = discard.order
-        try:
-            if discard.transfer is None:
-                left = discard.deadline - time.monotonic()
-                if left <= 0:
-                    raise KvdError(f"not started within {order.timeout_s:g}s")
-                sink = discard.sink = self._sink_for(order.num_blocks)
-                sink.users += 1
-                discard.transfer = self.client.start_get(
-                    order.key, sink.region, range(order.num_blocks), timeout_s=left)
-                return
-            if not discard.transfer.done():
-                return
-            discard.transfer.wait(0)
-            self.stats.parts_dropped += 1
-        except KvdError as err:
-            self._note(err)
-            # Not taken (prefill never sent it, or not in time): if it comes after all, it
-            # stays in the daemon's pool until its lease ends, like any unclaimed put.
-            self.log.info("kvd: part %s, cached here, was not taken: %s", order.key, err)
-        self._end_discard(discard)
-
-    def _sink_for(self, num_blocks: int) -> _Sink:
-        """The sink, made (again, larger) when it has fewer blocks than asked; a smaller
-        one goes once no discard writes into it."""
-        sink = self._sink
-        if sink is None or sink.num_blocks < num_blocks:
-            if sink is not None and sink.users == 0:
-                self._unregister_sink(sink)
-            self._sink = None
-            # Named by size: a smaller one may still be registered, taking a discard.
-            region = self.client.register(f"kv-discard-{num_blocks}",
-                                          self._blocks_like_layers(num_blocks))
-            sink = self._sink = _Sink(region, num_blocks)
-        return sink
-
-    def _unregister_sink(self, sink: _Sink) -> None:
-        with contextlib.suppress(KvdError):  # a daemon that went away dropped it already
-            self.client.unregister(sink.region)
-
-    def _end_discard(self, discard: _Discard) -> None:
-        self._discards.pop(discard.order.key, None)
-        sink, discard.sink = discard.sink, None
-        if sink is not None:
-            sink.users -= 1
-            if sink is not self._sink and sink.users == 0 and self.connected:
-                self._unregister_sink(sink)
+        self._discards.start(self.client, order)
 
     # ------------------------------------------------------------ shutdown
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Withdraw what is in flight (bounded), then close the client: the daemon drops
         this client's registrations."""
-        items: list[_Send | _Load | _Discard] = [
-            *self._sends.values(), *self._loads.values(), *self._discards.values()]
+        items: list[_Send | _Load | Discarding] = [
+            *self._sends.values(), *self._loads.values(), *self._discards.in_flight()]
         for item in items:
             if item.transfer is not None and not item.transfer.done():
                 try:
@@ -669,22 +418,7 @@ class KvMover:
         self._sends.clear()
         self._loads.clear()
         self._discards.clear()
-        self._send_groups.clear()
-        self._load_groups.clear()
+        self._requests.clear()
         self.client.close()
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return math.ceil(tokens / block_size) if tokens > 0 else 0
-
-
-def part_ranges(num_blocks: int, part_blocks: int) -> list[tuple[int, int]]:
-    """How a request of ``num_blocks`` is cut into parts of ``part_blocks`` (0: one part);
-    both ends compute it the same way."""
-    if part_blocks <= 0 or num_blocks <= part_blocks:
-        return [(0, num_blocks)]
-    return [(lo, min(lo + part_blocks, num_blocks)) for lo in range(0, num_blocks, part_blocks)]
-
-
-def part_key(key: str, index: int, count: int) -> str:
-    return key if count == 1 else f"{key}#p{index}"

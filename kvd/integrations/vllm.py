@@ -37,7 +37,9 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
 Inside vLLM it logs under vLLM's own ``vllm`` logger, so that its lines come out in
 vLLM's log. The data path is ``kvd.integrations.kv_mover``, which knows nothing about
-vLLM.
+vLLM. Beside this module: ``vllm_settings`` (the extra config), ``vllm_params`` (the
+request-level params above, checked) and ``vllm_stats`` (counters for vLLM's stats and
+Prometheus registry).
 """
 
 from __future__ import annotations
@@ -49,16 +51,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
-from kvd.integrations.kv_mover import (
-    DiscardOrder,
-    KvMover,
-    LoadOrder,
-    MoverStats,
-    SendOrder,
-    blocks_for,
-    part_key,
-    part_ranges,
-)
+from kvd.integrations.kv_mover import KvMover
+from kvd.integrations.kv_orders import DiscardOrder, LoadOrder, SendOrder
+from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
+from kvd.integrations.vllm_params import RemotePrefill, key_param
+from kvd.integrations.vllm_settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +65,9 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
-        KVConnectorStats,
-    )
     from vllm.v1.request import RequestStatus
+
+    from kvd.integrations.vllm_stats import KvdConnectorStats, KvdPromMetrics, stats_delta
 
     _VLLM_ERROR: ImportError | None = None
     # vLLM configures one logger, "vllm" (its handler, format and level; propagation stops
@@ -85,100 +80,11 @@ except ImportError as exc:  # kvd never depends on vLLM: only using the classes 
 if TYPE_CHECKING:
     import torch
 
-FLOWS = ("pull", "push")
 _POLICY_OUTCOME = {  # what vLLM does with a failed load, per kv_load_failure_policy
     "fail": "kv_load_failure_policy=fail: vLLM ends the request with an error",
     "recompute": "kv_load_failure_policy=recompute: what did not load is computed here",
 }
 _NAMES = ("KvdConnector", "KvdConnectorMetadata", "KvdConnectorStats", "KvdPromMetrics")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """``kv_connector_extra_config``, checked once at start."""
-
-    kvd_socket: str | None = None
-    kvd_address: str | None = None
-    flow: str = "pull"
-    lease_s: float = 30.0
-    load_timeout_s: float = 30.0
-    staging_blocks: int = 256
-    push_part_blocks: int = 64  # push flow: send a long prompt in parts as they are written
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> Settings:
-        extra = dict(extra or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise BadRequest(f"unknown kv_connector_extra_config keys {unknown}; "
-                             f"KvdConnector knows {sorted(known)}")
-        settings = cls(**extra)
-        for name in ("kvd_socket", "kvd_address"):
-            value = getattr(settings, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise BadRequest(f"{name} must be a non-empty string, got {value!r}")
-        if settings.flow not in FLOWS:
-            raise BadRequest(f"flow must be one of {FLOWS}, got {settings.flow!r}")
-        for name in ("lease_s", "load_timeout_s"):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise BadRequest(f"{name} must be a positive number, got {value!r}")
-        for name, least in (("staging_blocks", 1), ("push_part_blocks", 0)):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise BadRequest(f"{name} must be an integer >= {least}, got {value!r}")
-        return settings
-
-
-MAX_KEY_CHARS = 512  # kvd takes up to 1024; the connector keeps room for its own keys
-_COUNTS = ("kvd_num_tokens", "kvd_num_blocks", "kvd_block_size")
-
-
-def _key_param(params: dict[str, Any]) -> str | None:
-    """A key chosen by the proxy (push flow, sent to both instances up front)."""
-    key = params.get("kvd_key")
-    if key is None:
-        return None
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
-        raise BadRequest(f"kvd_key must be a string of 1..{MAX_KEY_CHARS} characters")
-    return key
-
-
-@dataclass(frozen=True)
-class RemotePrefill:
-    """What decode reads from a request's ``kv_transfer_params``. The counts come from
-    prefill's answer; a proxy that sends to decode before prefill has answered (push flow)
-    leaves them out, and they follow from the prompt."""
-
-    key: str
-    source: str | None  # the prefill daemon (pull flow); None: pushed to us
-    num_tokens: int | None
-    num_blocks: int | None
-    block_size: int | None
-    push_parts: int | None = None  # prefill's push_part_blocks, when it told us
-
-    @classmethod
-    def of(cls, params: Any) -> RemotePrefill | None:
-        """None when the request has no KV to load; ``BadRequest`` when it claims to but
-        the params are broken."""
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            return None
-        key, flow = _key_param(params), params.get("kvd_flow", "pull")
-        if key is None or flow not in FLOWS:
-            raise BadRequest(f"kv_transfer_params need kvd_key and a kvd_flow in {FLOWS}")
-        nums = [params.get(k) for k in _COUNTS]
-        if flow == "pull" and None in nums:
-            raise BadRequest(f"pull flow without {[k for k in _COUNTS if k not in params]}")
-        if not all(n is None or (isinstance(n, int) and n > 0) for n in nums):
-            raise BadRequest(f"bad token/block counts {nums}")
-        source = params.get("kvd_source")
-        if flow == "pull" and not (isinstance(source, str) and source):
-            raise BadRequest("pull flow without kvd_source")
-        parts = params.get("kvd_push_parts")
-        if parts is not None and not (isinstance(parts, int) and parts >= 0):
-            raise BadRequest(f"bad kvd_push_parts {parts!r}")
-        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2], parts)
 
 
 def _remote_prefill(request: Any) -> RemotePrefill | None:
@@ -206,11 +112,6 @@ def _client(settings: Settings, name: str) -> KvdClient:
     return client
 
 
-def _stats_delta(now: MoverStats, before: dict[str, Any]) -> dict[str, Any]:
-    current = now.as_dict()
-    return {k: v - before.get(k, 0) for k, v in current.items()}
-
-
 if _VLLM_ERROR is None:
 
     @dataclass
@@ -220,64 +121,6 @@ if _VLLM_ERROR is None:
         sends: list[SendOrder] = field(default_factory=list)
         loads: list[LoadOrder] = field(default_factory=list)
         discards: list[DiscardOrder] = field(default_factory=list)
-
-    @dataclass
-    class KvdConnectorStats(KVConnectorStats):
-        """Counts since the last report; summed over workers and intervals."""
-
-        def reset(self) -> None:
-            empty: dict[str, Any] = {}
-            self.data = empty
-
-        def aggregate(self, other: KVConnectorStats) -> KvdConnectorStats:
-            merged = dict(self.data)
-            for k, v in other.data.items():
-                merged[k] = merged.get(k, 0) + v
-            return KvdConnectorStats(data=merged)
-
-        def reduce(self) -> dict[str, int | float]:
-            d = self.data
-            out: dict[str, int | float] = {k: d[k] for k in sorted(d)}
-            loads = d.get("loads", 0)
-            if loads:
-                out["avg_load_ms"] = round(1000 * d.get("load_seconds", 0.0) / loads, 3)
-            return out
-
-        def is_empty(self) -> bool:
-            return not any(self.data.values())
-
-    class KvdPromMetrics(KVConnectorPromMetrics):
-        """kvd's counters in vLLM's own Prometheus registry, one child per engine."""
-
-        _COUNTERS = {
-            "bytes_sent": "Bytes of KV cache sent through kvd",
-            "bytes_received": "Bytes of KV cache received through kvd",
-            "sends": "KV sends through kvd that completed",
-            "sends_unread": "KV lent through kvd that no decode pulled within its lease",
-            "send_failures": "KV sends through kvd that failed",
-            "loads": "KV loads through kvd that completed",
-            "load_failures": "KV loads through kvd that failed (reported as invalid blocks)",
-            "load_seconds": "Seconds spent in completed KV loads through kvd",
-            "pull_retries": "KV pulls through kvd that found no key yet and went again",
-            "parts_dropped": "Pushed KV parts this engine had cached: taken from kvd, dropped",
-        }
-
-        def __init__(self, vllm_config: Any, metric_types: dict[type, type],
-                     labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
-                     ) -> None:
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self._counters = {}
-            for name, doc in self._COUNTERS.items():
-                metric = self._counter_cls(name=f"vllm:kvd_{name}", documentation=doc,
-                                           labelnames=labelnames)
-                self._counters[name] = {idx: metric.labels(*values) for idx, values
-                                        in per_engine_labelvalues.items()}
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            for name, children in self._counters.items():
-                value = transfer_stats_data.get(name, 0)
-                if value and engine_idx in children:
-                    children[engine_idx].inc(value)
 
     class KvdConnector(KVConnectorBase_V1):
         """Disaggregated prefill/decode through kvd: see the module docstring."""
@@ -396,7 +239,7 @@ if _VLLM_ERROR is None:
                 return
             push_to = params.get("kvd_push_to")
             try:
-                key = _key_param(params)
+                key = key_param(params)
             except BadRequest:
                 return  # request_finished reports it
             if isinstance(push_to, str) and push_to:
@@ -458,7 +301,7 @@ if _VLLM_ERROR is None:
             if self.settings.flow == "push":
                 push_to = params.get("kvd_push_to")
                 try:
-                    key = _key_param(params)  # decode may be waiting for it already
+                    key = key_param(params)  # decode may be waiting for it already
                 except BadRequest as err:
                     log.error("request %s: %s; decode will recompute", request.request_id,
                               err.message)
@@ -572,7 +415,7 @@ if _VLLM_ERROR is None:
         def get_kv_connector_stats(self) -> KvdConnectorStats | None:
             if self._mover is None:
                 return None
-            delta = _stats_delta(self._mover.stats, self._reported)
+            delta = stats_delta(self._mover.stats, self._reported)
             self._reported = self._mover.stats.as_dict()
             stats = KvdConnectorStats(data=delta)
             return None if stats.is_empty() else stats

@@ -1,0 +1,143 @@
+"""The keys' side of transfers with other daemons (``transfers.PeerTransfers``).
+
+Where the bytes of an incoming transfer go (``arrival``): the blocks of the oldest get
+that waits for their key and fits them, else new pool memory, GPU staging first for NCCL
+arrivals; what happens when they are in (``arrived``: a waiting get is answered, pool bytes
+become the key) or not (``arrival_failed``); and what a peer may read (``readable``,
+``source_blocks``). The engine keeps the keys; this is the interface the transfers use
+to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvd.daemon.engine import Delivered, Engine, unfit
+from kvd.daemon.store import Item, Waiter
+from kvd.errors import BadRequest, KvdError, LayoutMismatch, PoolExhausted, UnknownKey
+from kvd.memory.pool import HostPool, PoolBlock
+from kvd.memory.regions import Layout, Region, describe_layout, packed_offsets
+from kvd.transport.chunks import BlockSet
+
+
+@dataclass(eq=False)
+class Arrival:
+    """Where the bytes of one incoming transfer go, and what to do when they are in."""
+
+    key: str
+    layout: Layout
+    num_blocks: int
+    expires_at: float | None
+    blocks: BlockSet  # the destination memory, wire order
+    waiter: Waiter | None = None  # a get waiting for the key: its blocks
+    pool_block: PoolBlock | None = None  # else pool memory (host or GPU), stored as the key
+    pool: HostPool | None = None
+    region: Region | None = None  # a pull: the puller's blocks
+
+    @property
+    def device(self) -> torch.device:
+        """Where the bytes land (the first tensor's device)."""
+        return self.blocks.tensors[0].device
+
+    def wire_views(self) -> list[memoryview]:
+        """The destination as memoryviews, for a socket (host memory only)."""
+        return self.blocks.views()
+
+
+
+class Arrivals:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def arrival(self, key: str, layout: Layout, num_blocks: int, ttl_s: float | None,
+                gpu: str | None = None) -> Arrival:
+        """Where bytes for ``key`` from a peer go: the blocks of the oldest fitting get
+        that waits for it, else new pool memory — GPU staging on ``gpu`` first when the
+        bytes come over NCCL, then the host pool (``PoolExhausted`` if none: the sender
+        is told BUSY). Gets that wait but cannot take it fail with the reason."""
+        self.engine.check_accepting()
+        if self.engine.store.exists(key):
+            raise BadRequest(f"key {key!r} already exists on {self.engine.config.node_id}")
+        config = self.engine.config
+        expires_at = self.engine.ttl_deadline(ttl_s if ttl_s is not None else config.put_ttl_s)
+        while (waiter := self.engine.store.next_waiter(key)) is not None:
+            problem = unfit(key, layout, num_blocks, waiter.region, waiter.idx)
+            if problem is None:
+                waiter.delivering = True
+                return Arrival(key, layout, num_blocks, expires_at, waiter.blocks,
+                               waiter=waiter)
+            waiter.future.set_exception(problem)
+        _, packed = packed_offsets(layout, num_blocks)
+        pool, block = self._staging_for(max(packed, 1), gpu)
+        self.engine.store.reserve(key)
+        blocks = BlockSet.packed(pool.view(block), layout, num_blocks)
+        return Arrival(key, layout, num_blocks, expires_at, blocks, pool_block=block,
+                       pool=pool)
+
+    def get_waits_for(self, key: str, layout: Layout, num_blocks: int) -> bool:
+        """Whether a get waits for ``key`` in blocks that fit ``num_blocks`` of ``layout``:
+        ``arrival`` puts such bytes there, whatever room the pools have."""
+        return any(unfit(key, layout, num_blocks, w.region, w.idx) is None
+                   for w in self.engine.store.waiters(key))
+
+    def _staging_for(self, nbytes: int, gpu: str | None) -> tuple[HostPool, PoolBlock]:
+        """GPU staging on ``gpu`` if it has room, else the host pool (spill)."""
+        gpu_pool = self.engine.gpu_pools.get(gpu) if gpu is not None else None
+        if gpu_pool is not None:
+            try:
+                return gpu_pool, gpu_pool.alloc(nbytes)
+            except PoolExhausted:
+                self.engine.counters.gpu_spills += 1
+        return self.engine.pool, self.engine.pool.alloc(nbytes)
+
+    def arrival_into(self, key: str, region: Region, blocks: BlockSet) -> Arrival:
+        """Bytes a pull asked for go straight into the puller's blocks."""
+        return Arrival(key, region.layout, len(blocks.ids), None, blocks, region=region)
+
+    def arrived(self, arrival: Arrival, nbytes: int) -> None:
+        self.engine.counters.bytes_in += nbytes
+        if arrival.waiter is not None:
+            if not arrival.waiter.future.done():
+                arrival.waiter.future.set_result(Delivered(nbytes))
+        elif arrival.pool_block is not None:
+            _, packed = packed_offsets(arrival.layout, arrival.num_blocks)
+            self.engine.add_item(Item(
+                key=arrival.key, layout=arrival.layout, num_blocks=arrival.num_blocks,
+                nbytes=packed, owner=None, expires_at=arrival.expires_at, consume_once=True,
+                pool_block=arrival.pool_block, pool=arrival.pool,
+                on_free=self.engine.free_pool_item))
+
+    def arrival_failed(self, arrival: Arrival, error: KvdError) -> None:
+        if arrival.waiter is not None:
+            if not arrival.waiter.future.done():
+                arrival.waiter.future.set_exception(error)
+        elif arrival.pool_block is not None:
+            self.engine.store.unreserve(arrival.key)
+            (arrival.pool or self.engine.pool).free(arrival.pool_block)
+            arrival.pool_block = None
+
+    def source_blocks(self, item: Item) -> BlockSet:
+        """The bytes of a stored or published item, wire order (the caller holds a read)."""
+        if item.blocks is not None:
+            return item.blocks
+        assert item.pool_block is not None
+        pool = item.pool or self.engine.pool
+        return BlockSet.packed(pool.view(item.pool_block), item.layout, item.num_blocks)
+
+    def readable(self, key: str, layout: Layout, num_blocks: int) -> Item:
+        """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
+        item = self.engine.store.find(key)
+        if item is None:
+            raise UnknownKey(f"no key {key!r} on {self.engine.config.node_id}")
+        if item.layout != layout:
+            raise LayoutMismatch(
+                f"key {key!r} has layout {describe_layout(item.layout)}, the puller's "
+                f"region has {describe_layout(layout)}")
+        if item.num_blocks != num_blocks:
+            raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks, "
+                             f"{num_blocks} asked for")
+        self.engine.claim(item)
+        return item
+

@@ -1,0 +1,82 @@
+"""What an engine asks its ``KvMover`` to do, and what the mover reports back.
+
+Orders (send, load, discard) go in from the engine's step loop; ``Polled`` comes out of
+each ``poll``; ``MoverStats`` counts what moved. They are plain data, apart from the mover
+that acts on them, so that a connector's scheduler side (which builds orders but moves no
+bytes) imports them without the data path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SendOrder:
+    """Send blocks ``block_ids`` of request ``req_id`` under ``key``: lent for one pull
+    (``push_to`` None) or put to the daemon at ``push_to``; given up after ``lease_s``.
+
+    A request may be sent in parts (one order each, one key each): it is released once its
+    ``final`` order has come and every part is done with the engine's blocks. ``stage``:
+    copy the blocks to staging first even when they could be read in place (a part sent
+    while the request still runs: the engine may reuse its blocks before the send ends)."""
+
+    req_id: str
+    key: str
+    block_ids: list[int]
+    lease_s: float
+    push_to: str | None = None
+    final: bool = True
+    stage: bool = False
+
+
+@dataclass
+class LoadOrder:
+    """Bring ``key`` (``remote_blocks`` blocks) into this engine: its blocks from
+    ``first`` on go into ``block_ids`` (the ones before are cached here already). From
+    daemon ``source`` (pull), or, with ``source`` None, pushed to this daemon."""
+
+    req_id: str
+    key: str
+    source: str | None
+    remote_blocks: int
+    first: int
+    block_ids: list[int]
+    timeout_s: float
+    parts: int = 1  # how many orders (keys) the request is loaded from; all come together
+
+
+@dataclass
+class DiscardOrder:
+    """Take ``key`` (``num_blocks`` blocks, pushed to this daemon) and drop its bytes: a
+    part of a prompt that this engine has cached itself. Taken at once if it is there,
+    else the moment it arrives, until ``timeout_s`` has passed."""
+
+    key: str
+    num_blocks: int
+    timeout_s: float
+
+
+@dataclass
+class Polled:
+    released: set[str] = field(default_factory=set)  # sends: the engine may free the blocks
+    loaded: set[str] = field(default_factory=set)  # loads that completed
+    failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
+    causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
+
+
+@dataclass
+class MoverStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sends: int = 0
+    sends_unread: int = 0  # lent, and nobody pulled them before the lease ended
+    send_failures: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    load_seconds: float = 0.0  # summed over completed loads
+    pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
+    parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
+
+    def as_dict(self) -> dict[str, int | float]:
+        return dict(self.__dict__)

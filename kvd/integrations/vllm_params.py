@@ -1,0 +1,65 @@
+"""The request-level protocol of the vLLM connector: what a request's
+``kv_transfer_params`` may carry for kvd, and how decode reads them.
+
+A proxy sets these params (see ``examples/vllm/``); prefill answers with them. They come
+from outside the engine, so they are checked here and a broken set is refused with
+``BadRequest``, never half used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvd.errors import BadRequest
+from kvd.integrations.vllm_settings import FLOWS
+
+MAX_KEY_CHARS = 512  # kvd takes up to 1024; the connector keeps room for its own keys
+_COUNTS = ("kvd_num_tokens", "kvd_num_blocks", "kvd_block_size")
+
+
+def key_param(params: dict[str, Any]) -> str | None:
+    """A key chosen by the proxy (push flow, sent to both instances up front)."""
+    key = params.get("kvd_key")
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
+        raise BadRequest(f"kvd_key must be a string of 1..{MAX_KEY_CHARS} characters")
+    return key
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What decode reads from a request's ``kv_transfer_params``. The counts come from
+    prefill's answer; a proxy that sends to decode before prefill has answered (push flow)
+    leaves them out, and they follow from the prompt."""
+
+    key: str
+    source: str | None  # the prefill daemon (pull flow); None: pushed to us
+    num_tokens: int | None
+    num_blocks: int | None
+    block_size: int | None
+    push_parts: int | None = None  # prefill's push_part_blocks, when it told us
+
+    @classmethod
+    def of(cls, params: Any) -> RemotePrefill | None:
+        """None when the request has no KV to load; ``BadRequest`` when it claims to but
+        the params are broken."""
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        key, flow = key_param(params), params.get("kvd_flow", "pull")
+        if key is None or flow not in FLOWS:
+            raise BadRequest(f"kv_transfer_params need kvd_key and a kvd_flow in {FLOWS}")
+        nums = [params.get(k) for k in _COUNTS]
+        if flow == "pull" and None in nums:
+            raise BadRequest(f"pull flow without {[k for k in _COUNTS if k not in params]}")
+        if not all(n is None or (isinstance(n, int) and n > 0) for n in nums):
+            raise BadRequest(f"bad token/block counts {nums}")
+        source = params.get("kvd_source")
+        if flow == "pull" and not (isinstance(source, str) and source):
+            raise BadRequest("pull flow without kvd_source")
+        parts = params.get("kvd_push_parts")
+        if parts is not None and not (isinstance(parts, int) and parts >= 0):
+            raise BadRequest(f"bad kvd_push_parts {parts!r}")
+        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2], parts)
+

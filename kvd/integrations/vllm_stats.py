@@ -1,0 +1,84 @@
+"""The vLLM connector's counters in vLLM's own stats and Prometheus registry.
+
+The worker's ``KvMover`` counts what moved (``MoverStats``); each report hands vLLM the
+change since the last one, which vLLM sums over workers and intervals and shows in its
+logged stats and its ``/metrics``. Imports vLLM: only ``kvd.integrations.vllm`` imports
+this, and only where vLLM imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvd.integrations.kv_orders import MoverStats
+
+
+def stats_delta(now: MoverStats, before: dict[str, Any]) -> dict[str, Any]:
+    current = now.as_dict()
+    return {k: v - before.get(k, 0) for k, v in current.items()}
+
+
+@dataclass
+class KvdConnectorStats(KVConnectorStats):
+    """Counts since the last report; summed over workers and intervals."""
+
+    def reset(self) -> None:
+        empty: dict[str, Any] = {}
+        self.data = empty
+
+    def aggregate(self, other: KVConnectorStats) -> KvdConnectorStats:
+        merged = dict(self.data)
+        for k, v in other.data.items():
+            merged[k] = merged.get(k, 0) + v
+        return KvdConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {k: d[k] for k in sorted(d)}
+        loads = d.get("loads", 0)
+        if loads:
+            out["avg_load_ms"] = round(1000 * d.get("load_seconds", 0.0) / loads, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvdPromMetrics(KVConnectorPromMetrics):
+    """kvd's counters in vLLM's own Prometheus registry, one child per engine."""
+
+    _COUNTERS = {
+        "bytes_sent": "Bytes of KV cache sent through kvd",
+        "bytes_received": "Bytes of KV cache received through kvd",
+        "sends": "KV sends through kvd that completed",
+        "sends_unread": "KV lent through kvd that no decode pulled within its lease",
+        "send_failures": "KV sends through kvd that failed",
+        "loads": "KV loads through kvd that completed",
+        "load_failures": "KV loads through kvd that failed (reported as invalid blocks)",
+        "load_seconds": "Seconds spent in completed KV loads through kvd",
+        "pull_retries": "KV pulls through kvd that found no key yet and went again",
+        "parts_dropped": "Pushed KV parts this engine had cached: taken from kvd, dropped",
+    }
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, doc in self._COUNTERS.items():
+            metric = self._counter_cls(name=f"vllm:kvd_{name}", documentation=doc,
+                                       labelnames=labelnames)
+            self._counters[name] = {idx: metric.labels(*values) for idx, values
+                                    in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, children in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value and engine_idx in children:
+                children[engine_idx].inc(value)
