@@ -68,6 +68,8 @@ from kvd.protocol import (
     Put,
     Register,
     Registered,
+    Reply,
+    Request,
     Stats,
     StatsReply,
     Unpublish,
@@ -302,9 +304,9 @@ class LocalServer:
 
     # ------------------------------------------------------------ dispatch
 
-    def _dispatch(self, s: Session, msg: Any) -> None:
+    def _dispatch(self, s: Session, msg: Request) -> None:
         e = self.engine
-        op = msg.__struct_config__.tag
+        op = str(msg.__struct_config__.tag)
         timeline.mark(f"local.request.{op}")
         if msg.req_id in s.tasks:
             self._bad(s.identity, "duplicate_req_id", msg.req_id, ProtocolError(
@@ -421,7 +423,7 @@ class LocalServer:
 
     # ------------------------------------------------------------ replies
 
-    def _send(self, identity: bytes, msg: Any) -> None:
+    def _send(self, identity: bytes, msg: Reply) -> None:
         timeline.mark(f"local.reply.{msg.__struct_config__.tag}")
         if self._router.send((identity, encode(msg))):
             return
