@@ -145,7 +145,7 @@ CHILD = textwrap.dedent(
     get = c.put("mine", r, [6])                 # stored for a get that never comes
     get.wait(5)
     print("ready", flush=True)
-    c._send(c._b.get("never", r, [7], 60))      # a get left waiting in the daemon
+    c.start_get("never", r, [7], timeout_s=60)  # a get left waiting in the daemon
     time.sleep(60)
     """
 )

@@ -77,7 +77,8 @@ from kvd.protocol import (
     XferFailed,
 )
 from kvd.transport.chunks import BlockSet
-from kvd.transport.nccl_channel import NcclChannel, NcclJob
+from kvd.transport.nccl_channel import NcclChannel
+from kvd.transport.nccl_job import NcclJob
 from kvd.transport.tcp import RecvJob, SendChannel, SendJob
 from kvd.transport.views import wire_bytes
 

@@ -58,7 +58,7 @@ from kvd.transport.nccl_job import (
 )
 from kvd.transport.nccl_streams import ChannelStreams
 
-__all__ = ["NcclChannel", "NcclJob"]
+__all__ = ["NcclChannel"]
 
 log = logging.getLogger(__name__)
 
