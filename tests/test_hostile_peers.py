@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from kvd import AsyncKvdClient, shared_empty, shared_zeros
-from kvd.daemon import transfers
 from kvd.daemon.peer_data import MAX_UNLINKED_CONNECTIONS
 from kvd.daemon.peers import MAX_LINKS
-from kvd.daemon.transfers import MAX_PULLS_SERVED_PER_LINK
+from kvd.daemon.transfer import transfers
+from kvd.daemon.transfer.transfers import MAX_PULLS_SERVED_PER_LINK
 from kvd.errors import PeerUnreachable, error_from_code
 from kvd.protocol import (
     PROTOCOL_VERSION,

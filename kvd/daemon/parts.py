@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # (types only: these modules import nothing of this one)
     from kvd.daemon.engine import Engine
     from kvd.daemon.local_server import LocalServer
     from kvd.daemon.peers import PeerPlane
-    from kvd.daemon.transfers import PeerTransfers
+    from kvd.daemon.transfer.transfers import PeerTransfers
 
 Status = Callable[[], dict[str, Any]]
 ReadyCheck = Callable[[], list[str]]

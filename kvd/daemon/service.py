@@ -29,12 +29,12 @@ from kvd.daemon.engine import Engine
 from kvd.daemon.http import HttpServer
 from kvd.daemon.local_server import LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.notify import Notifier
 from kvd.daemon.parts import DaemonParts
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.socket_files import PathClaim
-from kvd.daemon.transfers import PeerTransfers
+from kvd.daemon.transfer.nccl_links import NcclLinks
+from kvd.daemon.transfer.transfers import PeerTransfers
 from kvd.errors import Draining
 from kvd.loop_socket import new_context
 from kvd.memory.pool import HostPool

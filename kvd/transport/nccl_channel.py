@@ -7,7 +7,7 @@ submits jobs (``transport.nccl_job.NcclJob``) and awaits their futures; the thre
 them in order, which is also the order the peer runs the matching jobs (both sides queue a
 transfer's job when the receiver's ACCEPT is sent / arrives, or, for an eager offer, when
 the OFFER is sent / arrives, and the peer link delivers those in order; see
-``daemon.transfers``), so every NCCL send meets its recv. This module decides who issues a
+``daemon.transfer.transfers``), so every NCCL send meets its recv. This module decides who issues a
 job's work (the thread, or the loop for an inline job) and when; ``ChannelStreams`` what
 that work is.
 

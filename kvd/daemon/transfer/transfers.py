@@ -44,13 +44,13 @@ import torch
 
 from kvd import timeline
 from kvd.daemon.accepting import Throttled
-from kvd.daemon.arrivals import Arrival, Arrivals
 from kvd.daemon.engine import Engine
 from kvd.daemon.futures import on_loop, wait_out
-from kvd.daemon.nccl_links import NcclLinks
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
 from kvd.daemon.peers import PeerPlane
-from kvd.daemon.waiting_pulls import WaitingPull, WaitingPulls
+from kvd.daemon.transfer.arrivals import Arrival, Arrivals
+from kvd.daemon.transfer.nccl_links import NcclLinks
+from kvd.daemon.transfer.waiting_pulls import WaitingPull, WaitingPulls
 from kvd.errors import (
     BadRequest,
     Cancelled,
