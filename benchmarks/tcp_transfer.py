@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import hashlib
 import json
@@ -132,29 +131,11 @@ class RawTls:
 
     @classmethod
     def make(cls, directory: str) -> RawTls:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
+        from kvd.daemon.auth import write_self_signed
 
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench raw")])
-        start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
-        cert = (x509.CertificateBuilder()
-                .subject_name(subject).issuer_name(subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=1))
-                .sign(key, hashes.SHA256()))
         os.makedirs(directory, exist_ok=True)
         pem_file = os.path.join(directory, "raw.pem")
-        fd = os.open(pem_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM,
-                                      serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-            f.write(cert.public_bytes(serialization.Encoding.PEM))
-        der = cert.public_bytes(serialization.Encoding.DER)
-        return cls(pem_file, hashlib.sha256(der).digest())
+        return cls(pem_file, write_self_signed(pem_file, "bench raw", days=1))
 
     def wrap_sender(self, sock: socket.socket) -> ssl.SSLSocket:
         """TLS 1.3 client side; the receiver's certificate must be the pinned one."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -51,6 +52,17 @@ def has_message(sock: zmq.Socket[Any]) -> bool:
 def descriptor(sock: zmq.Socket[Any]) -> int:
     """The socket's ``zmq.FD``: readable (edge-triggered) when ZeroMQ has news for it."""
     return cast(int, sock.getsockopt(zmq.FD))
+
+
+_MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event, value
+
+
+def monitor_event(frames: Sequence[bytes]) -> tuple[int, int] | None:
+    """A socket monitor's message as (event, value); None if it is not one."""
+    if len(frames) == 2 and len(frames[0]) == _MONITOR_EVENT.size:
+        event, value = _MONITOR_EVENT.unpack(frames[0])
+        return event, value
+    return None
 
 
 def new_context() -> zmq.Context[Any]:
@@ -101,9 +113,23 @@ class LoopSocket:
             self._loop.remove_reader(self._fd)
 
     def read_now(self) -> None:
-        """Take what waits now (the owner is about to stop reading)."""
-        if self._watching:
-            self._read()
+        """Take every message that waits now, before anything else runs (its owner is
+        about to act on what they say)."""
+        sock = self.sock
+        while not self.closed:
+            try:
+                if not has_message(sock):
+                    return
+                frames = sock.recv_multipart(NOBLOCK, copy=self._copy)
+            except zmq.ZMQError:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[Any]) -> None:
+        try:
+            self._on_message(frames)
+        except Exception:  # a bug must not stop the reader
+            log.exception("unhandled error in the %s message handler", self.what)
 
     def _read_soon(self) -> None:
         if not self._queued:
@@ -126,10 +152,7 @@ class LoopSocket:
                     return
                 except zmq.ZMQError:  # closed under us
                     return
-                try:
-                    self._on_message(frames)
-                except Exception:  # a bug must not stop the reader
-                    log.exception("unhandled error in the %s message handler", self.what)
+                self._handle(frames)
                 if not self._watching:
                     return
         finally:

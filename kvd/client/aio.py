@@ -33,11 +33,11 @@ from kvd.client.base import (
     result_of,
     stoppable,
 )
-from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline
+from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline, handoff_batches
 from kvd.client.shm import Segment
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.loop_socket import LoopSocket
-from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, Bye, Done, Reply, encode
+from kvd.protocol import Bye, Done, Reply, encode
 
 log = logging.getLogger(__name__)
 
@@ -372,11 +372,11 @@ class AsyncKvdClient:
     async def _hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
         """Hand the segments over on the lifeline; returns once the session has them."""
         loop = asyncio.get_running_loop()
-        for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
+        for batch in handoff_batches(segments):
             if self._lifeline is None or self._lost:
                 raise self._dead or self._b.disconnected()
             self._handoff = answer = loop.create_future()
-            self._lifeline.send_handoff(segments[start:start + MAX_SEGMENTS_PER_HANDOFF])
+            self._lifeline.send_handoff(batch)
             try:
                 async with asyncio.timeout(timeout_s):
                     data = await answer

@@ -29,6 +29,7 @@ from kvd.errors import (
     ProtocolError,
     error_from_code,
 )
+from kvd.loop_socket import monitor_event
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -157,8 +158,8 @@ def dealer(ctx: zmq.Context[Any], socket_path: str) -> tuple[zmq.Socket[Any], zm
 def ended_by(event: list[bytes]) -> bool:
     """Whether a DEALER monitor's event says its connection ended: every reply the daemon
     sent before is in the DEALER then (one connection delivers in order)."""
-    return len(event) >= 1 and len(event[0]) >= 2 and int.from_bytes(
-        event[0][:2], "little") == zmq.EVENT_DISCONNECTED
+    parsed = monitor_event(event)
+    return parsed is not None and parsed[0] == zmq.EVENT_DISCONNECTED
 
 
 def context() -> zmq.Context[Any]:

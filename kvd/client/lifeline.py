@@ -15,7 +15,7 @@ import array
 import contextlib
 import select
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -31,6 +31,12 @@ _MAX_ANSWER_BYTES = 4096
 LAST_WORDS_S = 2.0
 _lifeline_decoder = msgspec.msgpack.Decoder(Lifeline)
 _taken_decoder = msgspec.msgpack.Decoder(SegmentsTaken)
+
+
+def handoff_batches(segments: Sequence[Segment]) -> Iterator[Sequence[Segment]]:
+    """``segments`` cut into handoffs (at most ``MAX_SEGMENTS_PER_HANDOFF`` each)."""
+    for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
+        yield segments[start:start + MAX_SEGMENTS_PER_HANDOFF]
 
 
 class ClientLifeline:
@@ -98,8 +104,8 @@ class ClientLifeline:
     def hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
         """Give the daemon a descriptor of each segment, blocking until the session has
         them."""
-        for start in range(0, len(segments), MAX_SEGMENTS_PER_HANDOFF):
-            self.send_handoff(segments[start:start + MAX_SEGMENTS_PER_HANDOFF])
+        for batch in handoff_batches(segments):
+            self.send_handoff(batch)
             try:
                 if not select.select([self.sock], [], [], timeout_s)[0]:
                     raise KvdTimeout(f"the daemon's segment socket {self.path} did not "

@@ -164,42 +164,49 @@ class DataTls:
     fingerprint: bytes  # SHA-256 of our certificate (DER), told to peers in the handshake
 
 
-def make_data_tls() -> DataTls:
-    """A fresh self-signed certificate (EC P-256) and the contexts that use it."""
+def write_self_signed(path: str, name: str, days: int = 3650) -> bytes:
+    """A fresh self-signed certificate (EC P-256) and its key, written to a new file
+    ``path`` (mode 0600, PEM: what ``SSLContext.load_cert_chain`` reads); returns the
+    certificate's SHA-256 fingerprint (of its DER form), which peers pin."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvd data")])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=3650))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .sign(key, hashes.SHA256())
     )
-    der = cert.public_bytes(serialization.Encoding.DER)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM,
+                                  serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).digest()
+
+
+def make_data_tls() -> DataTls:
+    """A fresh self-signed certificate and the contexts that use it."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.minimum_version = ssl.TLSVersion.TLSv1_3
     # ssl loads a key only from a file: a private one, removed at once.
     with tempfile.TemporaryDirectory(prefix="kvd-tls-") as tmp:
         path = os.path.join(tmp, "data.pem")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM,
-                                      serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        fingerprint = write_self_signed(path, "kvd data")
         server.load_cert_chain(path)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.minimum_version = ssl.TLSVersion.TLSv1_3
     client.check_hostname = False
     client.verify_mode = ssl.CERT_NONE  # pinned by fingerprint after the handshake
-    return DataTls(server=server, client=client, fingerprint=hashlib.sha256(der).digest())
+    return DataTls(server=server, client=client, fingerprint=fingerprint)
 
 
 def fingerprint_of(sock: ssl.SSLSocket) -> bytes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ import zmq
 from kvd.daemon.accepting import Throttled
 from kvd.daemon.auth import ZAP_DOMAIN, ZAP_ENDPOINT, CurveKeys, zap_answer
 from kvd.errors import ConfigError, KvdError, ProtocolError
-from kvd.loop_socket import LoopSocket
+from kvd.loop_socket import LoopSocket, monitor_event
 from kvd.protocol import PeerError, PeerMessage, decode_peer, encode
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ SEND_HWM = 32768
 # can make the daemon hold: a flood of garbage is bounded by it.
 RECV_HWM = 64
 
-_MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event, value
 _monitor_ids = itertools.count()
 
 # A way to answer whoever sent a message: True if ZeroMQ took the answer.
@@ -84,20 +82,13 @@ class Monitor:
         self.reader.start()
 
     def _on_message(self, frames: list[bytes]) -> None:
-        if len(frames) == 2 and len(frames[0]) == _MONITOR_EVENT.size:
-            event, value = _MONITOR_EVENT.unpack(frames[0])
-            self._on_event(event, value)
+        event = monitor_event(frames)
+        if event is not None:
+            self._on_event(*event)
 
     def drain(self) -> None:
         """Handle every event that has come (before a hello: see PeerRouter.drain_events)."""
-        sock = self.reader.sock
-        while not self.reader.closed:
-            try:
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    return
-                self._on_message(sock.recv_multipart(zmq.NOBLOCK))
-            except zmq.ZMQError:
-                return
+        self.reader.read_now()
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):

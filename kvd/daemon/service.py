@@ -145,11 +145,13 @@ class Daemon:
         stack.push_async_callback(self.http.close)
         stack.push_async_callback(self.notifier.close)
         self.notifier.status("allocating the host pool")
+        # Asked once: it decides the pool's pinning and the busy poll's default.
+        sees_gpu = await asyncio.to_thread(_sees_gpu)
         # Pinned where the daemon sees a GPU: host <-> GPU copies of pinned memory run at
         # PCIe speed (~55 GB/s on H200, against 6-13 GB/s pageable).
         pool = await asyncio.to_thread(
             HostPool, self.config.pool_size_bytes, self.config.pool_min_block_bytes,
-            pin=await asyncio.to_thread(_sees_gpu), prefault=self.config.pool_prefault)
+            pin=sees_gpu, prefault=self.config.pool_prefault)
         self.pool_allocated = True
         stack.callback(pool.close)
         gpus = await asyncio.to_thread(self._nccl_gpus)
@@ -167,7 +169,7 @@ class Daemon:
         stack.callback(worker.stop, 30.0)
         engine = self.parts.engine = Engine(
             self.config, pool, worker, self.metrics, gpu_pools,
-            await asyncio.to_thread(self._busy_poll_window_s))
+            self._busy_poll_window_s(sees_gpu))
         # One ZeroMQ context, one I/O thread, for the local socket and the peer plane.
         zmq_context = new_context()
         stack.callback(zmq_context.destroy, 0)  # (after the planes closed their sockets)
@@ -187,13 +189,11 @@ class Daemon:
         await local.bind()
         peers.bind()
 
-    def _busy_poll_window_s(self) -> float:
+    def _busy_poll_window_s(self, sees_gpu: bool) -> float:
         """How long the loop spins after a message (daemon/busy_poll.py); 0: never."""
         mode = self.config.busy_poll
         if mode == "auto":
-            import torch
-
-            mode = "on" if torch.cuda.is_available() else "off"
+            mode = "on" if sees_gpu else "off"
         window = self.config.busy_poll_window_s if mode == "on" else 0.0
         log.info("busy poll %s", f"{window * 1e3:g} ms after each message" if window else "off")
         return window
