@@ -115,15 +115,17 @@ class LoopSocket:
     def read_now(self) -> None:
         """Take every message that waits now, before anything else runs (its owner is
         about to act on what they say)."""
-        sock = self.sock
-        while not self.closed:
-            try:
-                if not has_message(sock):
-                    return
-                frames = sock.recv_multipart(NOBLOCK, copy=self._copy)
-            except zmq.ZMQError:
-                return
+        while not self.closed and (frames := self._next()) is not None:
             self._handle(frames)
+
+    def _next(self) -> list[Any] | None:
+        """The next message waiting, or None (none, or the socket was closed under us)."""
+        try:
+            if not has_message(self.sock):
+                return None
+            return self.sock.recv_multipart(NOBLOCK, copy=self._copy)
+        except zmq.ZMQError:  # (Again included)
+            return None
 
     def _handle(self, frames: list[Any]) -> None:
         try:
@@ -140,17 +142,11 @@ class LoopSocket:
         self._queued = False
         if not self._watching:
             return
-        sock = self.sock
         self._in_read = True
         try:
             for _ in range(_BATCH):
-                try:
-                    if not has_message(sock):
-                        return
-                    frames = sock.recv_multipart(NOBLOCK, copy=self._copy)
-                except zmq.Again:
-                    return
-                except zmq.ZMQError:  # closed under us
+                frames = self._next()
+                if frames is None:
                     return
                 self._handle(frames)
                 if not self._watching:
