@@ -23,8 +23,8 @@ import torch
 from kvd import AsyncKvdClient, shared_empty, shared_zeros
 from kvd.daemon.peer_data import MAX_UNLINKED_CONNECTIONS
 from kvd.daemon.peers import MAX_LINKS
-from kvd.daemon.transfer import transfers
-from kvd.daemon.transfer.transfers import MAX_PULLS_SERVED_PER_LINK
+from kvd.daemon.transfer import machine as transfer_machine
+from kvd.daemon.transfer.machine import MAX_PULLS_SERVED_PER_LINK
 from kvd.errors import PeerUnreachable, error_from_code
 from kvd.protocol import (
     PROTOCOL_VERSION,
@@ -391,7 +391,7 @@ async def test_pulls_served_for_all_peers_are_bounded(
     """Peers that each keep as many pulls served as one peer may (3 here, in a daemon in
     this process): once four have, a fifth peer's pull is refused with a retriable error
     and counted; when one of the four leaves, the fifth is served."""
-    monkeypatch.setattr(transfers, "MAX_PULLS_SERVED_PER_LINK", 3)
+    monkeypatch.setattr(transfer_machine, "MAX_PULLS_SERVED_PER_LINK", 3)
     config = make_config(sock_dir, max_waiting_pulls=0, peer_grace_s=60.0)
     pull = {"op": "pull_request", "key": "k", "dst_dev": "cpu", "num_blocks": 1,
             "layout": [[BLOCK, "uint8"]]}

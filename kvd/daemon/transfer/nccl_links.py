@@ -180,7 +180,6 @@ class NcclLinks:
         name = f"kvd-nccl-{direction}-{local_dev}-{link.node_id}-{remote_dev}"
         channel = NcclChannel(name, torch.device(local_dev), direction,
                               self.config.nccl_chunk_bytes, on_failed=self._failed_in_thread,
-                              inline=self.config.nccl_inline,
                               # Both ends split, or neither: each computes the same answer
                               # from the two handshakes.
                               blocking_calls=(self.plane.nccl_blocking_calls
@@ -261,8 +260,7 @@ class NcclLinks:
         return {"channels": [{"id": e.channel_id, "peer": e.link.address,
                               "direction": e.key[0], "device": e.key[1],
                               "peer_device": e.key[2], "idle": e.channel.idle,
-                              "jobs_inline": e.channel.jobs_inline,
-                              "jobs_threaded": e.channel.jobs_threaded,
+                              "jobs": e.channel.jobs,
                               "jobs_overlapped": e.channel.jobs_overlapped,
                               "blocking_calls": e.channel.blocking_calls}
                              for e in self._by_id.values()],
