@@ -65,11 +65,14 @@ def free_port() -> int:
 EXTRA_FLAGS: list[str] = []  # --daemon-flag values, passed to every kvd serve
 
 
-def start_daemon(root: str, name: str, gpus: str) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_daemon(root: str, name: str, gpus: str, env: dict[str, str] | None = None,
+                 ) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A ``kvd serve`` on ``gpus`` (``CUDA_VISIBLE_DEVICES``), ``env`` added to this
+    process's environment; its process, socket and peer address once it answers."""
     os.makedirs(os.path.join(root, name), exist_ok=True)
     sock = os.path.join(root, name, "kvd.sock")
     port = free_port()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "NCCL_NVLS_ENABLE": "0", **(env or {})}
     with open(os.path.join(root, name, "daemon.log"), "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", sock, "--node-id", name,

@@ -14,17 +14,17 @@ defaults < TOML file < ``KVD_<KEY>`` environment < ``--<key>`` flags.
       integer for an integer, a number for seconds, a boolean for a boolean, a string for a
       string. Size fields (``*_bytes``) also take a size string such as ``"512MiB"``.
     * Environment: ``KVD_<FIELD_NAME_UPPER>``, e.g. ``KVD_POOL_SIZE_BYTES=2GiB``. Any other
-      ``KVD_*`` variable except ``KVD_CONFIG`` and ``KVD_DEV`` is an error (it is almost always
-      a typo).
+      ``KVD_*`` variable except ``KVD_CONFIG``, ``KVD_DEV`` and ``KVD_TIMELINE_DIR`` (the
+      timeline marks, kvd/timeline.py) is an error (it is almost always a typo).
     * Flags: ``--<field-name-with-dashes> VALUE``, parsed from text like the environment.
 
-**Development settings** (chunk sizes, code-path switches, the timeline marks) are for
-measuring the daemon, not for operators: none is a config key, a ``KVD_<KEY>`` variable or a
-flag (each of those is refused with a pointer here). They come from one place, the
-``KVD_DEV`` environment variable: ``key=value`` items separated by commas (values hold no
-comma), read with the same parsers and checks, e.g.
-``KVD_DEV=nccl_eager=false,timeline_dir=/tmp/marks``. The attributes are ``Config``'s like the
-others; code that builds a ``Config`` itself (a test) may ``dataclasses.replace`` them.
+**Development settings** (chunk sizes, code-path switches) are for measuring the daemon,
+not for operators: none is a config key, a ``KVD_<KEY>`` variable or a flag (each of those
+is refused with a pointer here). They come from one place, the ``KVD_DEV`` environment
+variable: ``key=value`` items separated by commas (values hold no comma), read with the
+same parsers and checks, e.g. ``KVD_DEV=nccl_eager=false,nccl_chunk_bytes=64MiB``. The
+attributes are ``Config``'s like the others; code that builds a ``Config`` itself (a test)
+may ``dataclasses.replace`` them.
 
 Errors are one-line :class:`~kvd.errors.ConfigError`\\ s naming the key and the source, e.g.
 ``http_port: expected an integer, got 'abc' (from flag --http-port)``.
@@ -76,6 +76,7 @@ from kvd.settings_values import (
     one_of,
     parse_size,
 )
+from kvd.timeline import ENV as TIMELINE_ENV
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,8 +92,10 @@ __all__ = ["CONFIG_ENV", "DEVELOPMENT_SETTINGS", "DEV_ENV", "ENV_PREFIX", "MAX_S
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
 DEV_ENV = "KVD_DEV"
-# KVD_* variables that are not settings of their own (everything else with the prefix is a typo).
-_ENV_NON_FIELDS = frozenset({CONFIG_ENV, DEV_ENV})
+# KVD_* variables that are not settings of their own (everything else with the prefix is a
+# typo). KVD_TIMELINE_DIR is read by kvd/timeline.py itself, at daemon start: the marks are a
+# development aid, not a setting.
+_ENV_NON_FIELDS = frozenset({CONFIG_ENV, DEV_ENV, TIMELINE_ENV})
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -226,28 +229,15 @@ class Config:
     # Send GPU blocks over NCCL together with their OFFER when a channel to the peer exists
     # (the receiver always posts the matching receive): no ACCEPT round trip before the bytes.
     nccl_eager: bool = _dev(True, BOOL, help="GPU blocks go out with their offer")
-    # Issue a transfer's NCCL calls from the event loop, and poll them there, when its
-    # channel is idle and its blocks need no staging copy (see NcclChannel._start_inline):
-    # two thread hand-offs fewer. Off: every job goes through the channel's thread.
-    nccl_inline: bool = _dev(True, BOOL, help="NCCL jobs on an idle channel run on the loop")
     # Make each channel's calls on a blocking communicator split from the non-blocking one
     # (kvd/transport/nccl.py): ~110 us less per NCCL call; its connection is set up at
     # once, under a watchdog. Off: every call non-blocking, polled until accepted.
     nccl_blocking_calls: bool = _dev(True, BOOL,
                                      help="NCCL calls on a blocking split communicator")
-    # Keep the event loop polling without sleeping for busy_poll_window_s after each
-    # message (daemon/busy_poll.py): no wake-up per message, and a hot core. "auto": on
-    # when the daemon sees a GPU (a node with cores to spare), off otherwise.
-    busy_poll: str = _dev("auto", STR, one_of("auto", "on", "off"),
-                          help="the loop polls without sleeping after each message")
-    busy_poll_window_s: float = _dev(0.02, SECONDS, at_least(0),
-                                     help="how long the loop polls after a message")
     pool_min_block_bytes: int = _dev(4096, SIZE, at_least(64), POWER_OF_TWO,
                                      help="the host pool's and GPU staging's smallest block")
     pool_prefault: bool = _dev(True, BOOL,
                                help="touch every pool page at start, not on first use")
-    # Record timeline marks (kvd/timeline.py) and write them here on exit; empty: off.
-    timeline_dir: str = _dev("", STR, help="where timeline marks are written on exit")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -320,6 +310,13 @@ _REMOVED = {
                               "line per daemon)",
     "tls_data": "use encrypt_data",
     "pool_pin": "remove it: the host pool is pinned where the daemon sees a GPU",
+}
+# Development settings that are gone (``KVD_DEV`` items), and what is there instead.
+_DEV_REMOVED = {
+    "nccl_inline": "NCCL jobs run on their channel's worker thread only",
+    "busy_poll": "the loop spins where the daemon sees a GPU, and not elsewhere",
+    "busy_poll_window_s": "the loop spins for a fixed window (kvd/daemon/service.py)",
+    "timeline_dir": f"set {TIMELINE_ENV}=DIR in the daemon's environment (kvd/timeline.py)",
 }
 
 
@@ -462,6 +459,8 @@ def _from_dev_env(text: str) -> dict[str, tuple[Any, str]]:
         if key in _OPERATOR:
             raise ConfigError(f"{key!r} (from {source}) is an operator setting: set it with "
                               f"{_env_var(key)}, {_flag(key)} or the config file")
+        if key in _DEV_REMOVED:
+            raise ConfigError(f"{key!r} (from {source}) is gone: {_DEV_REMOVED[key]}")
         if key not in _DEVELOPMENT:
             hint = difflib.get_close_matches(key, list(_DEVELOPMENT), n=1)
             suggestion = (f"; did you mean {hint[0]!r}?" if hint else

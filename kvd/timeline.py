@@ -1,13 +1,14 @@
 """Timeline marks: where one transfer's time goes, across processes and threads.
 
-A development aid for latency work. While a process records (a daemon started with
-``KVD_DEV=timeline_dir=DIR``, or ``start()`` called in a client), ``mark(name)`` appends the time
-(``time.perf_counter``: CLOCK_MONOTONIC, comparable between processes of one host), the
-name and the thread to a list, written as JSON to ``<dir>/<pid>.json`` when recording stops
-(``stop()``, at a clean daemon exit, or at interpreter exit). While not recording, a mark
-costs a function call. ``tools/timeline.py`` runs transfers with it on and prints, per
-mark, its median offset from the start of each transfer: that is how the per-hop costs in
-docs/architecture.md's *Decisions* were found.
+A development aid for latency work, not a setting: no config key turns it on. While a
+process records (a daemon started with ``KVD_TIMELINE_DIR=DIR`` in its environment, read
+once at start by ``start_from_environment``, or ``start()`` called in a client),
+``mark(name)`` appends the time (``time.perf_counter``: CLOCK_MONOTONIC, comparable between
+processes of one host), the name and the thread to a list, written as JSON to
+``<dir>/<pid>.json`` when recording stops (``stop()``, at a clean daemon exit, or at
+interpreter exit). While not recording, a mark costs a function call. ``tools/timeline.py``
+runs transfers with it on and prints, per mark, its median offset from the start of each
+transfer: that is how the per-hop costs in docs/architecture.md's *Decisions* were found.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
+
+# The one KVD_* variable besides the config's own that a daemon reads (kvd/config.py lets
+# it through its check for misspelt ones).
+ENV = "KVD_TIMELINE_DIR"
 
 _marks: list[tuple[float, str, str]] | None = None
 _dir = ""
@@ -29,6 +35,21 @@ def start(directory: str) -> None:
     if _marks is None:
         atexit.register(stop)
     _dir, _marks = directory, []
+
+
+def start_from_environment(env: Mapping[str, str] | None = None) -> bool:
+    """Record if ``KVD_TIMELINE_DIR`` (in ``env``, default ``os.environ``) names a directory;
+    True if recording started. An empty value is unset."""
+    directory = (os.environ if env is None else env).get(ENV, "")
+    if not directory:
+        return False
+    start(directory)
+    return True
+
+
+def recording() -> bool:
+    """Whether marks are being recorded (for a mark that costs more than a call to make)."""
+    return _marks is not None
 
 
 def mark(name: str) -> None:

@@ -1,11 +1,12 @@
-"""busy_poll: the loop spins for a window after each message, not while a thread works,
-and never when it is off; daemons that spin still move every byte (over TCP, whose
-threads need the GIL the spinning loop holds)."""
+"""Busy polling: the loop spins for a window after each message, not while a thread works,
+and never when it is off (where the daemon sees no GPU); daemons that spin still move
+every byte (over TCP, whose threads need the GIL the spinning loop holds)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Iterator
 
@@ -14,9 +15,10 @@ import torch
 import uvloop
 
 from kvd import KvdClient, shared_zeros
+from kvd.daemon import service
 from kvd.daemon.busy_poll import BusyPoll
-from tests.conftest import wait_until
-from tests.test_peers import BLOCK, Node, Nodes, random_region
+from tests.conftest import ThreadDaemon, make_config, wait_until
+from tests.test_peers import BLOCK, Node, random_region
 
 
 async def no_turns_for(busy: BusyPoll, seconds: float) -> None:
@@ -84,18 +86,40 @@ def test_off_never_spins() -> None:
 
 
 @pytest.fixture
-def spinning_pair(sock_dir: str) -> Iterator[list[Node]]:
-    nodes = Nodes(sock_dir, env={"KVD_DEV": "busy_poll=on,busy_poll_window_s=0.05"})
-    yield nodes(2)  # (if one is not ready in time, it stops both)
-    nodes.stop_all(codes=(0,))
+def spinning_pair(sock_dir: str, monkeypatch: pytest.MonkeyPatch
+                  ) -> Iterator[list[ThreadDaemon]]:
+    """Two daemons in this process that spin 50 ms after each message, as where a daemon
+    sees a GPU (the daemon asks ``service.busy_poll_window_s`` at start; this machine may
+    have none). Their loops, the TCP channels' threads and the test share one GIL."""
+    monkeypatch.setattr(service, "busy_poll_window_s", lambda sees_gpu: 0.05)
+    daemons: list[ThreadDaemon] = []
+    try:
+        for name in ("a", "b"):
+            path = os.path.join(sock_dir, name)
+            os.makedirs(path)
+            daemons.append(ThreadDaemon(make_config(path, node_id=name)).start())
+        yield daemons
+    finally:
+        for d in reversed(daemons):
+            d.stop()
 
 
-def test_spinning_daemons_move_every_byte_over_tcp(spinning_pair: list[Node]) -> None:
+def test_spinning_daemons_move_every_byte_over_tcp(spinning_pair: list[ThreadDaemon]
+                                                   ) -> None:
     a, b = spinning_pair
+    with KvdClient(a.socket_path) as ca, KvdClient(b.socket_path) as cb:
+        _move_every_byte(ca, cb, cb.stats()["peer"]["address"], b.socket_path)
+        for client in (ca, cb):
+            spin = client.stats()["busy_poll"]
+            assert spin["window_s"] == 0.05 and spin["turns"] > 0
+            assert spin["threads_working"] == 0  # every send / receive thread's work came back
+
+
+def _move_every_byte(ca: KvdClient, cb: KvdClient, b_address: str, b_sock: str) -> None:
     blocks = 64  # 4 MiB: the data connection's threads carry it in several chunks
     src = random_region(blocks, 7)
-    r_src = a.client.register("kv", [src])
-    with KvdClient(b.proc.socket_path) as waiter:
+    r_src = ca.register("kv", [src])
+    with KvdClient(b_sock) as waiter:
         dst = shared_zeros((blocks, BLOCK), torch.uint8)
         r_dst = waiter.register("kv", [dst])
         for round_ in range(5):
@@ -105,17 +129,12 @@ def test_spinning_daemons_move_every_byte_over_tcp(spinning_pair: list[Node]) ->
             t = threading.Thread(target=lambda k=key, out=result: out.setdefault(
                 "n", waiter.get(k, r_dst, list(range(blocks)), timeout_s=10)))
             t.start()
-            wait_until(lambda: b.client.stats()["waiting_gets"] == 1)
-            assert a.client.put(key, r_src, ids.tolist(), to=b.address).wait(10) \
-                == blocks * BLOCK
+            wait_until(lambda: cb.stats()["waiting_gets"] == 1)
+            assert ca.put(key, r_src, ids.tolist(), to=b_address).wait(10) == blocks * BLOCK
             t.join(10)
             assert result["n"] == blocks * BLOCK
             assert torch.equal(dst, src[ids])
             dst.zero_()
-    for node in (a, b):
-        spin = node.client.stats()["busy_poll"]
-        assert spin["window_s"] == 0.05 and spin["turns"] > 0
-        assert spin["threads_working"] == 0  # every send / receive thread's work came back
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto is on where there is a GPU")

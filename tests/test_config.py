@@ -106,11 +106,8 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "nccl_init_timeout_s": 30.0,
         "nccl_warm_up": "matching",
         "nccl_eager": True,
-        "nccl_inline": True,
         "nccl_blocking_calls": True,
         "gpu_staging_bytes": 2**30,
-        "busy_poll": "auto",
-        "busy_poll_window_s": 0.02,
         "curve_secret_key_file": "",
         "curve_allowed_keys_file": "",
         "encrypt_data": True,
@@ -120,7 +117,6 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "max_wait_s": 3600.0,
         "max_waiting_pulls": 4096,
         "log_level": "info",
-        "timeline_dir": "",
     }
 
 
@@ -691,21 +687,21 @@ def test_argparse_errors_name_the_flag(tmp_path: Path, sock: str) -> None:
 
 # --------------------------------------------------------------------------- development settings
 
-# The settings that are tuning, not an operator's decision (chunk sizes, code-path switches,
-# the timeline marks): pinned here, so that moving one across is a decision in a diff.
+# The settings that are tuning, not an operator's decision (chunk sizes, code-path
+# switches): pinned here, so that moving one across is a decision in a diff.
 DEVELOPMENT = {
-    "tcp_chunk_bytes", "nccl_chunk_bytes", "nccl_warm_up", "nccl_eager", "nccl_inline",
-    "nccl_blocking_calls", "busy_poll", "busy_poll_window_s", "pool_min_block_bytes",
-    "pool_prefault", "timeline_dir",
+    "tcp_chunk_bytes", "nccl_chunk_bytes", "nccl_warm_up", "nccl_eager",
+    "nccl_blocking_calls", "pool_min_block_bytes", "pool_prefault",
 }
 # A valid value for each, other than its default: as KVD_DEV text, and as it is parsed.
 DEV_VALUES: dict[str, tuple[str, object]] = {
     "tcp_chunk_bytes": ("1MiB", MiB), "nccl_chunk_bytes": ("256MiB", 256 * MiB),
-    "nccl_warm_up": ("OFF", "off"), "nccl_eager": ("false", False), "nccl_inline": ("no", False),
-    "nccl_blocking_calls": ("0", False), "busy_poll": ("on", "on"),
-    "busy_poll_window_s": ("0.05", 0.05), "pool_min_block_bytes": ("64KiB", 64 * 1024),
-    "pool_prefault": ("off", False), "timeline_dir": ("/tmp/kvd-marks", "/tmp/kvd-marks"),
+    "nccl_warm_up": ("OFF", "off"), "nccl_eager": ("false", False),
+    "nccl_blocking_calls": ("0", False), "pool_min_block_bytes": ("64KiB", 64 * 1024),
+    "pool_prefault": ("off", False),
 }
+# Gone with their second code path, or not settings at all: no key of any kind.
+NOT_SETTINGS = ("nccl_inline", "busy_poll", "busy_poll_window_s", "timeline_dir")
 
 
 def test_the_development_settings_are_these() -> None:
@@ -809,8 +805,10 @@ def test_kvd_dev_sets_every_development_setting(sock: str) -> None:
                          "got 'maybe' (from env KVD_DEV)"),
     ("nccl_warm_up=sometimes", "nccl_warm_up: must be one of off, matching, all, got "
                                "'sometimes' (from env KVD_DEV)"),
-    ("busy_poll=fast", "busy_poll: must be one of auto, on, off, got 'fast' (from env KVD_DEV)"),
-    ("busy_poll_window_s=-1", "busy_poll_window_s: must be >= 0, got -1.0 (from env KVD_DEV)"),
+    ("timeline_dir=/tmp/m", "'timeline_dir' (from env KVD_DEV) is gone: set "
+                            "KVD_TIMELINE_DIR=DIR in the daemon's environment (kvd/timeline.py)"),
+    ("nccl_inline=off", "'nccl_inline' (from env KVD_DEV) is gone: NCCL jobs run on their "
+                        "channel's worker thread only"),
     ("tcp_chunk_bytes=4KiB", "tcp_chunk_bytes: must be >= 65536, got 4096 (from env KVD_DEV)"),
     ("nccl_chunk_bytes=lots", "nccl_chunk_bytes: expected a size such as 4096, '64KiB', "
                               "'1.5GiB' or '2GB', got 'lots' (from env KVD_DEV)"),
@@ -823,8 +821,8 @@ def test_kvd_dev_sets_every_development_setting(sock: str) -> None:
                        "mean 'nccl_eager'?"),
     ("nccl_eager=on,nccl_eager=off", "'nccl_eager' is set twice (from env KVD_DEV)"),
     ("x=1", "unknown development setting 'x' (from env KVD_DEV); there are tcp_chunk_bytes, "
-            "nccl_chunk_bytes, nccl_warm_up, nccl_eager, nccl_inline, nccl_blocking_calls, "
-            "busy_poll, busy_poll_window_s, pool_min_block_bytes, pool_prefault, timeline_dir"),
+            "nccl_chunk_bytes, nccl_warm_up, nccl_eager, nccl_blocking_calls, "
+            "pool_min_block_bytes, pool_prefault"),
     ("pool_size_bytes=2GiB", "'pool_size_bytes' (from env KVD_DEV) is an operator setting: set "
                              "it with KVD_POOL_SIZE_BYTES, --pool-size-bytes or the config file"),
 ])
@@ -834,19 +832,34 @@ def test_kvd_dev_refuses_bad_items_in_one_line(sock: str, text: str, expected: s
 
 def test_development_settings_reach_a_daemon_through_kvd_dev(sock_dir: str,
                                                                tmp_path: Path) -> None:
-    """A `kvd serve` given KVD_DEV runs with its settings: the loop's busy-poll window (which
-    it reports) and the timeline marks it writes at exit."""
+    """A `kvd serve` given KVD_DEV runs with its settings and says so in its log; one given
+    KVD_TIMELINE_DIR (no setting: kvd/timeline.py reads it) writes its marks there at exit."""
     marks = tmp_path / "marks"
-    d = ProcessDaemon(sock_dir, env={
-        "KVD_DEV": f"busy_poll=on,busy_poll_window_s=0.05,timeline_dir={marks}"})
+    d = ProcessDaemon(sock_dir, env={"KVD_DEV": "tcp_chunk_bytes=1MiB",
+                                     "KVD_TIMELINE_DIR": str(marks)})
     try:
         d.wait_ready()
         with KvdClient(d.socket_path, timeout_s=10) as client:
-            assert client.stats()["busy_poll"]["window_s"] == 0.05
+            client.ping()
     finally:
         code = d.stop()
     assert code == 0, d.log()
+    assert "development settings (KVD_DEV): tcp_chunk_bytes=1048576" in d.log()
     assert [p.name for p in marks.iterdir()] == [f"{d.proc.pid}.json"]
+
+
+@pytest.mark.parametrize("name", NOT_SETTINGS)
+def test_settled_knobs_and_the_timeline_are_no_setting_at_all(sock: str, name: str) -> None:
+    """No Config attribute, flag or KVD_<KEY> variable; KVD_TIMELINE_DIR alone is let
+    through the check for misspelt KVD_* variables (kvd/timeline.py reads it)."""
+    assert name not in {f.name for f in dataclasses.fields(Config)}
+    assert "--" + name.replace("_", "-") not in serve_parser().format_help()
+    var = f"KVD_{name.upper()}"
+    if name == "timeline_dir":
+        assert load(sock, env={var: "/tmp/marks"}) == load(sock)
+    else:
+        assert config_error(env={"KVD_SOCKET_PATH": sock, var: "1"}).startswith(
+            f"unknown variable {var} (from env)")
 
 
 # --------------------------------------------------------------------------- the operator's docs

@@ -1,6 +1,6 @@
-"""kvd.daemon.futures.on_loop: a loop future for a concurrent one, settled at once when the
-concurrent one is settled on the loop's own thread (inline NCCL jobs), through the loop
-otherwise."""
+"""kvd.daemon.futures.on_loop: a loop future for a concurrent one, settled through the loop
+when a worker thread settles the concurrent one (one wake-up of the loop), at once when
+the loop's own thread does."""
 
 from __future__ import annotations
 

@@ -924,12 +924,12 @@ def test_receiver_frees_memory_when_sender_dies(nodes: object) -> None:
 
 
 def test_timeline_marks_follow_a_transfer_through_both_daemons(tmp_path: Path) -> None:
-    """timeline_dir (kvd/timeline.py, tools/timeline.py): each daemon writes its marks when
-    it stops; a put into a get waiting on another daemon shows its steps in causal order
-    across the two processes (the clock is shared by processes of one host)."""
+    """KVD_TIMELINE_DIR (kvd/timeline.py, tools/timeline.py): each daemon writes its marks
+    when it stops; a put into a get waiting on another daemon shows its steps in causal
+    order across the two processes (the clock is shared by processes of one host)."""
     marks_dir = tmp_path / "marks"
     a, b = start_daemons(str(tmp_path / "daemons"), "a", "b",
-                         env={"KVD_DEV": f"timeline_dir={marks_dir}"})
+                         env={"KVD_TIMELINE_DIR": str(marks_dir)})
     try:
         with KvdClient(a.socket_path) as ca, KvdClient(b.socket_path) as cb:
             src = random_region(4, 21)

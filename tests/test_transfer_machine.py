@@ -208,10 +208,10 @@ def test_answers_from_another_peer_or_for_no_transfer_are_counted() -> None:
     m, b, c = Machine(has_nccl=False), link("b"), link("c")
     out = host_send(m, b, 1)
     m.offered(out)
-    assert m.on_answer(c, Accept(transfer_id=1)) == [Count("unknown_transfer")]
+    assert m.on_answer(c, Accept(transfer_id=1)) == [Count("unknown_transfer", 1)]
     assert out.offer_pending  # the real peer's answer is still awaited
     assert m.on_answer(b, XferFailed(transfer_id=99, code="x", message="y")) == [
-        Count("unknown_transfer")]
+        Count("unknown_transfer", 99)]
 
 
 def test_an_accept_for_an_nccl_offer_given_up_gets_zeros() -> None:
@@ -220,10 +220,10 @@ def test_an_accept_for_an_nccl_offer_given_up_gets_zeros() -> None:
     m.offered(out)
     m.send_ends(out)
     accept = Accept(transfer_id=1, dst_dev="cuda:1", channel=7, chunk_bytes=CHUNK)
-    assert m.on_answer(c, accept) == [Count("unknown_transfer")]  # not its peer
+    assert m.on_answer(c, accept) == [Count("unknown_transfer", 1)]  # not its peer
     [zeros] = m.on_answer(b, accept)
     assert isinstance(zeros, SendZeros) and zeros.gone.link is b and zeros.accept == accept
-    assert m.on_answer(b, accept) == [Count("unknown_transfer")]  # once only
+    assert m.on_answer(b, accept) == [Count("unknown_transfer", 1)]  # once only
     # A BUSY for one given up ends it quietly.
     other = gpu_send(m, b, 2)
     m.offered(other)
@@ -253,7 +253,7 @@ def test_a_refused_pull_fails() -> None:
     [fail] = m.on_answer(b, Refuse(transfer_id=5, code="unknown_key", message="none"))
     assert isinstance(fail, FailPull) and isinstance(fail.error, UnknownKey)
     assert m.on_answer(link("c"), Refuse(transfer_id=5, code="x", message="y")) == [
-        Count("unknown_transfer")]
+        Count("unknown_transfer", 5)]
 
 
 def test_whether_a_cancelled_send_may_have_delivered() -> None:

@@ -4,18 +4,24 @@ Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
 [--block-bytes N] [--repeat N] [--contiguous] [--local | --pull] [--dev KEY=VALUE]...
 [--daemon-flag F]... [--json]``
 
-Starts two ``kvd serve`` daemons recording timeline marks (the development setting
-``timeline_dir``, given to them in ``KVD_DEV`` with any ``--dev`` ones, see kvd/config.py
-and ``kvd/timeline.py``; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1),
-or with ``--local`` one daemon that sees both GPUs, the local transport of case (d)),
+Starts two ``kvd serve`` daemons recording timeline marks (``KVD_TIMELINE_DIR`` in their
+environment, see ``kvd/timeline.py``; ``--dev`` items go to their ``KVD_DEV``, see
+kvd/config.py; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1, or both
+on GPU 0 of a one-GPU host, each told it is a host of its own (``NCCL_HOSTID``) so that NCCL
+joins them over its socket transport on loopback: the hand-offs are the daemons', the wire
+is not NVLink's), or with ``--local`` one daemon that sees two GPUs, the local transport of
+case (d)),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
 and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
 (``Flow.once`` of benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned``
 and ``put.returned`` in this client), or with ``--pull`` pulls from B of blocks A lent
 (``pull_once``: ``pull.start``, ``pull.returned``, ``lend.returned``). Then it prints, for
 every mark seen in most transfers, its median offset from the transfer's start: ``A:`` and
-``B:`` are the daemons, ``X:`` this client. A diagnostic, not a benchmark: it prints no
-ratio, and recording marks costs a little time itself.
+``B:`` are the daemons, ``X:`` this client. Last, per daemon and NCCL direction, the two
+hand-offs of a job between its loop and its channel's worker (medians over the transfers):
+``nccl.<dir>.queued`` -> ``.start`` (the worker took it) and ``.end`` (its bytes are there,
+its future set) -> ``.seen`` (the loop ran the future's callback). A diagnostic, not a
+benchmark: it prints no ratio, and recording marks costs a little time itself.
 """
 
 from __future__ import annotations
@@ -70,6 +76,32 @@ def offsets(tdir: str, roles: dict[int, str], keys: list[str], start_mark: str =
     return per
 
 
+def shared_gpu(name: str, one_gpu: bool) -> dict[str, str]:
+    """Daemon ``name``'s NCCL environment when both daemons share this host's one GPU: a
+    host of its own to NCCL, which refuses two ranks of one host on one GPU."""
+    if not one_gpu:
+        return {}
+    return {"NCCL_HOSTID": f"kvd-timeline-{name}", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def handoffs(per: dict[str, list[float]]) -> dict[str, float]:
+    """Per daemon and NCCL direction, the median of each hand-off between its loop and the
+    channel's worker (microseconds), from transfers that marked both ends of it once."""
+    out: dict[str, float] = {}
+    for label in per:
+        role, _, name = label.partition(":")
+        if not (name.startswith("nccl.") and name.endswith(".queued")):
+            continue
+        side = name[:-len(".queued")]
+        for what, first, second in (("loop->worker", "queued", "start"),
+                                    ("worker->loop", "end", "seen")):
+            a, b = per.get(f"{role}:{side}.{first}"), per.get(f"{role}:{side}.{second}")
+            if a and b and len(a) == len(b):
+                out[f"{role}:{side} {what}"] = round(
+                    statistics.median(y - x for x, y in zip(a, b, strict=True)), 1)
+    return out
+
+
 def pull_once(flow: Flow, r_src: Any, ids: list[int], r_dst: Any, a_addr: str) -> float:
     """A lends blocks under a fresh key; B pulls them (the vLLM connector's default flow).
     Returns the seconds of the pull, which marks ``pull.start <key>``, ``pull.returned``
@@ -119,11 +151,15 @@ def main() -> int:
     tdir = tempfile.mkdtemp(prefix="kvd-timeline-")
     root = tempfile.mkdtemp(prefix="kvd-timeline-daemons-", dir="/tmp")
     # The daemons inherit this environment (gpu_transfer.start_daemon).
+    os.environ["KVD_TIMELINE_DIR"] = tdir
     os.environ["KVD_DEV"] = ",".join(
-        [os.environ.get("KVD_DEV", ""), *args.dev, f"timeline_dir={tdir}"]).lstrip(",")
+        item for item in [os.environ.get("KVD_DEV", ""), *args.dev] if item)
     cuda = args.device == "cuda"
+    one_gpu = cuda and torch.cuda.device_count() < 2
     if args.local and not cuda:
         ap.error("--local copies between two GPUs of one daemon: it needs --device cuda")
+    if args.local and one_gpu:
+        ap.error("--local copies between two GPUs of one daemon: this host has one")
     if args.local and args.pull:
         ap.error("--pull moves blocks between two daemons: not with --local")
     if not cuda:
@@ -136,24 +172,24 @@ def main() -> int:
             procs.append(a)
             flow = Flow(a_sock, a_sock, None)
         else:
-            a, a_sock, a_addr = start_daemon(root, "a", "0" if cuda else "")
+            gpu_a, gpu_b = ("0", "0" if one_gpu else "1") if cuda else ("", "")
+            a, a_sock, a_addr = start_daemon(root, "a", gpu_a, shared_gpu("a", one_gpu))
             procs.append(a)
-            b, b_sock, b_addr = start_daemon(root, "b", "1" if cuda else "")
+            b, b_sock, b_addr = start_daemon(root, "b", gpu_b, shared_gpu("b", one_gpu))
             procs.append(b)
             flow = Flow(a_sock, b_sock, b_addr)
         shape = ((1 if args.contiguous else 2) * args.blocks, args.block_bytes)
 
         def region(dev: str) -> list[torch.Tensor]:
             if cuda:
-                # Random bytes, as the benchmark moves: with constant ones (used until
-                # 2026-11-30) the 1 GiB case's wire took ~2.9 ms here against ~3.6 ms in
-                # the benchmark, and whether the data matters is not known yet.
+                # Random bytes, as the benchmark moves: with constant ones the 1 GiB case's
+                # wire took ~2.9 ms here against ~3.6 ms in the benchmark.
                 gen = torch.Generator(device=dev).manual_seed(1)
                 return [torch.randint(0, 256, shape, dtype=torch.uint8, device=dev,
                                       generator=gen) for _ in range(args.tensors)]
             return [shared_zeros(shape, torch.uint8).fill_(i + 1) for i in range(args.tensors)]
 
-        src, dst = region("cuda:0"), region("cuda:1")
+        src, dst = region("cuda:0"), region("cuda:0" if one_gpu else "cuda:1")
         if cuda:
             torch.cuda.synchronize()
         r_src, r_dst = flow.tx.register("src", src), flow.rx.register("dst", dst)
@@ -180,11 +216,19 @@ def main() -> int:
           f"{args.repeat}; mark offsets from its start (median us):")
     for med, name, n in rows:
         print(f"  {med:9.0f}  {name}" + ("" if n == args.repeat else f"  (in {n})"))
+    hands = handoffs(per)
+    if hands:
+        print("hand-offs between loop and NCCL worker (median us"
+              + (", one GPU: NCCL over sockets" if one_gpu else "") + "):")
+        for name, us in hands.items():
+            print(f"  {us:9.1f}  {name}")
     if args.json:
         print(json.dumps({"device": args.device, "tensors": args.tensors,
                           "blocks": args.blocks, "block_bytes": args.block_bytes,
                           "repeat": args.repeat,
+                          "one_gpu": one_gpu,
                           "total_median_us": round(statistics.median(totals), 1),
+                          "handoffs_median_us": hands,
                           "marks_median_us": {name: round(med, 1) for med, name, _ in rows}}))
     return 0
 

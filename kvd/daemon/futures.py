@@ -1,11 +1,11 @@
 """Loop futures for work that other threads (or the loop itself) finish.
 
-``asyncio.wrap_future`` hands every result to the loop through ``call_soon_threadsafe``,
-a write to the loop's wake-up fd and one more turn of the loop, even when the result is
-set on the loop's own thread. NCCL jobs that run inline (``NcclChannel``) finish there,
-and each is awaited twice (its transfer, the regions it holds): ``on_loop`` copies the
-result at once in that case, and goes through the loop otherwise, as ``wrap_future``
-does. Cancelling the loop future cancels the concurrent one, as ``wrap_future`` does.
+``on_loop`` is ``asyncio.wrap_future`` for the daemon's worker threads (NCCL channels,
+copies, TCP channels): a result set on another thread reaches the loop through
+``call_soon_threadsafe``, one write to the loop's wake-up fd: the one hand-off back per
+job. A result set on the loop's own thread (a future the loop settles itself) is copied
+at once instead of taking another turn of the loop, which ``wrap_future`` would.
+Cancelling the loop future cancels the concurrent one, as ``wrap_future`` does.
 """
 
 from __future__ import annotations

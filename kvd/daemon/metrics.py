@@ -121,7 +121,8 @@ class _StateCollector(Collector):
         ):
             yield GaugeMetricFamily(name, text, value=value)
         spins = CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
-                                    "polled without sleeping (busy_poll).")
+                                    "polled without sleeping (busy polling, on nodes that "
+                                    "see a GPU).")
         spins.add_metric([], engine.busy_poll.turns)
         yield spins
         expiries = CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.")

@@ -293,7 +293,7 @@ class Communicator:
         with self._state:
             self._caller = None
             # While the revoke is still running its thread aborts when it ends: the caller
-            # (often the event loop, in an inline job's ~50 us call) does not wait for it.
+            # (the channel's worker, in a ~50 us call) does not wait for it.
             deferred = self._abort_deferred and not self._revoking
             if deferred:
                 self._abort_deferred = False

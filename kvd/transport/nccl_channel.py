@@ -3,36 +3,65 @@
 Each channel owns a 2-rank communicator (``transport.nccl``), a worker thread, and its GPU
 side (``transport.nccl_streams.ChannelStreams``: two CUDA streams on its device — one for
 NCCL, one for the staging copies — and a few staging buffers of ``chunk_bytes``). The loop
-submits jobs (``transport.nccl_job.NcclJob``) and awaits their futures; the thread runs
+submits jobs (``transport.nccl_job.NcclJob``) and awaits their futures; the worker runs
 them in order, which is also the order the peer runs the matching jobs (both sides queue a
 transfer's job when the receiver's ACCEPT is sent / arrives, or, for an eager offer, when
 the OFFER is sent / arrives, and the peer link delivers those in order; see
-``daemon.transfer.transfers``), so every NCCL send meets its recv. This module decides who issues a
-job's work (the thread, or the loop for an inline job) and when; ``ChannelStreams`` what
-that work is.
+``daemon.transfer``), so every NCCL send meets its recv. Every NCCL call, staging copy and
+wait on a stream happens on the worker: the event loop only queues a job and, later, reads
+its future. This module decides when the worker issues a job's work and how it waits;
+``ChannelStreams`` what that work is.
 
 A transfer is cut into chunks (``transport.chunks.plan_chunks``), staged or not, on the two
-streams (``transport.nccl_streams``); the thread only enqueues work. Once a job's last work
-is queued on the streams (its *tail*: one final event, polled from the loop against the
-transfer's deadline), the next job may queue its own behind it: consecutive transfers
-overlap, one's NCCL calls and copies issued while the bytes of the one before are still
-moving. The streams keep them in order, and the staging buffers, which both reuse, carry
-the event after which each is free again from one job to the next.
+streams (``transport.nccl_streams``). Once a job's last work is queued on the streams (its
+*tail*: one final event), the worker keeps it in a FIFO of tails and goes on to the next
+queued job: consecutive transfers overlap, one's NCCL calls and copies issued while the
+bytes of the one before are still moving. The streams keep them in order, and the staging
+buffers, which both reuse, carry the event after which each is free again from one job to
+the next. Between jobs (and between a job's steps) the worker looks at its oldest tails in
+order and resolves each whose event fired: its future is set there, and the loop hears of
+it through that future (``daemon.futures.on_loop``: one write to the loop's wake-up fd).
+So a job crosses between the loop and the worker once each way, by design.
+
+*The hand-off.* A thread asleep in a futex pays for its wake-up: ~100-150 us per hand-off
+on the H200 host (a microVM whose idle vCPU halts; Python right after a 2 ms sleep runs ~4x
+slower than hot, see ``daemon.busy_poll``). So the worker does not go back to sleep in its
+queue while work flows: for ``_SPIN_S`` after its last job or tail it looks at the queue
+without blocking, with ``os.sched_yield()`` between looks, and only then blocks. The
+pause releases the GIL (the loop is never kept waiting for more than one look, a few
+microseconds) and costs ~0.2 us, where ``time.sleep(0)`` costs the kernel's 50 us timer
+slack (measured ~56-78 us). ``_SPIN_S`` is 2 ms: in a stream of transfers the next job
+comes one round trip after the last (~0.5 ms on the H200 host), so it finds the worker
+awake; a job after a longer quiet pays one wake-up, at most ~7 % of that quiet. While the
+worker spins and the loop runs Python the two share the GIL (a spinning thread with a
+GIL-releasing pause cost a busy thread ~10 % on a 2-core machine, a pure spin 2x), which is
+why the window is short and ends by itself. The same pause serves a job's tail until its
+bytes should be there (``_TAIL_SPIN_S`` plus its bytes at ``_TAIL_SPIN_BYTES_PER_S``);
+after that the worker waits on its queue for at most ``_TAIL_POLL_S`` between looks at the
+tail, so a new job still wakes it at once.
 
 NCCL cannot stop a transfer half way without the peer: once a job has started it runs to
 its end or to its deadline. A receive whose owner gave up before it started is still
 received — into staging, and dropped — so the two ends stay in step. Any timeout or error
-aborts the communicator (bounded, see ``transport.nccl``) and fails every later job: a
-channel that failed is never reused, the peer plane makes a new one.
+aborts the communicator (bounded, see ``transport.nccl``; ~0.5 s, on the worker, never on
+the loop) and fails every later job: a channel that failed is never reused, the peer
+plane makes a new one.
+
+Timeline marks (``kvd.timeline``) show the hand-off: ``nccl.<dir>.queued`` (the loop
+submits), ``.start`` (the worker took it), ``.issued`` (all its work queued: its tail
+begins), ``.end`` (the tail's event fired, the future is set) and, while marks are
+recorded, ``.seen`` (the loop ran the future's callback).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -45,7 +74,6 @@ import torch
 from kvd import timeline
 from kvd.errors import Cancelled, KvdError, KvdTimeout, PeerUnreachable, TransferFailed
 from kvd.transport import gpu_copy
-from kvd.transport.chunks import largest_chunk, plan_chunks
 from kvd.transport.nccl import Communicator
 from kvd.transport.nccl_job import (
     SETTLE,
@@ -53,7 +81,6 @@ from kvd.transport.nccl_job import (
     NcclJob,
     Steps,
     finish_steps,
-    only_direct,
     time_left,
 )
 from kvd.transport.nccl_streams import ChannelStreams
@@ -63,25 +90,24 @@ __all__ = ["NcclChannel"]
 log = logging.getLogger(__name__)
 
 _STOP = object()
-# An inline job is polled at every turn of the loop while its bytes should still be moving
-# (this long, plus its bytes at this rate), then every _INLINE_POLL_S.
-_INLINE_SPIN_S = 0.002
-_INLINE_SPIN_BYTES_PER_S = 300e9
-_INLINE_POLL_S = 0.0002
+# The worker's waits (the module's docstring, *The hand-off*, says why these numbers).
+_SPIN_S = 0.002  # after the last job or tail: look at the queue without sleeping this long
+# A tail is looked at without sleeping while its bytes should still be moving (this long,
+# plus its bytes at this rate), then at most every _TAIL_POLL_S.
+_TAIL_SPIN_S = 0.002
+_TAIL_SPIN_BYTES_PER_S = 300e9
+_TAIL_POLL_S = 0.0002
 
 
 @dataclass(eq=False)
-class _InlineRun:
-    """An inline job in progress (``NcclChannel._start_inline``)."""
+class _Tail:
+    """A job whose work is all queued, waiting in the worker for its last event."""
 
     job: NcclJob
     comm: Communicator
-    loop: asyncio.AbstractEventLoop
-    steps: Steps  # ChannelStreams.steps
-    spin_until: float  # time.monotonic(): poll at every loop turn until then
-    wait: Any = None  # what the current step waits for (SETTLE, an event, or LastStep); None:
-    # the first step has not run yet
-    locked: bool = True  # holds the channel's _comm_lock (until its last step, LastStep)
+    steps: Steps  # ChannelStreams.steps, finished once ``last`` fired
+    last: LastStep
+    spin_until: float  # time.monotonic(): look at it without sleeping until then
 
 
 class NcclChannel:
@@ -89,14 +115,13 @@ class NcclChannel:
 
     def __init__(self, name: str, device: torch.device, direction: str, chunk_bytes: int,
                  on_failed: Callable[[NcclChannel, KvdError], None] | None = None,
-                 inline: bool = True, blocking_calls: bool = True) -> None:
+                 blocking_calls: bool = True) -> None:
         if direction not in ("send", "recv"):
             raise ValueError(direction)
         self.name = name
         self.device = device
         self.direction = direction
         self.chunk_bytes = chunk_bytes
-        self.inline = inline
         self.blocking_calls = blocking_calls  # see kvd/transport/nccl.py
         self.last_used = time.monotonic()
         self.failed: KvdError | None = None
@@ -107,14 +132,9 @@ class NcclChannel:
         self._busy = 0  # items queued, or jobs still issuing their work
         self._tails = 0  # jobs whose work is all queued, waiting for their last event
         self._unconfirmed = 0  # sends the receiver has not confirmed yet (the loop's count)
-        self._loop: asyncio.AbstractEventLoop | None = None  # polls the thread's tails
-        self.jobs_inline = 0  # jobs run from the loop (_start_inline), for stats and tests
-        self.jobs_threaded = 0
+        self.jobs = 0  # jobs the worker started, for stats and tests
         self.jobs_overlapped = 0  # jobs that started while an earlier one's bytes moved
         self._lock = threading.Lock()
-        # Held by whoever issues a job's work, from its first call to its last step: the
-        # thread for its jobs, the loop for an inline one (see _start_inline).
-        self._comm_lock = threading.Lock()
         # Not a daemon thread: every NCCL call it makes is bounded by a deadline, and
         # teardown stops it with a sentinel and joins it (NcclLinks._drop).
         self._thread = threading.Thread(target=self._run, name=name)
@@ -133,15 +153,30 @@ class NcclChannel:
         self._queue(("warm", timeout_s))
 
     def submit(self, job: NcclJob) -> concurrent.futures.Future[int]:
-        """Run ``job`` after every job submitted before it. Called on the event loop."""
+        """Run ``job`` on the worker after every job submitted before it; its future is set
+        there. Called on the event loop (or any thread): it only queues."""
         self.last_used = time.monotonic()
-        if self._loop is None:
-            # (No loop: the thread waits for its jobs' tails itself.)
-            with contextlib.suppress(RuntimeError):
-                self._loop = asyncio.get_running_loop()
-        if not (self.inline and self._start_inline(job)):
-            self._queue(job)
+        timeline.mark(f"nccl.{self.direction}.queued")
+        if timeline.recording():
+            self._mark_seen(job)
+        self._queue(job)
         return job.future
+
+    def _mark_seen(self, job: NcclJob) -> None:
+        """Mark ``nccl.<dir>.seen`` when the submitting loop runs the job's future's
+        callbacks: the hand-off back, as the loop sees it. Only while marks are recorded
+        (it costs a second wake-up of the loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        name = f"nccl.{self.direction}.seen"
+
+        def settled(_fut: concurrent.futures.Future[int]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(timeline.mark, name)
+
+        job.future.add_done_callback(settled)
 
     def _queue(self, item: Any) -> None:
         """Work for the thread; the channel is busy (not evictable) until it is done."""
@@ -171,8 +206,8 @@ class NcclChannel:
         return confirmed
 
     def abort(self, error: KvdError) -> None:
-        """Abort the communicator now (from any thread): jobs in flight fail at their next
-        poll, queued ones at once."""
+        """Abort the communicator now (from any thread but the loop's: it takes ~0.5 s):
+        jobs in flight fail at the worker's next look, queued ones at once."""
         if self.failed is None:
             self.failed = error
         comm = self._comm
@@ -184,30 +219,60 @@ class NcclChannel:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    # ------------------------------------------------------------ thread side
+    # ------------------------------------------------------------ the worker
 
     def _run(self) -> None:
         torch.cuda.set_device(self.device)
         self._streams.open()
-        while True:
-            item = self._jobs.get()
-            if item is _STOP:
-                self._release()
-                return
-            if isinstance(item, tuple) and item[0] == "init":
-                self._init(*item[1:])
-                continue
-            if isinstance(item, tuple):
-                try:
-                    with self._comm_lock:
-                        self._warm(item[1])
-                finally:
-                    self._done(tail=False)
-                continue
-            self._run_job(item)
+        tails: collections.deque[_Tail] = collections.deque()
+        active = time.monotonic()  # when the last job was taken or tail ended
+        try:
+            while True:
+                item = self._next(tails, active)
+                if item is _STOP:
+                    return
+                if item is not None:
+                    self._handle(item, tails)
+                    active = time.monotonic()
+                if tails and self._reap(tails):
+                    active = time.monotonic()
+        finally:
+            self._release(tails)
 
-    def _run_job(self, job: NcclJob) -> None:
-        """Issue ``job``'s work in the thread, then hand its tail to the loop."""
+    def _next(self, tails: collections.deque[_Tail], active: float) -> Any:
+        """The next queued item, or None when it is time to look at the tails again (the
+        module's docstring, *The hand-off*)."""
+        try:
+            return self._jobs.get_nowait()
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if tails:
+            if now < tails[0].spin_until:
+                os.sched_yield()  # (releases the GIL)
+                return None
+            try:
+                return self._jobs.get(timeout=_TAIL_POLL_S)
+            except queue.Empty:
+                return None
+        if now - active < _SPIN_S:
+            os.sched_yield()
+            return None
+        return self._jobs.get()  # idle: sleep until the next item (stop() sends one too)
+
+    def _handle(self, item: Any, tails: collections.deque[_Tail]) -> None:
+        if isinstance(item, NcclJob):
+            self._run_job(item, tails)
+        elif item[0] == "init":
+            self._init(*item[1:])
+        else:
+            try:
+                self._warm(item[1])
+            finally:
+                self._done(tail=False)
+
+    def _run_job(self, job: NcclJob, tails: collections.deque[_Tail]) -> None:
+        """Issue ``job``'s work, then keep it among the tails."""
         if not job.future.set_running_or_notify_cancel():
             # Nobody waits for it any more, but the peer's matching job will run: send
             # zeros / drop the bytes, so the pair stays in step.
@@ -215,52 +280,29 @@ class NcclChannel:
                                       future=concurrent.futures.Future())
             job.future.set_running_or_notify_cancel()
         try:
-            # An inline job started before this one may still be issuing its work.
-            if not self._comm_lock.acquire(timeout=time_left(job, self.name)):
-                raise PeerUnreachable(f"transfer {job.transfer_id} on {self.name} ran out "
-                                      "of time behind the job before it")
-            try:
-                if self.failed is not None:
-                    raise self.failed
-                self._started(job)
-                self.jobs_threaded += 1
-                comm, steps, last = self._issue(job)
-            finally:
-                self._comm_lock.release()
+            if self.failed is not None:
+                raise self.failed
+            self._started(job, overlapping=bool(tails))
+            comm, steps, last = self._issue(job, tails)
         except BaseException as exc:
             err = self._as_error(exc)
             self._fail(err)
             job.future.set_exception(self.failed or err)
             self._done(tail=False)
             return
-        self._to_tail()
-        loop = self._loop
-        if loop is not None:
-            run = _InlineRun(job, comm, loop, steps, self._spin_until(job), wait=last,
-                             locked=False)
-            try:
-                loop.call_soon_threadsafe(self._poll_inline, run)
-                return
-            except RuntimeError:  # the loop is closed: wait here
-                pass
-        self._wait_tail(job, comm, steps, last)
+        with self._lock:
+            self._busy -= 1
+            self._tails += 1
+        timeline.mark(f"nccl.{self.direction}.issued")
+        tails.append(_Tail(job, comm, steps, last,
+                           job.started_at + _TAIL_SPIN_S
+                           + (job.nbytes or 0) / _TAIL_SPIN_BYTES_PER_S))
 
-    def _wait_tail(self, job: NcclJob, comm: Communicator,
-                   steps: Steps, last: LastStep) -> None:
-        """The tail of a job, waited for in the thread (there is no loop to poll it)."""
-        try:
-            comm.wait(last.event, time_left(job, self.name),
-                      f"{self.direction} of transfer {job.transfer_id}")
-            self._resolve(job, finish_steps(steps))
-        except BaseException as exc:
-            err = self._as_error(exc)
-            self._fail(err)
-            job.future.set_exception(self.failed or err)
-        self._done(tail=True)
-
-    def _issue(self, job: NcclJob) -> tuple[Communicator, Steps, LastStep]:
-        """Run ``job``'s steps up to its last (blocking polls): its communicator, its steps
-        (to finish once the last event fired) and that last step."""
+    def _issue(self, job: NcclJob, tails: collections.deque[_Tail]
+               ) -> tuple[Communicator, Steps, LastStep]:
+        """Run ``job``'s steps up to its last (blocking polls; the tails before it are
+        looked at between steps): its communicator, its steps (to finish once the last
+        event fired) and that last step."""
         comm = self._comm
         assert comm is not None
         steps = self._streams.steps(job, comm)
@@ -271,24 +313,54 @@ class NcclChannel:
             else:
                 comm.wait(wait, time_left(job, self.name),
                           f"{self.direction} of transfer {job.transfer_id}")
+            if tails:
+                self._reap(tails)
             wait = steps.send(None)
         return comm, steps, wait
 
-    def _started(self, job: NcclJob) -> None:
+    def _reap(self, tails: collections.deque[_Tail]) -> bool:
+        """Resolve the oldest tails whose last event fired, in order (the streams finish
+        them in order); fail them once the communicator was aborted, and abort it when a
+        tail's deadline passed. True if any tail ended."""
+        ended = False
+        while tails:
+            tail = tails[0]
+            try:
+                fired = tail.last.event.query()
+                if tail.comm.aborted:  # an abort ends the kernels too: the event fires
+                    raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
+                if not fired:
+                    now = time.monotonic()
+                    late = next((t for t in tails if now > t.job.deadline), None)
+                    if late is None:
+                        return ended
+                    raise KvdTimeout(
+                        f"nccl {self.direction} of transfer {late.job.transfer_id} on "
+                        f"{self.name} did not finish by its deadline; communicator aborted")
+                nbytes = finish_steps(tail.steps)
+            except BaseException as exc:
+                # The abort (in _fail) ends every tail's kernels: each fails in turn.
+                tails.popleft()
+                tail.steps.close()
+                err = self._as_error(exc)
+                self._fail(err)
+                tail.job.future.set_exception(self.failed or err)
+                self._done(tail=True)
+                ended = True
+                continue
+            tails.popleft()
+            timeline.mark(f"nccl.{self.direction}.end")  # (before the future's callbacks)
+            self._resolve(tail.job, nbytes)
+            self._done(tail=True, mark=False)
+            ended = True
+        return ended
+
+    def _started(self, job: NcclJob, overlapping: bool) -> None:
         job.started_at = time.monotonic()
-        if self._tails:
+        self.jobs += 1
+        if overlapping:
             self.jobs_overlapped += 1
         timeline.mark(f"nccl.{self.direction}.start")
-
-    def _to_tail(self) -> None:
-        """The job issuing its work has queued it all."""
-        with self._lock:
-            self._busy -= 1
-            self._tails += 1
-
-    def _spin_until(self, job: NcclJob) -> float:
-        return (job.started_at + _INLINE_SPIN_S
-                + (job.nbytes or 0) / _INLINE_SPIN_BYTES_PER_S)
 
     def _resolve(self, job: NcclJob, nbytes: int) -> None:
         if job.abandoned or job.blocks is None:
@@ -302,124 +374,16 @@ class NcclChannel:
         return exc if isinstance(exc, KvdError) else TransferFailed(
             f"nccl {self.direction} on {self.name}: {exc!r}")
 
-    def _done(self, tail: bool) -> None:
+    def _done(self, tail: bool, mark: bool = True) -> None:
         """A queued item or a job ended: in its tail, or before (failed, or not a job)."""
-        timeline.mark(f"nccl.{self.direction}.end")
+        if mark:
+            timeline.mark(f"nccl.{self.direction}.end")
         with self._lock:
             if tail:
                 self._tails -= 1
             else:
                 self._busy -= 1
         self.last_used = time.monotonic()
-
-    # ------------------------------------------------------------ inline jobs
-
-    def _start_inline(self, job: NcclJob) -> bool:
-        """Run ``job`` from the event loop's own thread when nothing is queued here or
-        issuing its work (so nothing may go first; jobs in their tail may be): the loop
-        runs the job's steps (``ChannelStreams.steps``: NCCL calls, one group when no
-        chunk needs staging, and the gathers or scatters of staged chunks) and polls what
-        each waits for between its other callbacks. That skips two thread hand-offs, each
-        ~100-150 us on the H200 host (the thread's wake-up with the GIL, then the loop's
-        when the future is set). Returns False when the job must go to the thread
-        instead: the channel is busy, the bytes are to be dropped, or its staging must
-        grow first (growing waits for the GPU)."""
-        comm = self._comm
-        if (comm is None or self.failed is not None or self._busy or job.blocks is None
-                or job.abandoned or not all(t.is_cuda for t in job.blocks.tensors)):
-            # Host memory stays off the loop: a copy between a GPU and pageable memory
-            # (the pool, unpinned by default) or a host-side index_select blocks the caller
-            # until the stream gets there, which is behind the NCCL kernel; a kernel whose
-            # peer froze or died never gets there, and the abort that would end it comes
-            # from this loop (seen: a peer resumed after SIGSTOP hung its daemon for good).
-            return False
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return False
-        chunks = plan_chunks(job.layout, job.num_blocks, job.chunk_bytes or self.chunk_bytes)
-        direct = job.blocks.direct_chunks(chunks, self.device)
-        if only_direct(direct) is None and not self._streams.holds(largest_chunk(chunks)):
-            return False
-        if not self._comm_lock.acquire(blocking=False):
-            return False
-        if not job.future.set_running_or_notify_cancel():
-            self._comm_lock.release()
-            return False
-        with self._lock:
-            self._busy += 1
-        self.jobs_inline += 1
-        job.inline = True
-        self._started(job)
-        nbytes = sum(c.nbytes for c in chunks)
-        run = _InlineRun(job, comm, loop, self._streams.steps(job, comm),
-                         job.started_at + _INLINE_SPIN_S
-                         + nbytes / _INLINE_SPIN_BYTES_PER_S)
-        self._poll_inline(run)  # the first step (the first NCCL call) now
-        return True
-
-    def _poll_inline(self, run: _InlineRun) -> None:
-        """One look at an inline job (or at a tail the thread handed over), from the loop:
-        if what its step waits for is done, run the next step; again at the next turn (or
-        shortly) until the last step is done or the job's deadline passes. At its last
-        step (``LastStep``) the job lets go of the channel: the next may issue its work."""
-        job = run.job
-        try:
-            if run.comm.aborted:
-                raise PeerUnreachable(f"nccl communicator {self.name} was aborted")
-            if run.wait is None:
-                ready = True
-            elif run.wait is SETTLE:
-                ready = run.comm.settled(self.direction)
-            elif isinstance(run.wait, LastStep):
-                ready = run.wait.event.query()
-            else:
-                ready = run.wait.query()
-            if ready:
-                try:
-                    run.wait = run.steps.send(None)
-                except StopIteration as stop:
-                    if run.comm.aborted:  # an abort ends the kernels too: the event fires
-                        raise PeerUnreachable(
-                            f"nccl communicator {self.name} was aborted") from None
-                    self._resolve(job, int(stop.value))
-                    self._done(tail=True)
-                    return
-                if isinstance(run.wait, LastStep) and run.locked:
-                    run.locked = False
-                    self._comm_lock.release()
-                    self._to_tail()
-                run.loop.call_soon(self._poll_inline, run)
-                return
-            if time.monotonic() > job.deadline:
-                raise KvdTimeout(f"nccl {self.direction} of transfer {job.transfer_id} on "
-                                 f"{self.name} did not finish by its deadline; "
-                                 "communicator aborted")
-            if time.monotonic() < run.spin_until:
-                run.loop.call_soon(self._poll_inline, run)
-            else:
-                run.loop.call_later(_INLINE_POLL_S, self._poll_inline, run)
-        except BaseException as exc:
-            run.steps.close()
-            self._fail_inline(run, self._as_error(exc))
-
-    def _fail_inline(self, run: _InlineRun, err: KvdError) -> None:
-        """Abort (~0.5 s, so off the loop: in its default executor, which the loop joins
-        when it closes, as ``NcclLinks`` does for teardown), then fail the job: once its
-        future is done no kernel of it touches the blocks."""
-        def fail() -> None:
-            try:
-                self._fail(err)
-            finally:
-                if run.locked:
-                    self._comm_lock.release()
-                run.job.future.set_exception(self.failed or err)
-                self._done(tail=not run.locked)
-
-        try:
-            run.loop.run_in_executor(None, fail)
-        except RuntimeError:  # the loop or its executor is shutting down: fail it here
-            fail()
 
     def _init(self, unique_id: bytes, rank: int, timeout_s: float) -> None:
         try:
@@ -460,11 +424,17 @@ class NcclChannel:
         if first and self._on_failed is not None:
             self._on_failed(self, err)
 
-    def _release(self) -> None:
+    def _release(self, tails: collections.deque[_Tail]) -> None:
+        """The worker ends (stopped): abort, then fail the tails still waiting (the abort
+        ended their kernels), and let the staging go."""
         comm = self._comm
         if comm is not None and self.failed is None:
             # A clean stop still aborts: destroy would wait for the peer, abort does not.
             comm.abort()
+        err = self.failed or PeerUnreachable(f"nccl channel {self.name} stopped")
+        while tails:
+            tail = tails.popleft()
+            tail.steps.close()
+            tail.job.future.set_exception(err)
+            self._done(tail=True)
         self._streams.release()
-
-

@@ -5,9 +5,9 @@ A job (``NcclJob``) is one transfer's send or receive on an ``NcclChannel``
 work is a generator of steps (``transport.nccl_streams``): between two yields it issues
 work on the GPU, and each yield says what to wait for before the next step — ``SETTLE``
 (the last NCCL call accepted), or, last, a ``LastStep`` whose event fires when the bytes
-are there. This module holds those shared shapes, so that the channel (which runs the
-steps, from its thread or from the loop) and the streams (which make them) depend on it
-and not on each other.
+are there. This module holds those shared shapes, so that the channel (whose worker
+thread runs the steps) and the streams (which make them) depend on it and not on each
+other.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class NcclJob:
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     started_at: float = 0.0
     abandoned: bool = False  # receiver: drop the bytes instead of storing them
-    inline: bool = False  # run from the event loop (_start_inline), not the channel's thread
 
 
 @dataclass(frozen=True)

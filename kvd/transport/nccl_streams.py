@@ -3,16 +3,15 @@ work of one job on them, as a generator of steps.
 
 A channel (``transport.nccl_channel``) owns one ``ChannelStreams``: a stream for NCCL, one
 for the staging copies, and ``STAGING_BUFFERS`` staging buffers (made on first need). This
-module decides *what* a job issues and in which order; the channel decides *who* runs it
-(its thread, or the event loop for an inline job) and when.
+module decides *what* a job issues and in which order; the channel decides when its
+worker thread runs it.
 
 A job's work is a generator of steps: between two yields it issues work (NCCL calls,
 copies, events), and each yield is what to wait for before the next step — ``SETTLE``
 (the last NCCL call accepted), or, last, ``LastStep``: the event after which the bytes are
-there (all calls accepted and all work queued by then). The channel's thread runs the
-steps up to ``LastStep`` with blocking polls (``NcclChannel._issue``) and hands the tail to
-the loop; the loop runs an inline job's with callbacks (``NcclChannel._poll_inline``): the
-same work either way.
+there (all calls accepted and all work queued by then). The channel's worker runs the
+steps up to ``LastStep`` with blocking polls (``NcclChannel._issue``) and keeps the job
+among its tails until that event fires (``NcclChannel._reap``).
 
 The sender gathers chunk k+1 into a free staging buffer on the copy stream while chunk k is
 on the wire on the NCCL stream; the receiver scatters chunk k on the copy stream while
@@ -48,7 +47,7 @@ STAGING_BUFFERS = 2  # double buffering: gather (or scatter) one chunk while one
 
 class ChannelStreams:
     """One channel's streams and staging buffers on ``device``, and its jobs' steps. Used
-    by one issuer at a time (the channel's lock, ``NcclChannel._comm_lock``)."""
+    by the channel's worker thread only."""
 
     comm_stream: torch.cuda.Stream  # NCCL's (made by open)
     copy_stream: torch.cuda.Stream  # the staging copies' (made by open)
@@ -68,11 +67,6 @@ class ChannelStreams:
         """Make the streams; in the channel's thread, its device current."""
         self.comm_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
-
-    def holds(self, nbytes: int) -> bool:
-        """Whether the staging buffers exist and take a chunk of ``nbytes`` (else the next
-        staged job grows them, which waits for the GPU)."""
-        return bool(self._staging) and self._staging[0].numel() >= nbytes
 
     def release(self) -> None:
         """Let the staging buffers go (the channel stopped)."""

@@ -172,6 +172,7 @@ class Count:
     """A message the machine ignored, counted as a bad message of ``kind``."""
 
     kind: str
+    transfer_id: int = 0
 
 
 Action = (Deliver | StartSend | EagerTcpAccepted | SendZeros[L] | StopEagerTcp | Tell[L]
@@ -307,7 +308,7 @@ class TransferMachine(Generic[L]):
                 if isinstance(msg, Accept) and msg.channel:
                     actions.append(SendZeros(gone, msg))
                 return actions
-            return [Count("unknown_transfer")]
+            return [Count("unknown_transfer", tid)]
         if isinstance(msg, Accept):
             actions.extend(self._accepted(link, out, msg))
         else:

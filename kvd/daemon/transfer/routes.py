@@ -79,10 +79,17 @@ class Moving(Protocol):
         """Sender: the receiver answered; the channel may be evicted again."""
 
 
+class _Job(Protocol):
+    future: concurrent.futures.Future[int]
+    started_at: float
+
+
 @dataclass(eq=False)
-class _TcpSending:
-    job: SendJob
-    transport: str = "tcp"
+class _OnRoute:
+    """A transport's job as a ``Moving``: by default it neither stops nor drops."""
+
+    job: _Job
+    transport: str
 
     @property
     def future(self) -> concurrent.futures.Future[int]:
@@ -91,6 +98,21 @@ class _TcpSending:
     @property
     def started_at(self) -> float:
         return self.job.started_at
+
+    def halt(self) -> bool:
+        return False
+
+    def discard(self) -> None:
+        pass
+
+    def confirmed(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _TcpSending(_OnRoute):
+    job: SendJob
+    transport: str = "tcp"
 
     def halt(self) -> bool:
         if self.job.future.cancel():
@@ -98,53 +120,23 @@ class _TcpSending:
         self.job.stop.set()  # a CANCELLED chunk ends it at the next chunk
         return False
 
-    def discard(self) -> None:
-        pass
-
-    def confirmed(self) -> None:
-        pass
-
 
 @dataclass(eq=False)
-class _TcpReceiving:
+class _TcpReceiving(_OnRoute):
     job: RecvJob
-    channel: RecvChannel
+    channel: RecvChannel | None = None
     transport: str = "tcp"
 
-    @property
-    def future(self) -> concurrent.futures.Future[int]:
-        return self.job.future
-
-    @property
-    def started_at(self) -> float:
-        return self.job.started_at
-
-    def halt(self) -> bool:
-        return False
-
     def discard(self) -> None:
-        self.channel.forget(self.job.transfer_id)
-
-    def confirmed(self) -> None:
-        pass
+        if self.channel is not None:
+            self.channel.forget(self.job.transfer_id)
 
 
 @dataclass(eq=False)
-class _NcclMoving:
+class _NcclMoving(_OnRoute):
     job: NcclJob
     until_confirmed: Callable[[], None] | None = None
     transport: str = "nccl"
-
-    @property
-    def future(self) -> concurrent.futures.Future[int]:
-        return self.job.future
-
-    @property
-    def started_at(self) -> float:
-        return self.job.started_at
-
-    def halt(self) -> bool:
-        return False
 
     def discard(self) -> None:
         # Not started: it receives into staging only; started: it finishes.
@@ -193,11 +185,11 @@ class TcpReceiveRoute:
         if arrival is None:  # an eager transfer's bytes we did not accept
             self.channel.drop(offer.transfer_id, offer.nbytes)
             job = RecvJob(offer.transfer_id, [], offer.nbytes, abandoned=True)
-            job.future.cancel()
-            return _TcpReceiving(job, self.channel)
+            job.future.cancel()  # (nothing waits for it: the channel reads and drops)
+            return _TcpReceiving(job)
         job = RecvJob(offer.transfer_id, arrival.wire_views(), offer.nbytes, eager=offer.eager)
         self.busy_poll.thread_work(self.channel.expect(job))  # its thread receives it
-        return _TcpReceiving(job, self.channel)
+        return _TcpReceiving(job, channel=self.channel)
 
 
 @dataclass(eq=False)
@@ -220,7 +212,7 @@ class NcclRoute:
         self._submit(job)
         confirmed = self.channel.until_confirmed()
         if source.blocks is not None:  # the send ends when the receiver has answered
-            return _NcclMoving(job, confirmed)
+            return _NcclMoving(job, until_confirmed=confirmed)
         loop = self.loop  # zeros for a receiver that gave up: no confirmation comes
 
         def sent(_: object) -> None:
@@ -242,7 +234,7 @@ class NcclRoute:
 
     def _submit(self, job: NcclJob) -> None:
         self.channel.submit(job)
-        self.busy_poll.thread_work(job.future)  # the channel's thread runs it
+        self.busy_poll.thread_work(job.future)  # its channel's worker runs it
 
 
 class Routes:

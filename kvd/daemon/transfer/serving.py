@@ -66,7 +66,7 @@ class PullServer(TransferPart):
         async def serve() -> None:
             if not link.alive:  # lost before this ran (on_link_lost did not see it)
                 return
-            with contextlib.suppress(KvdError):  # logged in _push; the puller has its own
+            with contextlib.suppress(KvdError):  # logged in Sender.push; the puller has its own
                 item.bytes_read += await self.sender.push(link, tid, req.key, source, None,
                                                     deadline)
 

@@ -138,8 +138,10 @@ class PeerTransfers(TransferPart):
                     receive = self._receives.get((id(link), tid))
                     if receive is not None:
                         receive.job.discard()
-                case Count(kind):
+                case Count(kind, tid):
                     self._count_bad(kind)
+                    log.info("message for unknown transfer_id=%d from %s ignored", tid,
+                             link.address)
 
     def _deliver(self, tid: int, reply: Answer | KvdError) -> None:
         push = self._pushes.get(tid)
@@ -218,11 +220,7 @@ class PeerTransfers(TransferPart):
                 self.plane.send(link, ChannelDown(channel=msg.channel, reason=(
                     f"{self.config.node_id} has no NCCL")))
         elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
-            actions = self.machine.on_answer(link, msg)
-            if actions and isinstance(actions[-1], Count):
-                log.info("message for unknown transfer_id=%d from %s ignored",
-                         msg.transfer_id, link.address)
-            self._act(link, actions)
+            self._act(link, self.machine.on_answer(link, msg))
 
     def on_link_up(self, link: PeerLink) -> None:
         if self.nccl is not None:
