@@ -251,10 +251,10 @@ class Engine:
                 return
             problem = unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx)
             if problem is not None:
-                waiter.future.set_exception(problem)
+                waiter.settle(problem)
                 continue
             self.claim(item)
-            waiter.future.set_result(item)
+            waiter.settle(item)
             if item.consume_once:
                 return
 
@@ -322,7 +322,7 @@ class Engine:
         # for copies touching it before its memory mapping goes away.
         for waiter in self.store.all_waiters():
             if waiter.region is region and not waiter.future.done():
-                waiter.future.set_exception(Cancelled(reason))
+                waiter.settle(Cancelled(reason))
         for item in self.store.items():
             if item.region is region:
                 self.store.remove(item)
@@ -368,9 +368,9 @@ class Engine:
         self.prepare_gpu_blocks(ours, region.layout)
         try:
             async with asyncio.timeout(timeout_s):
-                # Shielded: a cancel must not cancel the future itself, which would
-                # hide a put still writing into our blocks from _settle_abandoned.
-                result = await asyncio.shield(waiter.future)
+                # Not the future itself: a cancel of it would hide a put still writing
+                # into our blocks from _settle_abandoned (Waiter.wake).
+                result = await waiter.wake
         except (TimeoutError, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError) and waiter.stop_delivery is not None:
                 waiter.stop_delivery()  # (past a timeout, bytes on their way still land)
@@ -432,7 +432,7 @@ class Engine:
             problem = unfit(key, region.layout, len(idx), waiter.region, waiter.idx)
             if problem is None:
                 return await self._deliver(key, region, idx, waiter)
-            waiter.future.set_exception(problem)  # that get was wrong; keep the data
+            waiter.settle(problem)  # that get was wrong; keep the data
         item = await self._fill_pool_item(
             key, region, idx, owner=None, expires_at=expires_at, consume_once=True
         )
@@ -448,14 +448,14 @@ class Engine:
                 waiter.region.tensors, waiter.idx, waiter.blocks)
         except BaseException as exc:
             if not waiter.future.done():
-                waiter.future.set_exception(
+                waiter.settle(
                     exc if isinstance(exc, Exception) else Cancelled("put was cancelled")
                 )
             raise
         self.counters.bytes_out += nbytes
         self.counters.bytes_in += nbytes
         if not waiter.future.done():
-            waiter.future.set_result(Delivered(nbytes))
+            waiter.settle(Delivered(nbytes))
         return nbytes
 
     async def pull(

@@ -5,7 +5,10 @@ copies, TCP channels): a result set on another thread reaches the loop through
 ``call_soon_threadsafe``, one write to the loop's wake-up fd: the one hand-off back per
 job. A result set on the loop's own thread (a future the loop settles itself) is copied
 at once instead of taking another turn of the loop, which ``wrap_future`` would.
-Cancelling the loop future cancels the concurrent one, as ``wrap_future`` does.
+Cancelling the loop future cancels the concurrent one, as ``wrap_future`` does, unless
+``cancels_job`` is False: then a task awaiting it directly is as ``asyncio.shield`` would
+make it (a cancel of the task leaves the job running) without the shield's extra turn of
+the loop between the job's end and the task's wake-up.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def on_loop(cfut: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+def on_loop(cfut: concurrent.futures.Future[T], cancels_job: bool = True
+            ) -> asyncio.Future[T]:
     """An asyncio future of the running loop that settles as ``cfut`` does."""
     loop = asyncio.get_running_loop()
     afut: asyncio.Future[T] = loop.create_future()
@@ -34,7 +38,8 @@ def on_loop(cfut: concurrent.futures.Future[T]) -> asyncio.Future[T]:
         if dest.cancelled():
             cfut.cancel()
 
-    afut.add_done_callback(cancelled)
+    if cancels_job:
+        afut.add_done_callback(cancelled)
     cfut.add_done_callback(settled)
     return afut
 

@@ -80,6 +80,29 @@ class Waiter:
     # Set while a peer's bytes come straight into our blocks: a cancelled get calls it
     # to have the rest dropped (it still waits for a chunk being written).
     stop_delivery: Callable[[], None] | None = None
+    # What the get's task awaits: settled with ``future``, but a cancel of the task
+    # cancels only this one. (``asyncio.shield(future)`` would do the same one turn of
+    # the loop later: the shield's own callback comes between.)
+    wake: asyncio.Future[Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.wake = self.future.get_loop().create_future()
+
+    def settle(self, result: Any) -> None:
+        """The get's answer: a claim, a ``Delivered``, or an error (raised by the get)."""
+        if self.future.done():
+            return
+        for fut in (self.future, self.wake):
+            if fut.done():
+                continue
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+        if isinstance(result, BaseException):  # the get may be gone: nobody to raise it
+            for fut in (self.future, self.wake):
+                if not fut.cancelled():
+                    fut.exception()
 
 
 class KeyStore:

@@ -68,7 +68,7 @@ class Arrivals:
                 waiter.delivering = True
                 return Arrival(key, layout, num_blocks, expires_at, waiter.blocks,
                                waiter=waiter)
-            waiter.future.set_exception(problem)
+            waiter.settle(problem)
         _, packed = packed_offsets(layout, num_blocks)
         pool, block = self._staging_for(max(packed, 1), gpu)
         self.engine.store.reserve(key)
@@ -100,7 +100,7 @@ class Arrivals:
         self.engine.counters.bytes_in += nbytes
         if arrival.waiter is not None:
             if not arrival.waiter.future.done():
-                arrival.waiter.future.set_result(Delivered(nbytes))
+                arrival.waiter.settle(Delivered(nbytes))
         elif arrival.pool_block is not None:
             _, packed = packed_offsets(arrival.layout, arrival.num_blocks)
             self.engine.add_item(Item(
@@ -112,7 +112,7 @@ class Arrivals:
     def arrival_failed(self, arrival: Arrival, error: KvdError) -> None:
         if arrival.waiter is not None:
             if not arrival.waiter.future.done():
-                arrival.waiter.future.set_exception(error)
+                arrival.waiter.settle(error)
         elif arrival.pool_block is not None:
             self.engine.store.unreserve(arrival.key)
             (arrival.pool or self.engine.pool).free(arrival.pool_block)

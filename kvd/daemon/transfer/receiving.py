@@ -138,10 +138,9 @@ class Receiver(TransferPart):
     async def _receive(self, receive: Receive, pull: Pull | None) -> None:
         tid, link = receive.transfer_id, receive.link
         offered = time.monotonic()
-        afut = on_loop(receive.job.future)
         outcome = "failed"
-        try:
-            nbytes = await asyncio.shield(afut)  # regions held since the job was queued
+        try:  # (a cancel leaves the job be: the regions are held until it ends)
+            nbytes = await on_loop(receive.job.future, cancels_job=False)
             timeline.mark("transfer.received")
         except (asyncio.CancelledError, Exception) as exc:
             err = as_kvd_error(exc, f"transfer {tid}")
@@ -166,11 +165,10 @@ class Receiver(TransferPart):
                     # The get these bytes answer replies first: its client is what a
                     # decode step waits for, and each send on a local socket costs its
                     # receiver's wake-up (~30-40 us on the CI machine); the sender's
-                    # confirmation follows two turns of the loop later, as the get awaits
-                    # its waiter through asyncio.shield (Engine.get: a cancel must not
-                    # reach the waiter). (A pull's reply would need two turns too:
-                    # measured on the CI machine, no gain that stood out of its noise.)
-                    await asyncio.sleep(0)
+                    # confirmation follows one turn of the loop later, as the get's task
+                    # wakes at the next turn (Waiter.wake). (A pull's reply would need
+                    # two turns: measured on the CI machine, no gain that stood out of
+                    # its noise.)
                     await asyncio.sleep(0)
             finally:
                 self.plane.send(link, XferDone(transfer_id=tid, nbytes=nbytes))

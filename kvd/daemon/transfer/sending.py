@@ -142,9 +142,8 @@ class Sender(TransferPart):
         job = push.nccl_job or push.tcp_job  # started when the ACCEPT came (_act)
         if job is None:
             raise ProtocolError(f"{link.address} accepted, but no transport started")
-        afut = on_loop(job.future)
         try:  # (the regions are held since the job was queued: _send_started)
-            await asyncio.shield(afut)
+            await on_loop(job.future, cancels_job=False)
             timeline.mark("transfer.sent")
         except asyncio.CancelledError:
             if job.halt() and job.future.cancelled():
@@ -152,6 +151,7 @@ class Sender(TransferPart):
             # On the wire: TCP stops at the next chunk, an NCCL transfer runs to its end
             # (the receiver waits for it); wait, so that no byte is read from the
             # client's blocks after we answer.
+            afut = ended(job.future)
             await wait_out(afut, 60.0)
             if not afut.done() or afut.cancelled() or afut.exception() is not None:
                 raise asyncio.CancelledError from None
