@@ -1,24 +1,37 @@
 """The ``kvd`` command: ``serve``, ``status``, ``peers``, ``drain``, ``bench``, ``demo``,
 ``keygen``, ``stats``, ``ping``, ``--version``.
 
+Each command takes only its own options: ``serve`` the daemon's settings; the client
+commands (``ping``, ``stats``, ``status``, ``peers``, ``drain``, ``bench``) where the daemon
+is (``--socket-path``, read from nowhere else but ``KVD_SOCKET_PATH`` and the config file's
+``socket_path``), how long to wait, ``--json``, and their own. No option may be abbreviated.
+
 Errors are one line on stderr and a non-zero exit: 2 for bad configuration or usage,
-1 for a failed operation.
+1 for a failed operation. Under ``--json`` (the client commands and ``keygen``) an error is
+one line of JSON on stdout instead, ``{"error": {"code": ..., "message": ...}}``, with the
+same exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from kvd import __version__
-from kvd.config import add_config_arguments, config_from_args
+from kvd.config import client_socket_path, config_from_args, parse_size
 from kvd.errors import ConfigError, KvdError
 from kvd.protocol import PROTOCOL_VERSION
+from kvd.settings_help import add_config_arguments
+
+# Where `kvd keygen` writes without --dir: the directory the systemd unit and the sample
+# config (systemd/kvd.toml) read the node's keys from.
+DEFAULT_KEY_DIR = "/etc/kvd"
 
 
 def _setup_logging(level: str) -> None:
@@ -30,10 +43,19 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    from kvd.daemon.notify import StartupSteps
+
+    began = time.monotonic()
     config = config_from_args(args)  # a bad config fails before the second it takes to
     _setup_logging(config.log_level)  # import the daemon (torch)
+    steps = StartupSteps()
+    steps.done("config read", began)
+    began = time.monotonic()
     from kvd.daemon.service import run
 
+    steps.done("imports done", began)
     code = run(config)
     # Stopped: every resource went with the daemon's exit stack. The interpreter's own
     # teardown after that (torch's finalizers: 0.3 s of a 2-core machine's CPU) frees only
@@ -51,7 +73,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _client_socket(args: argparse.Namespace) -> str:
-    return str(config_from_args(args, check_paths=False).socket_path)
+    return client_socket_path(args.socket_path, args.config)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -176,22 +198,167 @@ def _outcomes(table: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(table.items())) or "-"
 
 
-def _cmd_keygen(args: argparse.Namespace) -> int:
-    from kvd.daemon.auth import write_keys
+def _dir_problem(directory: str) -> str | None:
+    """Why keys cannot be written into ``directory`` (None: they can): it is a writable
+    directory, or can be made in one."""
+    if os.path.lexists(directory):
+        if not os.path.isdir(directory):
+            return "is not a directory"
+        return None if os.access(directory, os.W_OK | os.X_OK) else "is not writable"
+    parent = os.path.dirname(directory.rstrip("/")) or "/"
+    if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+        return None
+    return f"does not exist and cannot be created ({parent} is not writable)"
 
-    public_file, secret_file, public = write_keys(args.dir, args.name)
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from kvd.daemon.auth import KeyFileExists, write_keys
+
+    directory = os.path.abspath(args.dir if args.dir is not None else DEFAULT_KEY_DIR)
+    if args.dir is None:
+        problem = _dir_problem(directory)
+        if problem:
+            raise _Refused("usage", f"the default key directory {directory} {problem}: run "
+                                    "as a user who may write there (root), or give --dir DIR",
+                           exit_code=2)
+    try:
+        public_file, secret_file, public = write_keys(directory, args.name)
+    except KeyFileExists as exc:
+        raise _Refused("key_exists", str(exc), exit_code=2) from None
+    except OSError as exc:
+        raise _Refused("cannot_write", f"cannot write keys into {directory}: "
+                                       f"{exc.strerror or exc}", exit_code=1) from None
+    allow_line = f"{public} HOST:PORT"
+    if args.json:
+        _print_json({"public_key_file": public_file, "secret_key_file": secret_file,
+                     "public_key": public, "allow_list_line": allow_line})
+        return 0
     print(f"public key: {public_file}\nsecret key: {secret_file} (mode 0600)")
     print("this daemon's config:")
     print(f'  curve_secret_key_file = "{secret_file}"')
     print('  curve_allowed_keys_file = "<the allow-list: one line per daemon>"')
     print("add this line to the allow-list (one file can serve every daemon; put this "
           "daemon's peer host:port):")
-    print(f"{public} HOST:PORT")
+    print(allow_line)
     return 0
 
 
+# --------------------------------------------------------------------------- the parser
+
+
+class _UsageError(Exception):
+    """A command line kvd does not take: argparse's complaint, raised to :func:`main`, which
+    writes it as text (with the command's usage) or as JSON."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Refused(Exception):
+    """A command that will not do what it was asked, for a reason of its own (no KvdError):
+    ``code`` names it under --json."""
+
+    def __init__(self, code: str, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.code, self.exit_code = code, exit_code
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviations (``--pool-size`` is not taken for ``--pool-size-bytes``), and errors
+    raised, not printed: :func:`main` writes them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """What argparse left over, with the real option the first one most likely means."""
+    first = next((arg for arg in extras if arg.startswith("--")), None)
+    if first is None:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    name = first.split("=", 1)[0]
+    options = [option for action in parser._actions if action.help != argparse.SUPPRESS
+               for option in action.option_strings if option.startswith("--")]
+    hint = [option for option in options if option.startswith(name)] or \
+        difflib.get_close_matches(name, options, n=1)
+    if not hint or len(hint) > 3:
+        return f"unrecognized option {name} (see {parser.prog} --help)"
+    return f"unrecognized option {name}: did you mean {' or '.join(hint)}?"
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            chosen: argparse.ArgumentParser = action.choices[name]
+            return chosen
+    return parser
+
+
+def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool],
+             words: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse``, then ``rule``; argparse names the option."""
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except (ValueError, ConfigError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not rule(value):
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
+        return value
+
+    return convert
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+_SECONDS = _checked(_float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
+_GRACE = _checked(_float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0")
+_SIZE = _checked(parse_size, lambda v: v > 0, "a size > 0")
+
+
+def _at_least(low: int) -> Callable[[str], Any]:
+    return _checked(_int, lambda v: v >= low, f"an integer >= {low}")
+
+
+def _client_options() -> _Parser:
+    """What every client command takes: where the daemon is, how long to wait, --json."""
+    common = _Parser(add_help=False)
+    group = common.add_argument_group("the daemon")
+    group.add_argument("--socket-path", metavar="PATH", default=None,
+                       help="the daemon's local socket [default: env KVD_SOCKET_PATH, else "
+                            "socket_path in the config file, else "
+                            "$XDG_RUNTIME_DIR/kvd/kvd.sock, else /tmp/kvd-UID/kvd.sock]")
+    group.add_argument("--config", metavar="PATH", default=None,
+                       help="the daemon's TOML config file, read for socket_path only "
+                            "[env KVD_CONFIG]")
+    group.add_argument("--timeout", metavar="SECONDS", type=_SECONDS, default=5.0,
+                       help="how long to wait for the daemon to answer [default 5]")
+    output = common.add_argument_group("output")
+    output.add_argument("--json", action="store_true",
+                        help='one line of JSON; an error too, as {"error": {"code": ..., '
+                             '"message": ...}} (same exit code)')
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon")
+    parser = _Parser(prog="kvd", description="KV-cache transfer daemon")
     parser.add_argument("--version", action="version",
                         version=f"kvd {__version__} (protocol {PROTOCOL_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -205,18 +372,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser(
-        "demo", help="start a daemon, move blocks between two clients, check the bytes"
-    )
-    demo.add_argument("--blocks", type=int, default=64, help="blocks in each region")
-    demo.add_argument("--block-kib", type=int, default=64, help="KiB per block per tensor")
-    demo.add_argument("--layers", type=int, default=4, help="tensors in each region")
+        "demo", help="start a daemon, move blocks between two clients, check the bytes",
+        description="Start a daemon of its own on a private socket, move KV blocks between "
+                    "two clients through it, check every byte, stop it.")
+    demo.add_argument("--blocks", type=_at_least(4), default=64, metavar="N",
+                      help="blocks in each region [>= 4; default 64]")
+    demo.add_argument("--block-kib", type=_at_least(1), default=64, metavar="KIB",
+                      help="KiB per block per tensor [default 64]")
+    demo.add_argument("--layers", type=_at_least(1), default=4, metavar="N",
+                      help="tensors in each region [default 4]")
     demo.set_defaults(func=_cmd_demo)
 
-    keygen = sub.add_parser("keygen", help="create a CurveZMQ key pair for the peer plane")
-    keygen.add_argument("--dir", default=".", help="where to write NAME.key and NAME.key_secret")
-    keygen.add_argument("--name", default="kvd", help="file name stem")
+    keygen = sub.add_parser(
+        "keygen", help="create a CurveZMQ key pair for the peer plane",
+        description="Write this daemon's CurveZMQ key pair, NAME.key (public) and "
+                    "NAME.key_secret (mode 0600), refusing to overwrite either; print their "
+                    "absolute paths, the config lines that use them and the allow-list line.")
+    keygen.add_argument("--dir", default=None, metavar="DIR",
+                        help=f"where to write the keys, created if missing [default "
+                             f"{DEFAULT_KEY_DIR}, when this user may write there; else "
+                             f"required]")
+    keygen.add_argument("--name", default="kvd", metavar="NAME",
+                        help="the files' name stem [default kvd]")
+    keygen.add_argument("--json", action="store_true",
+                        help="one line of JSON (the paths, the public key, the allow-list "
+                             "line); an error too")
     keygen.set_defaults(func=_cmd_keygen)
 
+    common = _client_options()
     for name, func, help_text in (
         ("status", _cmd_status, "what the daemon is doing, as a table"),
         ("peers", _cmd_peers, "the peer daemons this one is linked to"),
@@ -225,35 +408,64 @@ def build_parser() -> argparse.ArgumentParser:
         ("drain", _cmd_drain, "stop taking work, finish in-flight work, exit; report"),
         ("bench", _cmd_bench, "move data to a peer and back; throughput and latency"),
     ):
-        p = sub.add_parser(name, help=help_text)
-        add_config_arguments(p)
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
-        p.add_argument("--json", action="store_true", help="one line of JSON")
+        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() +
+                           help_text[1:] + ".", parents=[common])
         p.set_defaults(func=func)
         if name == "drain":
-            p.add_argument("--grace", type=float, default=None,
-                           help="seconds in-flight work may take (default: drain_grace_s)")
+            p.add_argument("--grace", type=_GRACE, default=None, metavar="SECONDS",
+                           help="how long in-flight work may take before it is cancelled "
+                                "[default: the daemon's drain_grace_s]")
         if name == "bench":
-            p.add_argument("--to", required=True, help="peer daemon host:port")
-            p.add_argument("--size", default="256MiB", help="bytes per transfer (e.g. 1GiB)")
-            p.add_argument("--blocks", type=int, default=16, help="blocks per transfer")
-            p.add_argument("--repeat", type=int, default=5, help="transfers each way")
+            own = p.add_argument_group("the benchmark")
+            own.add_argument("--to", required=True, metavar="HOST:PORT",
+                             help="the peer daemon's peer address (required)")
+            own.add_argument("--size", type=_SIZE, default=parse_size("256MiB"),
+                             metavar="SIZE", help="bytes per transfer, e.g. 1GiB; at most "
+                                                  "the peer's host pool [default 256MiB]")
+            own.add_argument("--blocks", type=_at_least(1), default=16, metavar="N",
+                             help="blocks per transfer; they split --size evenly "
+                                  "[default 16]")
+            own.add_argument("--repeat", type=_at_least(1), default=5, metavar="N",
+                             help="transfers each way [default 5]")
     return parser
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    return "--json" in options
+
+
+def _fail(as_json: bool, code: str, message: str, exit_code: int, label: str) -> int:
+    if as_json:
+        sys.stderr.flush()
+        _print_json({"error": {"code": code, "message": message}})
+    else:
+        print(f"{label}: {message}", file=sys.stderr)
+    return exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            command = _subcommand(parser, getattr(args, "command", None))
+            command.error(_unrecognized(command, extras))
         code: int = args.func(args)
+    except _UsageError as exc:
+        if not as_json:
+            exc.parser.print_usage(sys.stderr)
+        return _fail(as_json, "usage", str(exc), 2, f"{exc.parser.prog}: error")
+    except _Refused as exc:
+        return _fail(as_json, exc.code, str(exc), exc.exit_code, f"kvd: {args.command}")
     except ConfigError as exc:
-        print(f"kvd: config error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(as_json, exc.code, str(exc), 2, "kvd: config error")
     except KvdError as exc:
-        print(f"kvd: {exc.code}: {exc}", file=sys.stderr)
-        return 1
+        return _fail(as_json, exc.code, str(exc), 1, f"kvd: {exc.code}")
     except KeyboardInterrupt:
-        return 130
+        return _fail(as_json, "interrupted", "interrupted", 130, "kvd")
     return code
 
 

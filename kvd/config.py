@@ -18,6 +18,9 @@ defaults < TOML file < ``KVD_<KEY>`` environment < ``--<key>`` flags.
       timeline marks, kvd/timeline.py) is an error (it is almost always a typo).
     * Flags: ``--<field-name-with-dashes> VALUE``, parsed from text like the environment.
 
+The daemon (``kvd serve``) reads all of these. A client command reads only the socket path,
+with the same precedence (:func:`client_socket_path`).
+
 **Development settings** (chunk sizes, code-path switches) are for measuring the daemon,
 not for operators: none is a config key, a ``KVD_<KEY>`` variable or a flag (each of those
 is refused with a pointer here). They come from one place, the ``KVD_DEV`` environment
@@ -53,7 +56,6 @@ from kvd.settings_socket import (
 )
 from kvd.settings_values import (
     BOOL,
-    BOOLEANS_IN_WORDS,
     INT,
     NO_WHITESPACE,
     NON_EMPTY,
@@ -62,7 +64,6 @@ from kvd.settings_values import (
     POWER_OF_TWO,
     SECONDS,
     SIZE,
-    SIZES_IN_WORDS,
     STR,
     Check,
     GiB,
@@ -84,9 +85,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["CONFIG_ENV", "DEVELOPMENT_SETTINGS", "DEV_ENV", "ENV_PREFIX", "MAX_SOCKET_PATH_BYTES",
-           "OPERATOR_SETTINGS", "Config", "add_config_arguments", "check_socket_path",
-           "config_from_args", "default_socket_path", "development_overrides",
-           "fallback_socket_dir", "format_size", "load_config", "operator_settings_markdown",
+           "OPERATOR_SETTINGS", "Config", "check_socket_path",
+           "client_socket_path", "config_from_args", "default_socket_path",
+           "development_overrides", "fallback_socket_dir", "format_size", "load_config",
            "parse_size", "socket_dir_problem"]
 
 ENV_PREFIX = "KVD_"
@@ -105,20 +106,22 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _META = "kvd"
 
 
-def _opt(default: Any, kind: Kind, *checks: Check, help: str, allowed: str = "") -> Any:
-    """An operator setting with a fixed default."""
+def _opt(default: Any, kind: Kind, *checks: Check, help: str, allowed: str = "",
+         metavar: str = "", shown: str = "") -> Any:
+    """An operator setting with a fixed default (``shown``: what an empty one means)."""
     return field(default=default,
-                 metadata={_META: Spec(kind, checks, help, allowed=allowed)})
+                 metadata={_META: Spec(kind, checks, help, allowed=allowed, metavar=metavar,
+                                       default_text=shown)})
 
 
 def _computed(fn: Callable[[Mapping[str, str]], Any], shown: str, kind: Kind, *checks: Check,
-              help: str, allowed: str = "") -> Any:
+              help: str, allowed: str = "", metavar: str = "") -> Any:
     """An operator setting whose default is computed from the environment when the config is
     loaded (``shown``: that default in words)."""
     return field(
         default_factory=lambda: fn(os.environ),
         metadata={_META: Spec(kind, checks, help, default_from_env=fn, default_text=shown,
-                               allowed=allowed)},
+                               allowed=allowed, metavar=metavar)},
     )
 
 
@@ -147,28 +150,30 @@ class Config:
     node_id: str = _computed(
         _default_node_id, "the host name", STR, NON_EMPTY, NO_WHITESPACE,
         help="this daemon's name in peers' logs, metrics and `kvd peers`; unique in the "
-             "cluster", allowed="text without whitespace")
+             "cluster", allowed="text without whitespace", metavar="NAME")
     peer_host: str = _opt("127.0.0.1", STR, NON_EMPTY, allowed="a host name or IP address",
-                          help="where the peer and data ports listen")
+                          metavar="HOST", help="where the peer and data ports listen")
     peer_port: int = _opt(14579, INT, PORT, help="peers' control connections (ZeroMQ)")
     data_port: int = _opt(14580, INT, PORT,
                           help="peers' data connections (host-memory bytes, TCP)")
     advertise_host: str = _opt("", STR, allowed="a host name or IP address, or empty",
-                               help="the host peers are told to use, when not peer_host "
-                                    "(empty: peer_host)")
+                               metavar="HOST", shown="none (peer_host is told)",
+                               help="the host peers are told to use, when not peer_host")
     peers: str = _opt("", STR, allowed="host:port items separated by commas, or empty",
+                      metavar="HOST:PORT,...", shown="none",
                       help="peers kept linked from the start; /readyz waits for them")
     http_host: str = _opt("127.0.0.1", STR, NON_EMPTY, allowed="a host name or IP address",
+                          metavar="HOST",
                           help="where /metrics, /healthz, /readyz and /v1/* listen "
                                "(no authentication)")
     http_port: int = _opt(9400, INT, PORT, help="the HTTP port")
     # ---- keys
     curve_secret_key_file: str = _opt(
-        "", STR, allowed=_A_FILE,
-        help="this daemon's CurveZMQ secret key (from `kvd keygen`); empty, with the "
-             "allow-list empty too: peers are not authenticated")
+        "", STR, allowed=_A_FILE, metavar="FILE", shown="none (peers are not authenticated)",
+        help="this daemon's CurveZMQ secret key (from `kvd keygen`); set with "
+             "curve_allowed_keys_file, or neither")
     curve_allowed_keys_file: str = _opt(
-        "", STR, allowed=_A_FILE,
+        "", STR, allowed=_A_FILE, metavar="FILE", shown="none (peers are not authenticated)",
         help="the daemons this one talks to: one line each, its public key and host:port")
     encrypt_data: bool = _opt(True, BOOL,
                               help="with CurveZMQ keys, TLS on the data connections; the "
@@ -282,6 +287,27 @@ def _env_var(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def _closest(word: str, names: list[str]) -> list[str]:
+    """The real names ``word`` most likely misspells: those it begins (a word of three
+    characters or more, at most three names), else those most alike (difflib's ratio, at
+    least 0.6), else none."""
+    if len(word) >= 3:
+        starting = [name for name in names if name.startswith(word)]
+        if 0 < len(starting) <= 3:
+            return starting
+    scores = {name: difflib.SequenceMatcher(None, word, name).ratio() for name in names}
+    best = max(scores.values(), default=0.0)
+    return [name for name, score in scores.items() if score == best] if best >= 0.6 else []
+
+
+def _did_you_mean(choices: list[str]) -> str:
+    if not choices:
+        return ""
+    either = choices[0] if len(choices) == 1 else \
+        f"{', '.join(choices[:-1])} or {choices[-1]}"
+    return f"; did you mean {either}?"
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -289,7 +315,7 @@ def _one_line(text: str) -> str:
 def _default_text(f: dataclasses.Field[Any]) -> str:
     spec = _spec(f)
     value: Any = f.default
-    if spec.default_from_env is not None:
+    if spec.default_text:
         return spec.default_text
     if spec.kind is SIZE:
         return format_size(value)
@@ -297,7 +323,7 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
         return str(value).lower()
     if spec.kind is SECONDS:
         return f"{value:g}"
-    return str(value) if value != "" else "empty"
+    return str(value)
 
 
 # Settings that are gone: what to do instead ("use KEY ..." names the one that replaced it).
@@ -344,8 +370,7 @@ def _operator_spec(key: str, source: str) -> Spec:
         raise _development_setting(key, source)
     if key in _REMOVED:
         raise _gone(key, source)
-    hint = difflib.get_close_matches(key, list(_OPERATOR), n=1)
-    suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+    suggestion = _did_you_mean([repr(name) for name in _closest(key, list(_OPERATOR))])
     raise ConfigError(f"unknown key {key!r} (from {source}){suggestion}")
 
 
@@ -426,8 +451,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                 raise _development_setting(key, source)
             if key in _REMOVED:
                 raise _gone(key, source, var)
-            hint = difflib.get_close_matches(var, list(env_names), n=1)
-            suggestion = f"; did you mean {hint[0]}?" if hint else ""
+            # (matched without the prefix, which every name shares)
+            suggestion = _did_you_mean([_env_var(name) for name in _closest(key, list(_OPERATOR))])
             raise ConfigError(f"unknown variable {var} (from env){suggestion}")
         values[key] = (_parse(key, source, _spec(_OPERATOR[key]).from_text, env[var]), source)
     return values
@@ -503,39 +528,32 @@ def _load(
     return config
 
 
-# --------------------------------------------------------------------------- help and docs
+# --------------------------------------------------------------------------- for the CLI
 
 
-def _help(name: str, f: dataclasses.Field[Any]) -> str:
-    spec = _spec(f)
-    return (f"{spec.help} [{spec.allowed_values()}; default {_default_text(f)}; "
-            f"env {_env_var(name)}]").replace("%", "%%")  # (argparse formats help with %)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config PATH`` and one ``--<field-name>`` flag per operator setting (all default
-    ``None``, taken as text and parsed like environment values). A development setting's
-    flag is there but hidden, so that using it gets the pointer to ``KVD_DEV``."""
-    group = parser.add_argument_group(
-        "operator settings (flags > KVD_<KEY> env > config file > defaults)",
-        f"Config-file keys are the flags' names with _; {SIZES_IN_WORDS}; "
-        f"{BOOLEANS_IN_WORDS}.")
-    group.add_argument(
-        "--config",
-        metavar="PATH",
-        default=None,
-        help=f"TOML config file, flat keys [env {CONFIG_ENV}]",
-    )
-    for name, f in _FIELDS.items():
-        spec = _spec(f)
-        group.add_argument(
-            _flag(name),
-            dest=name,
-            metavar=spec.kind.name.upper(),
-            type=str,
-            default=None,
-            help=argparse.SUPPRESS if spec.dev else _help(name, f),
-        )
+def client_socket_path(flag: str | None, config_file: str | None = None,
+                       env: Mapping[str, str] | None = None) -> str:
+    """The socket a client command (``kvd ping``, ``status``, ...) connects to: ``flag``
+    (``--socket-path``), else ``KVD_SOCKET_PATH``, else ``socket_path`` in the config file
+    (``config_file``, else ``$KVD_CONFIG``), else the default. Nothing else is read: the
+    daemon's other settings, in the environment or the file, are not a client's business,
+    and a stray or misspelt one does not stop a client."""
+    env = os.environ if env is None else env
+    spec = _spec(_FIELDS["socket_path"])
+    var = _env_var("socket_path")
+    if flag is not None:
+        return str(_parse("socket_path", "flag --socket-path", spec.from_text, flag))
+    if var in env:
+        return str(_parse("socket_path", f"env {var}", spec.from_text, env[var]))
+    origin = " (from flag --config)"
+    if config_file is None and env.get(CONFIG_ENV):
+        config_file, origin = env[CONFIG_ENV], f" (from env {CONFIG_ENV})"
+    if config_file is not None:
+        table = _read_toml(config_file, origin)
+        if "socket_path" in table:
+            return str(_parse("socket_path", f"file {config_file}", spec.from_value,
+                              table["socket_path"]))
+    return str(_parse("socket_path", "default", spec.from_value, default_socket_path(env)))
 
 
 def config_from_args(
@@ -544,7 +562,7 @@ def config_from_args(
     *,
     check_paths: bool = True,
 ) -> Config:
-    """Load the config for a namespace parsed with :func:`add_config_arguments`."""
+    """Load the config for a namespace parsed with ``settings_help.add_config_arguments``."""
     config_file = getattr(args, "config", None)
     return _load(
         config_file=config_file,
@@ -553,16 +571,3 @@ def config_from_args(
         overrides={name: getattr(args, name, None) for name in _FIELDS},
         check_paths=check_paths,
     )
-
-
-def operator_settings_markdown() -> str:
-    """The operator settings as the Markdown table in docs/operations.md (a test keeps the
-    two the same: regenerate it from here after changing a setting)."""
-    rows = ["| key | allowed values | default | what it sets |", "| --- | --- | --- | --- |"]
-    for name, f in _OPERATOR.items():
-        spec = _spec(f)
-        default = _default_text(f)
-        if spec.default_from_env is None and f.default != "":
-            default = f"`{default}`"
-        rows.append(f"| `{name}` | {spec.allowed_values()} | {default} | {spec.help} |")
-    return "\n".join(rows) + "\n"

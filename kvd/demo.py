@@ -48,7 +48,11 @@ def run_demo(args: argparse.Namespace) -> int:
                "--pool-size-bytes", "256MiB", "--http-port", "0", "--peer-port", "0",
                "--data-port", "0", "--log-level", "warning"]
         print(f"starting daemon: {' '.join(cmd[2:])}")
-        daemon = subprocess.Popen(cmd)
+        # Its settings are all in its flags: whatever KVD_* variables this shell holds (for
+        # another daemon, or a typo) are not the demo's, and do not reach its daemon.
+        env = {name: value for name, value in os.environ.items()
+               if not name.startswith("KVD_")}
+        daemon = subprocess.Popen(cmd, env=env)
         try:
             _wait_ready(daemon, sock, 90.0)  # a loaded machine imports torch slowly
             with KvdClient(sock, name="prefill") as prefill, \

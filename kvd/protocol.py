@@ -393,6 +393,8 @@ class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
     # SHA-256 of the TLS certificate this daemon's data port presents (encrypt_data under
     # CurveZMQ); empty: its data port speaks plain TCP.
     data_fingerprint: Annotated[bytes, Meta(max_length=32)] = b""
+    # This daemon's host pool: the most one put to it can hold (0: not told).
+    pool_capacity_bytes: NonNeg = 0
 
 
 class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
@@ -405,6 +407,7 @@ class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
     devices: Annotated[list[Device], Meta(max_length=64)]
     nccl_blocking_calls: bool = False  # as in PeerHello
     data_fingerprint: Annotated[bytes, Meta(max_length=32)] = b""  # as in PeerHello
+    pool_capacity_bytes: NonNeg = 0  # as in PeerHello
 
 
 class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):

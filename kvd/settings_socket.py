@@ -46,7 +46,7 @@ def _absolute_socket_path(value: str) -> str:
 
 
 SOCKET_PATH = Check(f"a path of at most {MAX_SOCKET_PATH_BYTES} bytes", _absolute_socket_path,
-                    whole=True)
+                    whole=True, metavar="PATH")
 
 
 def socket_dir_problem(directory: str) -> str | None:

@@ -157,19 +157,21 @@ def _str_from_value(value: object) -> str:
 @dataclass(frozen=True)
 class Kind:
     """How one type of setting is read: from text (env, flags) and from a typed value
-    (TOML); ``allowed`` names it for a reader."""
+    (TOML); ``allowed`` names it for a reader, ``metavar`` stands for a value in ``--help``
+    where the setting names nothing more telling."""
 
     name: str
     allowed: str
     from_text: Callable[[str], Any]
     from_value: Callable[[object], Any]
+    metavar: str
 
 
-STR = Kind("string", "text", str, _str_from_value)
-INT = Kind("integer", "an integer", _int_from_text, _int_from_value)
-SIZE = Kind("size", "a size", _size_from_text, _size_from_value)
-SECONDS = Kind("seconds", "seconds", _seconds_from_text, _seconds_from_value)
-BOOL = Kind("boolean", "true or false", _bool_from_text, _bool_from_value)
+STR = Kind("string", "text", str, _str_from_value, "TEXT")
+INT = Kind("integer", "an integer", _int_from_text, _int_from_value, "N")
+SIZE = Kind("size", "a size", _size_from_text, _size_from_value, "SIZE")
+SECONDS = Kind("seconds", "seconds", _seconds_from_text, _seconds_from_value, "SECONDS")
+BOOL = Kind("boolean", "true or false", _bool_from_text, _bool_from_value, "true|false")
 
 
 SIZES_IN_WORDS = ("sizes are bytes, or a number with a unit: KiB, MiB, GiB, TiB (or K, M, G, T), "
@@ -185,11 +187,12 @@ class Check:
     """One rule a value must follow. ``apply`` returns the value (possibly normalised) or
     raises :class:`InvalidValue`; ``allowed`` is the rule in words, following the kind's
     name ("an integer" + "in 0..65535"), or, with ``whole``, on its own (a list of
-    choices)."""
+    choices); ``metavar``, if any, stands for a value in ``--help`` ("PORT")."""
 
     allowed: str
     apply: Callable[[Any], Any]
     whole: bool = False
+    metavar: str = ""
 
 
 def allowed_text(kind: Kind, checks: tuple[Check, ...]) -> str:
@@ -240,7 +243,7 @@ def _no_whitespace(value: str) -> str:
 
 
 POSITIVE = Check("> 0", _positive)
-PORT = Check("in 0..65535 (0: any free port)", _port)
+PORT = Check("in 0..65535 (0: any free port)", _port, metavar="PORT")
 POWER_OF_TWO = Check("a power of two", _power_of_two)
 NON_EMPTY = Check("", _non_empty)  # (the field's own words say what it holds)
 NO_WHITESPACE = Check("", _no_whitespace)
@@ -254,7 +257,8 @@ def one_of(*choices: str) -> Check:
             raise InvalidValue(f"must be one of {', '.join(choices)}, got {value!r}")
         return choice
 
-    return Check(f"{', '.join(choices[:-1])} or {choices[-1]}", apply, whole=True)
+    return Check(f"{', '.join(choices[:-1])} or {choices[-1]}", apply, whole=True,
+                 metavar="|".join(choices))
 
 
 # --------------------------------------------------------------------------- a setting
@@ -270,8 +274,9 @@ class Spec:
     help: str  # one line: what the setting is for
     dev: bool = False  # a development setting: only from KVD_DEV
     default_from_env: Callable[[Mapping[str, str]], Any] | None = None
-    default_text: str = ""  # a computed default, in words
+    default_text: str = ""  # the default in words: a computed one, or what empty means
     allowed: str = ""  # the allowed values in words, where the checks' own words fall short
+    metavar: str = ""  # what stands for a value in --help, where the checks' fall short
 
     def from_text(self, text: str) -> Any:
         return self._check(self.kind.from_text(text))
@@ -281,6 +286,11 @@ class Spec:
 
     def allowed_values(self) -> str:
         return self.allowed or allowed_text(self.kind, self.checks)
+
+    def value_name(self) -> str:
+        """What stands for a value in ``--help``: ``PORT``, ``debug|info|...``, ``SIZE``."""
+        return self.metavar or next((c.metavar for c in self.checks if c.metavar),
+                                    self.kind.metavar)
 
     def _check(self, value: Any) -> Any:
         for check in self.checks:

@@ -22,16 +22,16 @@ from kvd.config import (
     MAX_SOCKET_PATH_BYTES,
     OPERATOR_SETTINGS,
     Config,
-    add_config_arguments,
     check_socket_path,
+    client_socket_path,
     config_from_args,
     development_overrides,
     format_size,
     load_config,
-    operator_settings_markdown,
     parse_size,
 )
 from kvd.errors import ConfigError, KvdError
+from kvd.settings_help import add_config_arguments, operator_settings_markdown
 from tests.conftest import ProcessDaemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -410,6 +410,57 @@ def test_curve_settings_come_together(tmp_path: Path, sock: str) -> None:
         with pytest.raises(ConfigError, match="line 2"):
             keys(curve_secret_key_file=secret_file, curve_allowed_keys_file=str(allowed))
     assert oct(os.stat(secret_file).st_mode)[-3:] == "600"
+
+
+@pytest.mark.parametrize(("key", "suggestion"), [
+    ("pool", "; did you mean 'pool_size_bytes'?"),
+    ("http", "; did you mean 'http_host' or 'http_port'?"),
+    ("port", "; did you mean 'peer_port', 'data_port' or 'http_port'?"),
+    ("peer", "; did you mean 'peers'?"),
+    ("x", ""),
+    ("foo", ""),
+])
+def test_an_unknown_key_gets_the_closest_real_names_or_none(tmp_path: Path, sock: str,
+                                                            key: str, suggestion: str) -> None:
+    path = write(tmp_path / "kvd.toml", f"{key} = 1\n")
+    assert config_error(config_file=path, env={"KVD_SOCKET_PATH": sock}) == \
+        f"unknown key '{key}' (from file {path}){suggestion}"
+    var = f"KVD_{key.upper()}"
+    as_variables = re.sub(r"'(\w+)'", lambda m: f"KVD_{m.group(1).upper()}", suggestion)
+    assert config_error(env={"KVD_SOCKET_PATH": sock, var: "1"}) == \
+        f"unknown variable {var} (from env){as_variables}"
+
+
+def test_a_client_reads_the_socket_path_and_nothing_else(tmp_path: Path) -> None:
+    """Flag > KVD_SOCKET_PATH > the config file's socket_path > the default; the daemon's
+    other settings, good or bad, in the environment or the file, are not read."""
+    toml = write(tmp_path / "kvd.toml", 'socket_path = "from-file.sock"\nbogus = 1\n'
+                                        'pool_size_bytes = "lots"\n')
+    junk = {"KVD_FOO": "1", "KVD_POOL_SIZE_BYTES": "lots", "KVD_DEV": "x"}
+    assert client_socket_path("flag.sock", toml, {**junk, "KVD_SOCKET_PATH": "env.sock"}) == \
+        os.path.abspath("flag.sock")
+    assert client_socket_path(None, toml, {**junk, "KVD_SOCKET_PATH": "env.sock"}) == \
+        os.path.abspath("env.sock")
+    assert client_socket_path(None, toml, junk) == os.path.abspath("from-file.sock")
+    assert client_socket_path(None, None, {**junk, "KVD_CONFIG": toml}) == \
+        os.path.abspath("from-file.sock")
+    assert client_socket_path(None, None, {**junk, "XDG_RUNTIME_DIR": str(tmp_path)}) == \
+        str(tmp_path / "kvd" / "kvd.sock")
+    with pytest.raises(ConfigError, match=r"config file .*missing.toml' \(from env KVD_CONFIG\)"
+                                          r": cannot read"):
+        client_socket_path(None, None, {"KVD_CONFIG": str(tmp_path / "missing.toml")})
+    with pytest.raises(ConfigError, match="socket_path: must not be empty"):
+        client_socket_path(None, None, {"KVD_SOCKET_PATH": ""})
+
+
+def test_every_operator_setting_names_its_value_and_its_default_in_words() -> None:
+    for f in dataclasses.fields(Config):
+        spec = f.metadata["kvd"]
+        if spec.dev:
+            continue
+        assert spec.value_name() not in ("TEXT", "STRING", "INTEGER", "BOOLEAN"), f.name
+        if f.default == "":
+            assert spec.default_text, f"{f.name}: what its empty default means, in words"
 
 
 def test_table_in_file_is_unknown_key(tmp_path: Path, sock: str) -> None:
@@ -873,7 +924,7 @@ def settings_named(text: str) -> list[str]:
 
 def test_operations_md_holds_the_settings_table_and_no_development_setting() -> None:
     """docs/operations.md's table is the one made from Config (regenerate it with
-    ``python -c "from kvd.config import operator_settings_markdown as t; print(t())"``)."""
+    ``python -c "from kvd.settings_help import operator_settings_markdown as t; print(t())"``)."""
     text = (REPO / "docs" / "operations.md").read_text()
     assert operator_settings_markdown() in text
     assert settings_named(text) == []

@@ -3,9 +3,11 @@ socket, HTTP probes, and every CLI command against a daemon and against none."""
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,8 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvd import KvdClient, shared_zeros
+from kvd.daemon.metrics import BAD_MESSAGE_REASONS
 from tests.conftest import READY_TIMEOUT_S, ProcessDaemon, wait_until
 from tests.test_peers import Node, free_port, random_region
 
@@ -67,6 +71,16 @@ def move_some_data(a: Node, b: Node) -> None:
     b.client.get("k1", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
 
 
+def promtool_checks(text: str) -> None:
+    """``promtool check metrics`` is clean on ``text`` (skips where promtool is missing)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (.ci/run installs Debian's prometheus)")
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_metrics_pass_promtool_and_prometheus_scrapes_them(two_nodes: Any,
                                                            sock_dir: str) -> None:
     a, b = two_nodes
@@ -83,12 +97,8 @@ def test_metrics_pass_promtool_and_prometheus_scrapes_them(two_nodes: Any,
         assert name in text, name
     assert 'kvd_channels{direction="send",transport="nccl"} 0.0' in text  # no GPUs here
     assert f'kvd_transfers_total{{direction="send",outcome="done",peer="{b.address}"' in text
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (.ci/run installs Debian's prometheus)")
-    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                           text=True, timeout=30)
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert "_created" not in text  # (counters and histograms with samples would have them)
+    promtool_checks(text)
 
     prometheus = shutil.which("prometheus")
     assert prometheus is not None
@@ -118,6 +128,116 @@ def test_metrics_pass_promtool_and_prometheus_scrapes_them(two_nodes: Any,
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+# The calls that count a bad message, and which of their arguments is the reason.
+_COUNTING_CALLS = {"count_bad": 0, "_count_bad": 0, "Count": 0, "refuse": 3, "_refuse": 3,
+                   "Refusal": 1}
+_BAD_INPUT_CALLS = {"count": 0, "report": 0}  # self._bad.count(reason), self._bad.report(...)
+_LOCAL_SOCKET_FILES = {"local_server.py", "lifelines.py"}
+
+
+def _reason_literals(node: ast.AST, function: ast.AST | None) -> set[str]:
+    """The reason strings ``node`` (an argument) can be: a literal, either branch of an
+    ``a if c else b``, or what a local variable of that name is assigned in ``function``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.IfExp):
+        return _reason_literals(node.body, function) | _reason_literals(node.orelse, function)
+    if isinstance(node, ast.Name) and function is not None:
+        found: set[str] = set()
+        for assign in ast.walk(function):
+            if isinstance(assign, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == node.id for t in assign.targets):
+                found |= _reason_literals(assign.value, None)
+        return found
+    return set()
+
+
+def bad_message_reasons_counted() -> dict[str, set[str]]:
+    """Every reason kvd/daemon counts in ``bad_messages``, by socket, read from the code."""
+    counted: dict[str, set[str]] = {"local": set(), "peer": set()}
+    root = os.path.join(REPO, "kvd", "daemon")
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            with open(os.path.join(directory, name)) as f:
+                tree = ast.parse(f.read())
+            socket_name = "local" if name in _LOCAL_SOCKET_FILES else "peer"
+            functions = [n for n in ast.walk(tree)
+                         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+            for function in functions:
+                for call in ast.walk(function):
+                    if not isinstance(call, ast.Call):
+                        continue
+                    func = call.func
+                    called = func.attr if isinstance(func, ast.Attribute) else (
+                        func.id if isinstance(func, ast.Name) else "")
+                    if called == "_bad" and socket_name == "local":
+                        position: int | None = 1  # _bad(identity, reason, req_id, err)
+                    elif called in _BAD_INPUT_CALLS and isinstance(func, ast.Attribute) and \
+                            isinstance(func.value, ast.Attribute) and func.value.attr == "_bad":
+                        position = _BAD_INPUT_CALLS[called]
+                    else:
+                        position = _COUNTING_CALLS.get(called)
+                    if position is None:
+                        continue
+                    args = call.args[position:position + 1] + [
+                        k.value for k in call.keywords if k.arg == "bad"]
+                    for arg in args:
+                        counted[socket_name] |= _reason_literals(arg, function)
+    return counted
+
+
+def test_every_bad_message_reason_the_code_counts_is_exported_from_the_start() -> None:
+    counted = bad_message_reasons_counted()
+    assert len(counted["local"]) >= 10 and len(counted["peer"]) >= 15, counted  # it reads
+    for socket_name, reasons in counted.items():
+        missing = reasons - set(BAD_MESSAGE_REASONS[socket_name])
+        assert not missing, f"add to BAD_MESSAGE_REASONS[{socket_name!r}]: {sorted(missing)}"
+        stale = set(BAD_MESSAGE_REASONS[socket_name]) - reasons
+        assert not stale, f"no longer counted ({socket_name}): {sorted(stale)}"
+
+
+def dashboard_metric_names() -> set[str]:
+    with open(os.path.join(REPO, "docs", "grafana", "kvd-dashboard.json")) as f:
+        dashboard = json.load(f)
+    exprs = [target["expr"] for panel in dashboard["panels"]
+             for target in panel.get("targets", []) if "expr" in target]
+    exprs += [v["query"]["query"] if isinstance(v.get("query"), dict) else v.get("query", "")
+              for v in dashboard["templating"]["list"]]
+    return {name for expr in exprs for name in re.findall(r"\bkvd_[a-z_]+", expr)}
+
+
+def test_metrics_at_start_bad_messages_at_zero_no_created_and_the_dashboard_s_names(
+        sock_dir: str) -> None:
+    d = ProcessDaemon(sock_dir).wait_ready()
+    try:
+        with KvdClient(d.socket_path, timeout_s=10) as c:
+            http = c.stats()["http"]
+        status, text = http_get(f"http://{http}/metrics")
+    finally:
+        d.stop()
+    assert status == 200
+    assert "_created" not in text
+    families = list(text_string_to_metric_families(text))
+    bad = {(s.labels["socket"], s.labels["reason"]): s.value
+           for f in families if f.name == "kvd_bad_messages" for s in f.samples}
+    expected = {(sock, reason) for sock, reasons in BAD_MESSAGE_REASONS.items()
+                for reason in reasons}
+    assert set(bad) == expected and set(bad.values()) == {0.0}, bad
+    # Every name the dashboard queries is on /metrics (a family with no samples yet, such
+    # as GPU staging without GPUs, counts: its # TYPE line is there).
+    exported: set[str] = set()
+    for f in families:
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        exported |= {f.name + s for s in suffixes.get(f.type, [""])}
+    used = dashboard_metric_names()
+    assert {"kvd_gpu_staging_bytes", "kvd_nccl_channel_events_total",
+            "kvd_pulls_waiting_for_key", "kvd_bad_messages_total"} <= used
+    assert used <= exported, sorted(used - exported)
+    promtool_checks(text)
 
 
 def test_health_status_and_peers_endpoints(two_nodes: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,14 @@ class BadInput(Exception):
     pass
 
 
+class NoDaemon(Exception):
+    """No kvd daemon answers at ``socket_path``: the worker cannot start."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__(socket_path)
+        self.socket_path = socket_path
+
+
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--host", default="127.0.0.1")
@@ -68,11 +77,14 @@ def make_app(name: str, args: argparse.Namespace,
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-compute")
         client = kvd.AsyncKvdClient(args.socket, name=name)
         try:
+            try:  # first: without a daemon the worker has nothing to do
+                await client.connect()
+            except kvd.DaemonUnavailable:
+                raise NoDaemon(client.socket_path) from None
             loop = asyncio.get_running_loop()
             model = await loop.run_in_executor(executor, load_model, args.model_dir,
                                                args.device)
             kv = PagedKV.for_model(model, args.num_blocks)
-            await client.connect()
             region = await kv.register(client)  # once per process
             app[WORKER] = Worker(name, model, kv, BlockAllocator(kv.num_blocks), client,
                                  region, executor)
@@ -126,4 +138,9 @@ async def read_body(request: web.Request, fields: dict[str, type]) -> dict[str, 
 
 
 def serve(app: web.Application, host: str, port: int) -> None:
-    web.run_app(app, host=host, port=port, print=None, access_log=None)
+    try:
+        web.run_app(app, host=host, port=port, print=None, access_log=None)
+    except NoDaemon as exc:
+        print(f"no kvd daemon at {exc.socket_path}: start one with "
+              f"`kvd serve --socket-path {exc.socket_path}`", file=sys.stderr)
+        sys.exit(1)

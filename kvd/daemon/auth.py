@@ -135,14 +135,25 @@ def zap_answer(frames: Sequence[bytes], keys: CurveKeys,
     return [version, request_id, b"400", why.encode(), b"", b""]
 
 
+class KeyFileExists(FileExistsError):
+    """``write_keys`` found a key file of that name already: it overwrites no key."""
+
+
 def write_keys(directory: str, name: str) -> tuple[str, str, str]:
-    """Create ``NAME.key`` and ``NAME.key_secret`` (mode 0600) in ``directory``; returns
-    both paths and the public key (z85)."""
+    """Create ``NAME.key`` and ``NAME.key_secret`` (mode 0600) in ``directory`` (made if
+    missing); returns both absolute paths and the public key (z85). Raises
+    :class:`KeyFileExists`, writing nothing, if either file is there."""
+    directory = os.path.abspath(directory)
+    found = [path for path in (os.path.join(directory, name + suffix)
+                               for suffix in (".key", ".key_secret"))
+             if os.path.lexists(path)]
+    if found:
+        raise KeyFileExists(
+            f"{' and '.join(found)} {'exists' if len(found) == 1 else 'exist'}: not "
+            f"overwriting a key. To keep it, use it as it is; to replace it, remove "
+            f"{name}.key and {name}.key_secret first (and update the allow-lists that name "
+            f"its public key); or choose another --name or --dir")
     os.makedirs(directory, exist_ok=True)
-    for suffix in (".key", ".key_secret"):
-        path = os.path.join(directory, name + suffix)
-        if os.path.exists(path):
-            raise ConfigError(f"{path} exists; not overwriting a key")
     # The secret file is made 0600 before the key goes in: no moment where others read it.
     secret_path = os.path.join(directory, name + ".key_secret")
     os.close(os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))

@@ -6,6 +6,11 @@ state (pool, keys, peers, clients, channels, in-flight work) or already counted 
 daemon's own tables (requests, bad messages, expiries) is read at scrape time by a custom
 collector, so there is one source of truth and nothing to keep in step.
 
+Every series a dashboard plots exists from the first scrape: each bad-message reason is
+there at 0 until it happens (``BAD_MESSAGE_REASONS``), so a healthy daemon's panel shows
+zero, not "no data". No ``*_created`` samples: they double the series for a value nobody
+graphs.
+
 Names follow ``kvd_<noun>_<unit>``; docs/operations.md lists them with one line each.
 """
 
@@ -15,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -32,6 +37,24 @@ DURATION_BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
 
+# What the daemon counts in ``bad_messages``, by socket: the local one (local_server.py,
+# lifelines.py) and the peer plane (peers.py, peer_sockets.py, peer_dial.py, peer_data.py,
+# transfer/). Each is exported at 0 from the start; a reason counted but missing here is
+# still exported once it happens (and a test fails until it is added).
+BAD_MESSAGE_REASONS: dict[str, tuple[str, ...]] = {
+    "local": (
+        "connection_lost", "duplicate_hello", "duplicate_req_id", "frames", "malformed",
+        "no_hello", "no_lifeline", "no_session", "segments", "too_large", "unclaimed_limit",
+        "unread_replies", "version",
+    ),
+    "peer": (
+        "auth", "bad_offer", "data_connect", "data_encryption", "data_handshake",
+        "data_token", "duplicate_hello", "duplicate_transfer", "empty", "frames",
+        "handshake", "link_limit", "malformed", "no_link", "pull_limit", "takeover",
+        "unexpected", "unknown_transfer", "unlinked_limit", "version",
+    ),
+}
+
 
 def _nccl_version() -> str:
     try:
@@ -47,6 +70,9 @@ def _nccl_version() -> str:
 
 class Metrics:
     def __init__(self) -> None:
+        # (Process-wide in prometheus_client, read at scrape time; the daemon owns its
+        # process, and in tests nothing wants the creation times either.)
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.started = time.time()
         self._transfers = Counter(
@@ -138,8 +164,9 @@ class _StateCollector(Collector):
                                   labels=["socket", "reason"])
         for socket_name, table in (("local", local.bad_messages if local else {}),
                                    ("peer", peers.bad_messages if peers else {})):
-            for reason, n in sorted(table.items()):
-                bad.add_metric([socket_name, reason], n)
+            reasons = sorted({*BAD_MESSAGE_REASONS[socket_name], *table})
+            for reason in reasons:
+                bad.add_metric([socket_name, reason], table.get(reason, 0))
         yield bad
         in_flight = GaugeMetricFamily("kvd_in_flight_transfers", "Transfers in progress.",
                                       labels=["direction"])

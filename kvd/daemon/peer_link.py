@@ -31,6 +31,7 @@ class PeerLink:
     last_seen: float = 0.0
     devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
     nccl_blocking_calls: bool = False  # the peer splits its channels for blocking calls
+    pool_capacity_bytes: int = 0  # the peer's host pool (0: not told)
     alive: bool = True
     send_channel: SendChannel | None = None
     recv_channel: RecvChannel | None = None
@@ -52,6 +53,7 @@ class PeerLink:
                 "alive": self.alive, "last_heard_s_ago": round(now - self.last_seen, 3),
                 "devices": self.devices, "nccl_blocking_calls": self.nccl_blocking_calls,
                 "data_encrypted": bool(self.data_fingerprint),
+                "pool_capacity_bytes": self.pool_capacity_bytes,
                 "channels": {"send": self.send_channel is not None,
                              "recv": self.recv_channel is not None}}
 

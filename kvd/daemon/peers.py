@@ -190,7 +190,8 @@ class PeerPlane:
                 "epoch": self.epoch, "address": self.address, "data_port": self.data_port,
                 "data_token": token, "devices": [CPU_DEVICE, *self.gpus],
                 "nccl_blocking_calls": self.nccl_blocking_calls,
-                "data_fingerprint": tls.fingerprint if tls else b""}
+                "data_fingerprint": tls.fingerprint if tls else b"",
+                "pool_capacity_bytes": self.config.pool_size_bytes}
 
     async def link_to(self, address: str, timeout_s: float) -> PeerLink:
         """The live link to ``address``, after a handshake if there is none. Concurrent
@@ -251,7 +252,8 @@ class PeerPlane:
                         token_for_us=welcome.data_token, dial=dial,
                         data_fingerprint=welcome.data_fingerprint,
                         last_seen=self._loop.time(), devices=list(welcome.devices),
-                        nccl_blocking_calls=welcome.nccl_blocking_calls)
+                        nccl_blocking_calls=welcome.nccl_blocking_calls,
+                        pool_capacity_bytes=welcome.pool_capacity_bytes)
         self._add_link(link)
         log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
                  link.epoch)
@@ -328,7 +330,8 @@ class PeerPlane:
                         fd=fd if isinstance(fd, int) else -1,
                         data_fingerprint=hello.data_fingerprint,
                         last_seen=self._loop.time(), devices=list(hello.devices),
-                        nccl_blocking_calls=hello.nccl_blocking_calls)
+                        nccl_blocking_calls=hello.nccl_blocking_calls,
+                        pool_capacity_bytes=hello.pool_capacity_bytes)
         self._add_link(link)
         self._by_routing_id[routing_id] = link
         if link.fd >= 0:

@@ -24,12 +24,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvd import timeline
-from kvd.config import Config, check_socket_path, development_overrides
+from kvd.config import Config, check_socket_path, development_overrides, format_size
 from kvd.daemon.engine import Engine
 from kvd.daemon.http import HttpServer
 from kvd.daemon.local_server import LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.notify import Notifier
+from kvd.daemon.notify import Notifier, StartupSteps
 from kvd.daemon.parts import DaemonParts
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.socket_files import PathClaim
@@ -66,6 +66,14 @@ def busy_poll_window_s(sees_gpu: bool) -> float:
 
 ShutdownTrigger = Callable[[], Awaitable[Any]]
 
+# How long the stop waits for the loop's leftovers (the thread pool's last jobs, which join
+# threads with their own bounds of 5-10 s) before the process exits without them.
+FINISH_TIMEOUT_S = 10.0
+
+# A host pool this large reports how far its pages are touched at every tenth; a smaller
+# one is taken in about a second, and its start and end lines say enough.
+POOL_PROGRESS_FROM_BYTES = 2**30
+
 
 class Daemon:
     def __init__(self, config: Config) -> None:
@@ -79,18 +87,54 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.attach(self.parts)
         self.notifier = Notifier()
+        self.steps = StartupSteps(self.notifier)
         self.http: HttpServer | None = None
         self.pool_allocated = False
+        self._pool_taking = False
+        self._pool_parts: dict[str, list[float]] = {}  # part -> [first, last] report
         self.drained = asyncio.Event()
         self.drain_report: dict[str, Any] = {}
         self._grace_s: float | None = None
         self._signals = 0
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._stopping_at = 0.0  # time.monotonic() when the drain began
 
-    async def serve(self, shutdown_trigger: ShutdownTrigger | None = None) -> None:
+    async def serve(self, shutdown_trigger: ShutdownTrigger | None = None, *,
+                    owns_loop: bool = False) -> None:
+        """Start, serve, drain, stop. ``owns_loop`` (``run``: the loop is the daemon's
+        alone): the loop's own leftovers (tasks, the thread pool's last jobs: a lost
+        link's channels closing, an NCCL teardown) are finished too, within
+        ``FINISH_TIMEOUT_S``, so that nothing of the daemon's runs after "kvd stopped"
+        and the process exits right after it."""
         with contextlib.ExitStack() as outer:
             await self._serve(outer, shutdown_trigger)
-        log.info("kvd stopped")
+            if owns_loop:
+                await self._finish_loop()
+        log.info("kvd stopped%s", f" ({time.monotonic() - self._stopping_at:.2f}s after "
+                                  "the stop began)" if self._stopping_at else "")
+
+    async def _finish_loop(self) -> None:
+        """What ``asyncio.run`` does after its coroutine, bounded: without a bound, a
+        straggling job of the thread pool would hold the exit after "kvd stopped"."""
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=FINISH_TIMEOUT_S)
+        await loop.shutdown_asyncgens()
+        began = time.monotonic()
+        pool = asyncio.ensure_future(loop.shutdown_default_executor())
+        forced = asyncio.ensure_future(self._force.wait())  # a second signal: no more waiting
+        await asyncio.wait([pool, forced], timeout=FINISH_TIMEOUT_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not pool.done():  # (the process exits anyway: its threads go with it)
+            pool.cancel()
+            log.warning("blocking work still running %.1fs after the stop: not waited for",
+                        time.monotonic() - began)
 
     async def _serve(self, outer: contextlib.ExitStack,
                      shutdown_trigger: ShutdownTrigger | None) -> None:
@@ -108,20 +152,27 @@ class Daemon:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
             self.ready.set()
             assert self.peers is not None and self.http is not None
-            log.info("kvd ready node=%s epoch=%d socket=%s peer=%s http=%s pool=%dB",
-                     self.config.node_id, self.epoch, self.config.socket_path,
-                     self.peers.address, self.http.address, self.config.pool_size_bytes)
+            self.steps.line(
+                f"kvd ready node={self.config.node_id} epoch={self.epoch} "
+                f"socket={self.config.socket_path} peer={self.peers.address} "
+                f"http={self.http.address} pool={self.config.pool_size_bytes}B")
             self.notifier.ready(f"serving on {self.config.socket_path}, peers on "
                                 f"{self.peers.address}")
             self.notifier.start_watchdog()
             await trigger
+            self._stopping_at = time.monotonic()
             self.notifier.stopping("draining")
-            self.drain_report = await self.drain(self._grace_s or self.config.drain_grace_s)
+            self.drain_report = await self.drain(
+                self.config.drain_grace_s if self._grace_s is None else self._grace_s)
             self.drained.set()
 
     async def drain_on_request(self, grace_s: float | None) -> dict[str, Any]:
         """``kvd drain``: drain as on SIGTERM, and report once in-flight work is done."""
-        log.info("drain requested over the local socket (grace %s)", grace_s)
+        if grace_s is None:
+            log.info("drain requested over the local socket (grace %.1fs: drain_grace_s)",
+                     self.config.drain_grace_s)
+        else:
+            log.info("drain requested over the local socket (grace %.1fs, as asked)", grace_s)
         self._grace_s = grace_s
         self._stop.set()
         await self.drained.wait()
@@ -139,8 +190,9 @@ class Daemon:
             self._force.set()
 
     async def _startup(self, stack: contextlib.AsyncExitStack) -> None:
-        self._force = asyncio.Event()
+        steps = self.steps
         _raise_open_file_limit()
+        steps.begin("claiming the socket path")
         check_socket_path(self.config)
         prepare_socket_dir(self.config.socket_path)
         # The socket path is ours before anything is allocated: a second daemon on it is
@@ -148,38 +200,47 @@ class Daemon:
         claim = PathClaim(self.config.socket_path)
         claim.take()
         stack.callback(claim.release)  # last: after the sockets are removed
+        steps.done(f"socket path claimed: {self.config.socket_path}")
         if tuning := development_overrides(self.config):
             log.warning("development settings (KVD_DEV): %s",
                         ", ".join(f"{k}={v}" for k, v in tuning.items()))
         if timeline.start_from_environment():  # KVD_TIMELINE_DIR: a development aid
             stack.callback(timeline.stop)
         # HTTP first: /healthz answers and /readyz says why not while the pool is taken.
+        steps.begin("starting HTTP")
         self.http = HttpServer(self.config, self.metrics.registry, self.status,
                                self.not_ready_reasons)
         await self.http.start()
         stack.push_async_callback(self.http.close)
         stack.push_async_callback(self.notifier.close)
-        self.notifier.status("allocating the host pool")
+        steps.done(f"http listening on {self.http.address}")
         # Asked once: it decides the pool's pinning and whether the loop busy-polls.
+        steps.begin("looking for a GPU")
         sees_gpu = await asyncio.to_thread(_sees_gpu)
+        steps.done("a GPU is seen: the host pool is pinned" if sees_gpu
+                   else "no GPU seen: the host pool is not pinned")
         # Pinned where the daemon sees a GPU: host <-> GPU copies of pinned memory run at
         # PCIe speed (~55 GB/s on H200, against 6-13 GB/s pageable).
-        pool = await asyncio.to_thread(
-            HostPool, self.config.pool_size_bytes, self.config.pool_min_block_bytes,
-            pin=sees_gpu, prefault=self.config.pool_prefault)
-        self.pool_allocated = True
+        pool = await self._take_pool(pin=sees_gpu)
         stack.callback(pool.close)
-        gpus = await asyncio.to_thread(self._nccl_gpus)
+        steps.begin("looking for NCCL")
+        gpus, nccl_said = await asyncio.to_thread(self._nccl_gpus)
+        steps.done(nccl_said)
         if gpus:
-            self.notifier.status("loading GPU kernels")
+            steps.begin(f"loading GPU kernels on {', '.join(gpus)}", announce=True)
             await asyncio.to_thread(_warm_kernels, gpus)
+            steps.done(f"GPU kernels loaded on {', '.join(gpus)}")
         gpu_pools: dict[str, HostPool] = {}
         if gpus and self.config.gpu_staging_bytes:
-            self.notifier.status("allocating GPU staging")
+            size = format_size(self.config.gpu_staging_bytes)
+            steps.begin(f"allocating GPU staging: {size} on each of {', '.join(gpus)}",
+                        announce=True)
             for dev in gpus:
                 gpu_pools[dev] = await asyncio.to_thread(
                     HostPool, self.config.gpu_staging_bytes, self.config.pool_min_block_bytes,
                     device=dev)
+            steps.done(f"GPU staging allocated: {size} on each of {', '.join(gpus)}")
+        steps.begin("starting the engine and the peer plane")
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
         engine = self.parts.engine = Engine(
@@ -201,18 +262,64 @@ class Daemon:
         local = self.parts.local = LocalServer(self.config, engine, zmq_context, self.epoch,
                                                self.status, self.drain_on_request)
         stack.push_async_callback(local.close)
+        steps.done("engine and peer plane set up")
+        steps.begin("opening the local socket")
         await local.bind()
+        steps.done(f"local socket listening at {self.config.socket_path}")
+        steps.begin("opening the peer socket")
         peers.bind()
+        steps.done(f"peer socket listening at {peers.address}")
 
-    def _nccl_gpus(self) -> list[str]:
-        """The GPUs NCCL channels may use: all visible ones, when NCCL is there and wanted."""
-        if not self.config.nccl or not nccl_available():
-            return []
+    async def _take_pool(self, pin: bool) -> HostPool:
+        """The host pool, taken in a worker thread while the loop answers HTTP (and
+        ``/readyz`` says how far it is); its steps, and where their time went, logged."""
+        size = self.config.pool_size_bytes
+        touch = self.config.pool_prefault or pin
+        self.steps.begin(
+            f"allocating the host pool: {format_size(size)}, "
+            f"{'pinned' if pin else 'not pinned'}, "
+            f"{'every page touched' if touch else 'pages touched as used'}", announce=True)
+        self._pool_taking = True
+        ticking = asyncio.ensure_future(_tick(self.steps))
+        try:
+            pool = await asyncio.to_thread(
+                HostPool, size, self.config.pool_min_block_bytes, pin=pin,
+                prefault=self.config.pool_prefault, progress=self._pool_progress)
+        finally:
+            ticking.cancel()
+            self._pool_taking = False
+        parts = "".join(f", {part} {last - first:.2f}s"
+                        for part, (first, last) in self._pool_parts.items())
+        self.steps.done(f"host pool allocated: {format_size(size)}, "
+                        f"{'pinned' if pool.pinned else 'not pinned'}{parts}")
+        self.pool_allocated = True
+        return pool
+
+    def _pool_progress(self, part: str, done: int, total: int) -> None:
+        """``HostPool``'s progress (in its worker thread): the times of each part, a line
+        at every tenth of the touching of a large pool, one when the pinning starts."""
+        now = time.monotonic()
+        self._pool_parts.setdefault(part, [now, now])[1] = now
+        if part == "touching":
+            text = (f"host pool: touching pages {done * 100 // max(total, 1)}% "
+                    f"({format_size(done)} of {format_size(total)})")
+            tenth = done * 10 // max(total, 1) if total >= POOL_PROGRESS_FROM_BYTES else None
+            if tenth is None or tenth > 0:  # (0%: the step's own first line says it)
+                self.steps.progress(text, tenth)
+        elif done < total:
+            self.steps.progress(f"host pool: pinning {format_size(total)} (cudaHostRegister)")
+
+    def _nccl_gpus(self) -> tuple[list[str], str]:
+        """The GPUs NCCL channels may use (all visible ones, when NCCL is there and wanted),
+        and that in words."""
+        if not self.config.nccl:
+            return [], "nccl off (nccl = false)"
+        if not nccl_available():
+            return [], "nccl not available"
         import torch
 
         gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        log.info("nccl %s, GPUs for channels: %s", nccl_version(), ", ".join(gpus))
-        return gpus
+        return gpus, f"nccl {nccl_version()}, GPUs for channels: {', '.join(gpus) or 'none'}"
 
     def _blocking_calls(self) -> bool:
         """``nccl_blocking_calls``, where the loaded NCCL can bound its one wait (see
@@ -256,7 +363,10 @@ class Daemon:
 
     def not_ready_reasons(self) -> list[str]:
         reasons = []
-        if not self.pool_allocated:
+        if self._pool_taking:
+            where = self.steps.progress_text.removeprefix("host pool: ")
+            reasons.append(f"host pool being allocated: {where or 'started'}")
+        elif not self.pool_allocated:
             reasons.append("host pool not allocated yet")
         if self.local is None or self.peers is None or not self.ready.is_set():
             reasons.append("listeners not up yet")
@@ -331,6 +441,13 @@ async def _first(*aws: Awaitable[Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _tick(steps: StartupSteps) -> None:
+    """While a long step runs in a worker thread: where it stands, after a quiet while."""
+    while True:
+        await asyncio.sleep(1.0)
+        steps.tick()
+
+
 def _force_exit_on(loop: asyncio.AbstractEventLoop, sig: int) -> None:
     """After serve: the loop's handler goes, and a signal during the rest of the exit
     (closing the loop, joining its executor, the interpreter's teardown) still forces the
@@ -348,7 +465,13 @@ def run(config: Config, shutdown_trigger: ShutdownTrigger | None = None) -> int:
     # the default 5 ms switch interval would add that much latency to each hand-off.
     sys.setswitchinterval(0.0005)
     daemon = Daemon(config)
-    uvloop.run(daemon.serve(shutdown_trigger))
+    # Not uvloop.run: its teardown joins the loop's thread pool without a bound, after
+    # "kvd stopped"; serve(owns_loop=True) finishes the loop's leftovers within one.
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(daemon.serve(shutdown_trigger, owns_loop=True))
+    finally:
+        loop.close()
     return 130 if daemon.forced else 0
 
 
@@ -376,7 +499,5 @@ def _warm_kernels(gpus: list[str]) -> None:
 
     from kvd.transport import gpu_copy
 
-    started = time.monotonic()
     for dev in gpus:
         gpu_copy.warm_up(torch.device(dev))
-    log.info("GPU kernels loaded on %s in %.2fs", ", ".join(gpus), time.monotonic() - started)

@@ -11,6 +11,7 @@ wire and compared, and turned into tensors only where bytes are actually touched
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,16 @@ import torch
 from kvd.errors import BadRequest, ConfigError, InvalidFree
 from kvd.memory.buddy import BuddyAllocator
 
-__all__ = ["HostPool", "PoolBlock"]
+__all__ = ["HostPool", "PoolBlock", "PoolProgress"]
+
+# How a pool being taken says how far it is, from the thread taking it: (part, bytes done,
+# bytes in all), part "touching" (every page written once) or "pinning" (one call: said
+# at its start and its end).
+PoolProgress = Callable[[str, int, int], None]
+
+# Pages are touched this much at a time, to report progress: a few dozen calls for a
+# pool of GiBs, each still large enough for torch's threads to share.
+_TOUCH_CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +43,8 @@ class HostPool:
     """A fixed host buffer handing out :class:`PoolBlock` regions; thread-safe."""
 
     def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096, pin: bool = False,
-                 prefault: bool = False, device: str = "cpu") -> None:
+                 prefault: bool = False, device: str = "cpu",
+                 progress: PoolProgress | None = None) -> None:
         self._allocator = BuddyAllocator(capacity_bytes, min_block_bytes)
         self.device = torch.device(device)
         # The allocator knows rounded sizes only; the requested size is what a view
@@ -54,8 +65,10 @@ class HostPool:
         if prefault or pin:
             # Touch every page now: the memory is committed at start (or the start
             # fails), and no transfer pays for page faults later.
-            self.buffer.zero_()
+            self._touch(progress)
         if pin and capacity_bytes and torch.cuda.is_available():
+            if progress is not None:
+                progress("pinning", 0, capacity_bytes)
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), capacity_bytes, 0)
             if int(err) != 0:
                 raise ConfigError(
@@ -63,6 +76,18 @@ class HostPool:
                     f"{capacity_bytes} bytes) failed ({err}); is the locked-memory limit "
                     "high enough (LimitMEMLOCK=infinity, docker --ulimit memlock=-1)?")
             self.pinned = True
+            if progress is not None:
+                progress("pinning", capacity_bytes, capacity_bytes)
+
+    def _touch(self, progress: PoolProgress | None) -> None:
+        total = self.buffer.numel()
+        if progress is None:
+            self.buffer.zero_()
+            return
+        for start in range(0, total, _TOUCH_CHUNK_BYTES):
+            progress("touching", start, total)
+            self.buffer[start : start + _TOUCH_CHUNK_BYTES].zero_()
+        progress("touching", total, total)
 
     def alloc(self, nbytes: int) -> PoolBlock:
         """Reserve ``nbytes``; raises ``PoolExhausted`` when no region that large is free."""
