@@ -38,7 +38,13 @@ from kvd.errors import ProtocolError
 #        segment, not a path.
 #  11 — 2026-12: ZeroMQ frames; a session is opened with the token its lifeline (its
 #        connection to the segment socket) was given (``Lifeline``, ``Hello.lifeline``).
-PROTOCOL_VERSION = 11
+#  12 — 2026-12: small host transfers carry their bytes in the OFFER (``Offer.inline``),
+#        answered XFER_DONE / BUSY / REFUSE without an ACCEPT.
+PROTOCOL_VERSION = 12
+
+# The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
+# round through the data connection's threads costs more than the bytes' copy on the loops.
+MAX_INLINE_BYTES = 64 * 1024
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256
@@ -426,7 +432,9 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     sender has already queued the bytes on that NCCL channel, cut at ``chunk_bytes``; the
     receiver must queue the matching receive on it whatever it answers (into staging and
     dropped unless it ACCEPTs), or, if it has no such channel, answer CHANNEL_DOWN and BUSY
-    (the sender then offers again without a channel)."""
+    (the sender then offers again without a channel). ``inline`` (not empty): the bytes
+    themselves, in wire order, for host memory of at most ``MAX_INLINE_BYTES``; the
+    receiver stores them and answers XFER_DONE (or BUSY / REFUSE), no ACCEPT."""
 
     transfer_id: TransferId
     key: Key
@@ -441,6 +449,7 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     eager: bool = False
     channel: ChannelId = 0
     chunk_bytes: Annotated[int, Meta(ge=0, le=2**40)] = 0
+    inline: Annotated[bytes, Meta(max_length=MAX_INLINE_BYTES)] = b""
 
 
 class Accept(_PeerMsg, tag="accept", frozen=True):

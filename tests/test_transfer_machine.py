@@ -379,3 +379,46 @@ def test_pulls_served_at_once_are_bounded_per_peer_and_for_all() -> None:
     assert m.may_serve(fresh, 1) is None
     m.serving_ends(b, 1)
     assert m.served[id(b)] == MAX_PULLS_SERVED_PER_LINK - 1
+
+
+# ------------------------------------------------------------------ offers that carry their bytes
+
+
+def test_an_inline_offer_is_answered_by_its_xfer_done_and_never_accepted() -> None:
+    m, b = Machine(has_nccl=True), link()
+    out = host_send(m, b, 1, nccl=True)
+    m.offered(out, inline=True)
+    assert m.may_have_arrived(out, None, None, None)  # the bytes went with the offer
+    [wrong] = m.on_answer(b, Accept(transfer_id=1))
+    assert isinstance(wrong, Deliver) and isinstance(wrong.reply, ProtocolError)
+    done = XferDone(transfer_id=1, nbytes=out.nbytes)
+    assert m.on_answer(b, done) == [Deliver(1, done)]
+    assert not out.offer_pending and out.accepted
+    assert m.may_have_arrived(out, None, None, None)  # stored: a cancel cannot undo it
+    # Answered: not remembered as an NCCL offer whose ACCEPT may come, nor holding eager
+    # NCCL sends to the peer back.
+    assert m.may_send_eager_nccl(gpu_send(m, b, 2), CHUNK)
+    assert not m.send_ends(out)
+
+
+def test_an_inline_offer_answered_busy_delivered_nothing() -> None:
+    m, b = Machine(has_nccl=False), link()
+    out = host_send(m, b, 1)
+    m.offered(out, inline=True)
+    busy = Busy(transfer_id=1, retry_after_s=0.05)
+    assert m.on_answer(b, busy) == [Deliver(1, busy)]
+    assert not m.may_have_arrived(out, None, None, None)
+    m.offered(out, inline=True)  # offered again, bytes and all
+    assert m.may_have_arrived(out, None, None, None)
+
+
+def test_an_inline_offer_must_carry_exactly_its_bytes_of_host_memory() -> None:
+    m, b = Machine(has_nccl=True), link()
+    nbytes = 2 * 4096 * 8
+    assert m.check_offer(b, offer(1, inline=b"x" * nbytes), FACTS) is None
+    for bad in (offer(2, inline=b"x" * (nbytes - 1)),
+                offer(3, inline=b"x" * nbytes, src_gpu=True, src_dev="cuda:0"),
+                offer(4, inline=b"x" * nbytes, eager=True),
+                offer(5, inline=b"x" * nbytes, channel=3, chunk_bytes=CHUNK)):
+        refusal = m.check_offer(b, bad, FACTS)
+        assert refusal is not None and refusal.bad == "bad_offer", bad

@@ -73,7 +73,8 @@ class Outgoing(Generic[L]):
     eager_channel: int = 0  # the NCCL channel the bytes were queued on with the offer
     no_eager: bool = False  # after a BUSY: offer again without sending first
     offer_pending: bool = False  # an offer is out and not answered yet
-    accepted: bool = False  # the receiver ACCEPTed: it waits for the bytes
+    accepted: bool = False  # the receiver ACCEPTed: it waits for the bytes (inline: has them)
+    inline: bool = False  # the bytes went in the offer itself (Offer.inline)
 
     @property
     def nbytes(self) -> int:
@@ -257,12 +258,13 @@ class TransferMachine(Generic[L]):
             return False
         return not any(gone.link is link for gone in self.abandoned.values())
 
-    def offered(self, out: Outgoing[L], eager_channel: int = 0, eager_tcp: bool = False
-                ) -> None:
+    def offered(self, out: Outgoing[L], eager_channel: int = 0, eager_tcp: bool = False,
+                inline: bool = False) -> None:
         """An OFFER went out (with its bytes queued on ``eager_channel`` / the data
-        connection, if eager)."""
+        connection, if eager; in it, if ``inline``)."""
         out.offer_pending = True
         out.eager_channel = eager_channel
+        out.inline = inline
         if eager_tcp:
             out.eager_tcp, out.eager_answered = True, False
 
@@ -276,7 +278,7 @@ class TransferMachine(Generic[L]):
         (``abandoned``) until ``forget_abandoned``, as an ACCEPT may still come."""
         if self.outgoing.get(out.transfer_id) is out:
             del self.outgoing[out.transfer_id]
-        if out.offer_pending and out.nccl and not out.eager_channel:
+        if out.offer_pending and out.nccl and not out.eager_channel and not out.inline:
             self.abandoned[out.transfer_id] = Abandoned(out.link, out.layout, out.num_blocks,
                                                         out.src_dev)
             return True
@@ -294,8 +296,10 @@ class TransferMachine(Generic[L]):
                 msg.code, f"{link.address} refused the pull: {msg.message}"))]
         out = self.outgoing_of(link, tid)
         actions: list[Action[L]] = []
-        if out is not None and not isinstance(msg, XferDone | XferFailed):
-            out.offer_pending = False
+        if out is not None and (out.inline or not isinstance(msg, XferDone | XferFailed)):
+            out.offer_pending = False  # (an inline offer's answer is its XFER_DONE / FAILED)
+            if out.inline:
+                out.accepted = isinstance(msg, XferDone)
             if isinstance(msg, Busy | Refuse) and out.eager_tcp and not out.eager_answered:
                 out.eager_answered = True  # the receiver drops those bytes: stop them
                 actions.append(StopEagerTcp(tid))
@@ -317,6 +321,9 @@ class TransferMachine(Generic[L]):
 
     def _accepted(self, link: L, out: Outgoing[L], msg: Accept) -> list[Action[L]]:
         tid = out.transfer_id
+        if out.inline:
+            return [Deliver(tid, ProtocolError(
+                f"{link.address} accepted an offer that carried its bytes"))]
         if msg.channel == 0:  # over TCP
             if out.from_gpu or not out.tcp_ready:
                 return [Deliver(tid, ProtocolError(
@@ -347,7 +354,7 @@ class TransferMachine(Generic[L]):
         a receiver that keeps them? Each argument: None (no such job), else whether that
         job may have delivered every byte (ran to its end, or has not ended). Only a send
         for an offer the receiver accepted or has yet to answer counts."""
-        maybe = [tcp_sent]
+        maybe = [tcp_sent, out.inline and (out.offer_pending or out.accepted)]
         if not out.eager_answered:
             maybe.append(eager_sent)  # (once accepted, it is the TCP job)
         if out.accepted or out.offer_pending:
@@ -384,6 +391,11 @@ class TransferMachine(Generic[L]):
                            "duplicate_transfer", fails_pull=False)
         layout = tuple(offer.layout)
         sender_nccl = offer.src_dev != CPU_DEVICE
+        if offer.inline and (len(offer.inline) != offer.nbytes or offer.src_gpu
+                             or offer.channel or offer.eager):
+            return Refusal(ProtocolError(
+                "an offer carrying its bytes must be of host memory, whole, and nothing "
+                "else"))
         if offer.nbytes != wire_bytes(layout, offer.num_blocks):
             return Refusal(ProtocolError(
                 f"offer of {offer.nbytes} bytes does not match {offer.num_blocks} blocks of "

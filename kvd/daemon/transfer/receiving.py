@@ -17,6 +17,7 @@ import time
 from kvd import timeline
 from kvd.daemon.futures import on_loop
 from kvd.daemon.peer_link import PeerLink
+from kvd.daemon.transfer.arrivals import Arrival
 from kvd.daemon.transfer.context import (
     BUSY_RETRY_S,
     Pull,
@@ -28,12 +29,15 @@ from kvd.daemon.transfer.context import (
 )
 from kvd.daemon.transfer.machine import OfferFacts
 from kvd.daemon.transfer.routes import NcclRoute
-from kvd.errors import Cancelled, KvdError, PoolExhausted
+from kvd.errors import BadRequest, Cancelled, KvdError, PoolExhausted
 from kvd.protocol import Busy, ChannelDown, Offer, XferDone, XferFailed
 
 
 class Receiver(TransferPart):
     def on_offer(self, link: PeerLink, offer: Offer) -> None:
+        if offer.inline:
+            self._take_inline(link, offer)
+            return
         duplicate = self.machine.receiving(link, offer.transfer_id)
         eager_nccl = None
         if offer.channel:
@@ -79,36 +83,9 @@ class Receiver(TransferPart):
         """ACCEPT (True), or BUSY / REFUSE (False). ``eager_nccl``: the channel the bytes
         are already queued on (the receive goes there)."""
         tid = offer.transfer_id
-        layout = tuple(offer.layout)
         pull = self._pulls.get(tid) if self.machine.pull_of(link, tid) else None
-        facts = OfferFacts(
-            self.config.node_id, self.nccl is not None, self.engine.pool.capacity_bytes,
-            get_waits=(offer.nbytes > self.engine.pool.capacity_bytes
-                       and self.arrivals.get_waits_for(offer.key, layout, offer.num_blocks)))
-        refusal = self.machine.check_offer(link, offer, facts,
-                                           self._waiting_pulls.holds(link, tid))
-        if refusal is not None:
-            self._refuse(link, tid, refusal.error, refusal.bad)
-            if refusal.fails_pull and pull is not None:
-                self._fail_pull(tid, refusal.error)
-            return False
-        try:
-            if pull is not None:
-                arrival = self.arrivals.arrival_into(pull.state.key, pull.region, pull.blocks)
-            else:
-                # Bytes already queued on a channel land next to it, if anywhere on a GPU.
-                staging = (str(eager_nccl.channel.device) if eager_nccl is not None
-                           else self._staging_gpu() if offer.src_gpu else None)
-                arrival = self.arrivals.arrival(offer.key, layout, offer.num_blocks,
-                                                offer.ttl_s, gpu=staging)
-        except PoolExhausted:
-            self.counters.busy_replies += 1
-            self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))
-            return False
-        except KvdError as err:
-            self._refuse(link, tid, err)
-            if pull is not None:
-                self._fail_pull(tid, err)
+        arrival = self._arrival(link, offer, pull, eager_nccl)
+        if arrival is None:
             return False
         try:
             route, accept = self.routes.for_receive(link, offer, arrival, eager_nccl)
@@ -129,6 +106,78 @@ class Receiver(TransferPart):
         self.plane.send(link, accept)
         self._spawn(self._receive(receive, pull))
         return True
+
+    def _take_inline(self, link: PeerLink, offer: Offer) -> None:
+        """An offer carrying its bytes: stored now, on the loop (at most MAX_INLINE_BYTES
+        of host memory), and answered XFER_DONE, after the get they answer has replied."""
+        tid = offer.transfer_id
+        offered = time.monotonic()
+        pull = self._pulls.get(tid) if self.machine.pull_of(link, tid) else None
+        arrival = self._arrival(link, offer, pull)
+        if arrival is None:
+            return
+        if arrival.device.type != "cpu":
+            err = BadRequest(f"the destination blocks are on {arrival.device}, and "
+                             f"{link.address} sent host memory without NCCL")
+            self.arrivals.arrival_failed(arrival, err)
+            self._refuse(link, tid, err)
+            if pull is not None:
+                self._fail_pull(tid, err)
+            return
+        self.machine.receive_begins(link, tid)  # (a second offer for our pull: a duplicate)
+        data, at = memoryview(offer.inline), 0
+        for view in arrival.wire_views():
+            view[:] = data[at:at + len(view)]
+            at += len(view)
+        self.machine.receive_ends(link, tid)
+        timeline.mark("transfer.received")
+        self.counters.bytes_received += offer.nbytes
+        self.arrivals.arrived(arrival, offer.nbytes)
+        if pull is not None and not pull.future.done():
+            pull.future.set_result(offer.nbytes)
+        # (call_soon: the get's task, woken by arrived, replies first; see _receive)
+        self._loop.call_soon(self.plane.send, link,
+                             XferDone(transfer_id=tid, nbytes=offer.nbytes))
+        self.counters.count(self.counters.received, "done")
+        self.engine.metrics.transfer(
+            peer=link.address, direction="recv", transport="inline", outcome="done",
+            nbytes=offer.nbytes, queue_s=None, wire_s=time.monotonic() - offered)
+
+    def _arrival(self, link: PeerLink, offer: Offer, pull: Pull | None,
+                 eager_nccl: NcclRoute | None = None) -> Arrival | None:
+        """Where the offer's bytes go, or None once it is answered BUSY or REFUSE."""
+        tid = offer.transfer_id
+        layout = tuple(offer.layout)
+        facts = OfferFacts(
+            self.config.node_id, self.nccl is not None, self.engine.pool.capacity_bytes,
+            get_waits=(offer.nbytes > self.engine.pool.capacity_bytes
+                       and self.arrivals.get_waits_for(offer.key, layout, offer.num_blocks)))
+        refusal = self.machine.check_offer(link, offer, facts,
+                                           self._waiting_pulls.holds(link, tid))
+        if refusal is not None:
+            self._refuse(link, tid, refusal.error, refusal.bad)
+            if refusal.fails_pull and pull is not None:
+                self._fail_pull(tid, refusal.error)
+            return None
+        try:
+            if pull is not None:
+                arrival = self.arrivals.arrival_into(pull.state.key, pull.region, pull.blocks)
+            else:
+                # Bytes already queued on a channel land next to it, if anywhere on a GPU.
+                staging = (str(eager_nccl.channel.device) if eager_nccl is not None
+                           else self._staging_gpu() if offer.src_gpu else None)
+                arrival = self.arrivals.arrival(offer.key, layout, offer.num_blocks,
+                                                offer.ttl_s, gpu=staging)
+        except PoolExhausted:
+            self.counters.busy_replies += 1
+            self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))
+            return None
+        except KvdError as err:
+            self._refuse(link, tid, err)
+            if pull is not None:
+                self._fail_pull(tid, err)
+            return None
+        return arrival
 
     def _staging_gpu(self) -> str | None:
         """The GPU whose staging has the most room (arrivals nobody waits for yet)."""

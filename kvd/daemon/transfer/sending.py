@@ -43,7 +43,16 @@ from kvd.errors import (
     error_from_code,
 )
 from kvd.memory.regions import Region
-from kvd.protocol import Accept, Busy, Offer, Refuse, XferCancel, XferDone, XferFailed
+from kvd.protocol import (
+    MAX_INLINE_BYTES,
+    Accept,
+    Busy,
+    Offer,
+    Refuse,
+    XferCancel,
+    XferDone,
+    XferFailed,
+)
 from kvd.transport.chunks import BlockSet
 
 MAX_BACKOFF_S = 1.0
@@ -134,11 +143,17 @@ class Sender(TransferPart):
 
     async def _push_bytes(self, push: Push, ttl_s: float | None) -> int:
         out, link = push.state, push.state.link
-        if push.source.gpu is None:  # TCP may be chosen
+        # Small host memory to a peer that takes it over TCP: the bytes go in the offer,
+        # and no data connection, thread or ACCEPT is in their way.
+        inline = (push.source.gpu is None and not out.nccl
+                  and out.nbytes <= MAX_INLINE_BYTES)
+        if push.source.gpu is None and not inline:  # TCP may be chosen
             async with asyncio.timeout_at(push.deadline):
                 push.tcp = self.routes.tcp_send(await self.plane.send_channel(link))
             out.tcp_ready = True
-        await self._offer_until_accepted(push, ttl_s)
+        answer = await self._offer_until_accepted(push, ttl_s, inline)
+        if isinstance(answer, XferDone):  # the inline offer's bytes are stored
+            return self._sent(push)
         job = push.nccl_job or push.tcp_job  # started when the ACCEPT came (_act)
         if job is None:
             raise ProtocolError(f"{link.address} accepted, but no transport started")
@@ -163,6 +178,10 @@ class Sender(TransferPart):
             raise error_from_code(reply.code, f"receiver {link.address}: {reply.message}")
         if not isinstance(reply, XferDone):
             raise ProtocolError(f"unexpected {type(reply).__name__} after the bytes")
+        return self._sent(push)
+
+    def _sent(self, push: Push) -> int:
+        out, link = push.state, push.state.link
         self.counters.bytes_sent += out.nbytes
         log.debug("transfer done transfer_id=%d key=%s to=%s bytes=%d", out.transfer_id,
                   out.key, link.address, out.nbytes)
@@ -209,7 +228,8 @@ class Sender(TransferPart):
         started = moved.started_at if moved is not None and moved.started_at else None
         self.engine.metrics.transfer(
             peer=out.link.address, direction="send",
-            transport=moved.transport if moved is not None else "tcp", outcome=outcome,
+            transport=(moved.transport if moved is not None
+                       else "inline" if out.inline else "tcp"), outcome=outcome,
             nbytes=nbytes, queue_s=None if started is None else started - requested,
             wire_s=None if started is None else time.monotonic() - started)
 
@@ -221,18 +241,29 @@ class Sender(TransferPart):
                      one_run=out.from_gpu and push.source.blocks is not None
                      and push.source.blocks.one_run())
 
-    async def _offer_until_accepted(self, push: Push, ttl_s: float | None) -> None:
+    async def _offer_until_accepted(self, push: Push, ttl_s: float | None,
+                                    inline: bool = False) -> Accept | XferDone:
+        """Offer until the receiver takes the bytes: its ACCEPT, or, for an ``inline``
+        offer, its XFER_DONE."""
         out, link = push.state, push.state.link
         backoff = BUSY_RETRY_S
         offer = self._offer(push, ttl_s)
         # Host memory to a peer that will take it over TCP anyway: the bytes go right
         # behind the first offer, and the ACCEPT round trip leaves the critical path.
         eager_tcp = push.tcp is not None and out.src_dev == CPU_DEVICE
+        if inline:
+            assert push.source.blocks is not None
+            offer = msgspec.structs.replace(offer, inline=b"".join(push.source.blocks.views()))
         while True:
             chunk = self.config.nccl_chunk_bytes
-            route = (None if eager_tcp or not self.machine.may_send_eager_nccl(out, chunk)
+            route = (None if eager_tcp or inline
+                     or not self.machine.may_send_eager_nccl(out, chunk)
                      else self.routes.eager_send(link, out.src_dev))
-            if route is not None:
+            if inline:
+                self.plane.send(link, offer)
+                self.machine.offered(out, inline=True)
+                timeline.mark("transfer.sent")
+            elif route is not None:
                 # Queued now, in OFFER order: the receiver queues its side when the OFFER
                 # arrives, whatever it answers (see may_send_eager_nccl for why the
                 # orders match).
@@ -260,9 +291,9 @@ class Sender(TransferPart):
                     # is out instead of after the ACCEPT (see Engine.get for the receiver).
                     blocks.block_map(blocks.tensors[0].device)
             reply = await self._reply(push, "an answer to the offer")
-            if isinstance(reply, Accept):
-                return
-            if isinstance(reply, Refuse):
+            if isinstance(reply, Accept) or (inline and isinstance(reply, XferDone)):
+                return reply
+            if isinstance(reply, Refuse | XferFailed):
                 raise error_from_code(reply.code, f"{link.address} refused: {reply.message}")
             if not isinstance(reply, Busy):
                 raise ProtocolError(f"unexpected {type(reply).__name__} in answer to an offer")

@@ -1,0 +1,806 @@
+"""kvd measured beside the systems its users would pick instead, alternated in one run.
+
+Run (in the virtualenv that benchmarks/install_peers.sh builds, which holds the peers):
+``.venv-peers/bin/python benchmarks/peers.py [--json] [--quick] [--full]
+[--systems raw,kvd-put,kvd-pull,nixl,mooncake] [--rounds N] [--repeat N]``
+
+CPU (``--device cpu``, the default): every system moves real bytes between two processes on
+loopback, DRAM to DRAM, and the receiving side checks them:
+
+* **raw**: plain TCP, one connection kept, ``sendmsg``/``recvmsg_into`` straight from the
+  source pieces into the destination pieces (scatter-gather, no copy in Python), a 1-byte
+  ack after the last byte; timed on the sender from the header to the ack.
+* **kvd-put**: two ``kvd serve`` daemons (a, b), this process a client of both. The get is
+  posted on b first; the time runs from ``put(..., to=b)`` to both the put and the get
+  having returned.
+* **kvd-pull**: the same daemons; the time runs from ``lend`` on a to ``pull`` on b
+  returning (the pull waits for the key if it gets there before the lend).
+* **nixl**: NIXL (nixl-cu12 1.5.1, its bundled UCX with ``UCX_TLS=tcp``), two agents with
+  the UCX backend. The target's progress thread is on (over tcp nothing else progresses
+  the passive side); the initiator's is off, since its own polling progresses it and a
+  second spinning thread would take a core from it (on 2 cores the two settings measured
+  alike). The initiator prepares both descriptor lists and a WRITE handle once, then
+  reposts the handle and polls it to DONE.
+* **mooncake**: Mooncake Transfer Engine (0.3.13.post1, non-CUDA build), P2PHANDSHAKE
+  metadata, the tcp protocol, a synchronous (batch) write.
+
+Cases: 4 KiB, 1 MiB, 64 MiB, 1 GiB (with ``--full``, or when memory allows every system
+its two GiB), and ``paged``: 64 tensors of 512 blocks of 32 KiB each side, the same 256
+random source blocks of every tensor to 256 random destination blocks (512 MiB in 16,384
+pieces). ``many``: 64 transfers of 64 KiB in flight at once (one per block), transfers/s.
+
+Each case is set up on every system, moved once and checked (the destination cleared
+first), then measured in ``--rounds`` rounds; in each round every system runs
+``--repeat`` transfers in turn (the order rotates), and the destination is checked again
+after the last round. A system not being measured is paused (SIGSTOP on its processes,
+SIGCONT before its turn): an idle NIXL agent's progress thread spins on a core, which on a
+small machine slows whatever runs beside it. A system that cannot start (not installed: see
+install_peers.sh) or fails is skipped with its reason; its ratios are null.
+
+Figures: latency in µs (best, p50 = median, p90) and throughput in GB/s (1e9 B/s; best,
+median, p90: the throughput of the p90 time). ``--json`` prints one JSON object last, with
+every figure and the ratios ``lat_4k_vs_nixl`` and ``lat_1m_vs_nixl`` (kvd-put p50 over
+NIXL's), ``bulk_64m_vs_best_peer`` (kvd-put median GB/s over the best of NIXL's and
+Mooncake's), ``many_vs_nixl`` (transfers/s), each also for kvd-pull (``..._pull``).
+
+Every process the run starts is in its own process group, killed (SIGCONT, SIGTERM, then
+SIGKILL) when the run ends however it ends; the children also die with this process
+(PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import platform
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "peers_systems"))
+from cases import Case, GiB, KiB, MiB, check, fill  # noqa: E402
+
+now = time.perf_counter
+SYSTEMS = ("raw", "kvd-put", "kvd-pull", "nixl", "mooncake")
+LATENCY_LABELS = ("4KiB", "1MiB")  # reported in µs; the rest in GB/s
+MANY = Case.paged("many", tensors=1, blocks=64, block=64 * KiB, pick=64, seed=11)
+PAGED = Case.paged("paged", tensors=64, blocks=512, block=32 * KiB, pick=256)
+REPLY_TIMEOUT_S = 300.0
+KVD_BLOCK = 16 * MiB
+PEERS_STATUS = os.path.join(HERE, "..", ".venv-peers", "peers-status.txt")
+
+
+# ------------------------------------------------------------------ children
+
+
+class Children:
+    """Every process this run starts, each the leader of its own process group."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, cmd: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def signal(self, procs: list[subprocess.Popen[bytes]], sig: int) -> None:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+
+    def stop(self, procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+        """SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM, then SIGKILL."""
+        self.signal(procs, signal.SIGCONT)
+        self.signal(procs, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+        self.signal(procs, signal.SIGKILL)  # the group too: whatever the leader started
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        self.procs = [p for p in self.procs if p not in procs]
+
+    def stop_all(self) -> None:
+        self.stop(list(self.procs))
+
+
+CHILDREN = Children()
+atexit.register(CHILDREN.stop_all)
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the finally blocks, then atexit
+
+
+class Skip(Exception):
+    """This system cannot be measured; the message says why."""
+
+
+# ------------------------------------------------------------------ systems
+
+
+class System:
+    """One system under test: started once, set up per case, paused between turns."""
+
+    name = ""
+
+    def start(self) -> None: ...
+    def procs(self) -> list[subprocess.Popen[bytes]]: return []
+    def setup(self, case: Case) -> None: ...
+    def verify(self, case: Case, seed: int, move: bool) -> None: ...
+    def time(self, case: Case, repeat: int) -> list[float]: raise NotImplementedError
+    def many(self, repeat: int) -> list[float]: raise NotImplementedError
+    def free(self, case: Case) -> None: ...
+    def clear(self) -> None:
+        """Clear the destination, so that the timed transfers must deliver the bytes again."""
+
+    def pause(self) -> None:
+        CHILDREN.signal(self.procs(), signal.SIGSTOP)
+
+    def resume(self) -> None:
+        CHILDREN.signal(self.procs(), signal.SIGCONT)
+
+    def stop(self) -> None:
+        CHILDREN.stop(self.procs())
+
+
+class WorkerSystem(System):
+    """A library system: benchmarks/peers_systems/workers.py as target and initiator."""
+
+    def __init__(self, name: str, env: dict[str, str], root: str) -> None:
+        self.name, self.env, self.root = name, env, root
+        self.logs: dict[str, str] = {}
+        self.target: subprocess.Popen[bytes] | None = None
+        self.initiator: subprocess.Popen[bytes] | None = None
+        self.target_md: dict[str, Any] = {}
+
+    def start(self) -> None:
+        script = os.path.join(HERE, "peers_systems", "workers.py")
+        env = {**os.environ, **self.env}
+        for role in ("target", "initiator"):
+            self.logs[role] = os.path.join(self.root, f"{self.name}-{role}.log")
+            with open(self.logs[role], "wb") as log:
+                proc = CHILDREN.spawn([sys.executable, script, self.name, role], env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=log)
+            setattr(self, role, proc)
+            hello = self.read(proc, 120.0)
+            if "error" in hello:
+                raise Skip(hello["error"])
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in (self.target, self.initiator) if p is not None]
+
+    def read(self, proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        if not ready:
+            raise RuntimeError(f"{self.name}: no answer within {timeout_s:g}s")
+        line = proc.stdout.readline()
+        if not line:
+            role = "target" if proc is self.target else "initiator"
+            tail = ""
+            with contextlib.suppress(OSError), open(self.logs[role], errors="replace") as f:
+                tail = f.read()[-1500:]
+            raise RuntimeError(f"{self.name} {role} exited (code {proc.wait(5)}): {tail}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ask(self, proc: subprocess.Popen[bytes] | None, op: str, **args: Any
+            ) -> dict[str, Any]:
+        assert proc is not None and proc.stdin is not None
+        proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
+        proc.stdin.flush()
+        reply = self.read(proc, REPLY_TIMEOUT_S)
+        if reply.get("error"):
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def setup(self, case: Case) -> None:
+        self.target_md = self.ask(self.target, "setup", case=case.to_json())
+        self.ask(self.initiator, "setup", case=case.to_json(), peer=self.target_md)
+
+    def verify(self, case: Case, seed: int, move: bool) -> None:
+        if move:
+            self.ask(self.initiator, "fill", seed=seed)
+            self.ask(self.target, "zero")
+            self.ask(self.initiator, "many" if case is MANY else "time", repeat=1)
+        self.ask(self.target, "check", seed=seed)
+
+    def clear(self) -> None:
+        self.ask(self.target, "zero")
+
+    def time(self, case: Case, repeat: int) -> list[float]:
+        return [float(t) for t in self.ask(self.initiator, "time", repeat=repeat)["times"]]
+
+    def many(self, repeat: int) -> list[float]:
+        return [float(t) for t in self.ask(self.initiator, "many", repeat=repeat)["times"]]
+
+    def free(self, case: Case) -> None:
+        self.ask(self.initiator, "free")
+        self.ask(self.target, "free")
+
+
+class KvdDaemons:
+    """Two ``kvd serve`` daemons (a sends, b receives) and this process's clients."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.daemons: list[subprocess.Popen[bytes]] = []
+        self.started = False
+        self.failed = ""
+
+    def start(self) -> None:
+        if self.started:
+            if self.failed:
+                raise Skip(self.failed)
+            return
+        self.started = True
+        from kvd import KvdClient
+
+        try:
+            a_path = self.daemon("a")
+            b_path = self.daemon("b")
+            self.tx = KvdClient(a_path, name="peers-tx", timeout_s=120.0)
+            self.rx = KvdClient(b_path, name="peers-rx", timeout_s=120.0)
+            self.watch = KvdClient(b_path, name="peers-watch", timeout_s=120.0)
+            for c in (self.tx, self.rx, self.watch):
+                c.connect()
+            self.a_addr = self.tx.stats()["peer"]["address"]
+            self.b_addr = self.watch.stats()["peer"]["address"]
+        except BaseException as exc:
+            self.failed = f"kvd daemons did not start: {exc!r}"
+            raise
+
+    def daemon(self, name: str) -> str:
+        from kvd import KvdClient, KvdError
+
+        os.makedirs(os.path.join(self.root, name))
+        path = os.path.join(self.root, name, "kvd.sock")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        # peer_grace_s: both daemons are paused together while another system runs; a
+        # long pause must not read as a dead peer when they resume.
+        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--socket-path", path,
+               "--node-id", f"peers-{name}", "--peer-port", "0", "--data-port", "0",
+               "--http-port", "0", "--pool-size-bytes", "256MiB", "--peer-grace-s", "3600",
+               "--log-level", "warning"]
+        with open(os.path.join(self.root, name, "daemon.log"), "wb") as log:
+            proc = CHILDREN.spawn(cmd, env, stdout=log, stderr=subprocess.STDOUT)
+        self.daemons.append(proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(path):
+                with contextlib.suppress(KvdError), KvdClient(path, timeout_s=1.0) as c:
+                    c.ping()
+                    return path
+            time.sleep(0.05)
+        raise RuntimeError(f"kvd daemon {name} not ready (exit code {proc.poll()}): "
+                           f"{self.log_tail(name)}")
+
+    def log_tail(self, name: str) -> str:
+        with contextlib.suppress(OSError), open(os.path.join(self.root, name, "daemon.log"),
+                                                errors="replace") as f:
+            return f.read()[-2000:]
+        return ""
+
+    def close(self) -> None:
+        for c in ("tx", "rx", "watch"):
+            with contextlib.suppress(Exception):
+                getattr(self, c).close()
+        CHILDREN.stop(self.daemons, grace_s=30.0)
+        self.daemons = []
+
+
+class KvdRegions:
+    """One case's source region on a and destination region on b."""
+
+    def __init__(self, d: KvdDaemons, case: Case, tag: str) -> None:
+        import torch
+
+        from kvd import shared_empty
+
+        shape = ((case.block // min(case.block, KVD_BLOCK), min(case.block, KVD_BLOCK))
+                 if case.kind == "contig" else (case.blocks, case.block))
+        self.src = [shared_empty(shape, torch.uint8) for _ in range(case.tensors)]
+        self.dst = [shared_empty(shape, torch.uint8) for _ in range(case.tensors)]
+        self.r_src = d.tx.register(f"{tag}-src-{case.label}", self.src)
+        self.r_dst = d.rx.register(f"{tag}-dst-{case.label}", self.dst)
+        if case.kind == "contig":
+            self.src_ids = self.dst_ids = list(range(shape[0]))
+        else:
+            s, t = case.block_ids()
+            self.src_ids, self.dst_ids = s.tolist(), t.tolist()
+
+    def fill(self, case: Case, seed: int) -> None:
+        pattern = np.empty(case.side_bytes, np.uint8)
+        fill(pattern, seed)
+        per = case.side_bytes // case.tensors
+        for i, t in enumerate(self.src):
+            t.numpy().reshape(-1)[:] = pattern[i * per:(i + 1) * per]
+
+    def clear(self) -> None:
+        for t in self.dst:
+            t.zero_()
+
+    def check(self, case: Case, seed: int) -> str:
+        whole = np.concatenate([t.numpy().reshape(-1) for t in self.dst])
+        return check(case, whole, seed)
+
+
+class KvdSystem(System):
+    """kvd through its client, on the shared pair of daemons: ``put`` to a waiting get,
+    or ``lend`` then ``pull``."""
+
+    def __init__(self, name: str, daemons: KvdDaemons) -> None:
+        self.name, self.d = name, daemons
+        self.regions: KvdRegions | None = None
+        self.keys = 0
+
+    def start(self) -> None:
+        self.d.start()
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return list(self.d.daemons)
+
+    def stop(self) -> None:
+        pass  # the daemons are shared; run() closes them
+
+    def setup(self, case: Case) -> None:
+        self.regions = KvdRegions(self.d, case, self.name)
+
+    def key(self) -> str:
+        self.keys += 1
+        return f"{self.name}-{self.keys}"
+
+    def verify(self, case: Case, seed: int, move: bool) -> None:
+        assert self.regions is not None
+        if move:
+            self.regions.fill(case, seed)
+            self.regions.clear()
+            self.many(1) if case is MANY else self.time(case, 1)
+        error = self.regions.check(case, seed)
+        if error:
+            raise RuntimeError(error)
+
+    def clear(self) -> None:
+        assert self.regions is not None
+        self.regions.clear()
+
+    def wait_gets(self, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while self.d.watch.stats()["waiting_gets"] < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n} gets never all waited on daemon b")
+            time.sleep(0.0005)
+
+    def one(self, src_ids: list[int], dst_ids: list[int], nbytes: int) -> float:
+        r = self.regions
+        assert r is not None
+        key = self.key()
+        if self.name == "kvd-put":
+            get = self.d.rx.start_get(key, r.r_dst, dst_ids, timeout_s=60)
+            self.wait_gets(1)
+            t0 = now()
+            sent = self.d.tx.put(key, r.r_src, src_ids, to=self.d.b_addr, timeout_s=60).wait(60)
+            got = get.wait(60)
+            t1 = now()
+        else:
+            t0 = now()
+            lend = self.d.tx.lend(key, r.r_src, src_ids, ttl_s=60)
+            got = self.d.rx.pull(key, self.d.a_addr, r.r_dst, dst_ids, timeout_s=60,
+                                 wait_for_key_s=10)
+            t1 = now()
+            sent = lend.wait(60)
+        if sent != nbytes or got != nbytes:
+            raise RuntimeError(f"{self.name}: sent {sent}, got {got} bytes; expected {nbytes}")
+        return t1 - t0
+
+    def time(self, case: Case, repeat: int) -> list[float]:
+        r = self.regions
+        assert r is not None
+        return [self.one(r.src_ids, r.dst_ids, case.nbytes) for _ in range(repeat)]
+
+    def many(self, repeat: int) -> list[float]:
+        r = self.regions
+        assert r is not None
+        pairs = list(zip(r.src_ids, r.dst_ids, strict=True))
+        times = []
+        for _ in range(repeat):
+            keys = [self.key() for _ in pairs]
+            if self.name == "kvd-put":
+                gets = [self.d.rx.start_get(k, r.r_dst, [d], timeout_s=60)
+                        for k, (_, d) in zip(keys, pairs, strict=True)]
+                self.wait_gets(len(keys))
+                t0 = now()
+                puts = [self.d.tx.put(k, r.r_src, [s], to=self.d.b_addr, timeout_s=60)
+                        for k, (s, _) in zip(keys, pairs, strict=True)]
+                moved = [t.wait(60) for t in puts] + [g.wait(60) for g in gets]
+                t1 = now()
+            else:
+                t0 = now()
+                lends = [self.d.tx.lend(k, r.r_src, [s], ttl_s=60)
+                         for k, (s, _) in zip(keys, pairs, strict=True)]
+                pulls = [self.d.rx.start_pull(k, self.d.a_addr, r.r_dst, [d], timeout_s=60,
+                                              wait_for_key_s=10)
+                         for k, (_, d) in zip(keys, pairs, strict=True)]
+                moved = [p.wait(60) for p in pulls]
+                t1 = now()
+                moved += [lend.wait(60) for lend in lends]
+            if any(n != MANY.block for n in moved):
+                raise RuntimeError(f"{self.name} many: moved {sorted(set(moved))} bytes")
+            times.append(t1 - t0)
+        return times
+
+    def free(self, case: Case) -> None:
+        r = self.regions
+        if r is not None:
+            self.regions = None
+            self.d.tx.unregister(r.r_src)
+            self.d.rx.unregister(r.r_dst)
+
+
+# ------------------------------------------------------------------ the run
+
+
+def installed(name: str) -> str:
+    """'' when install_peers.sh recorded the system installed, else why not."""
+    try:
+        with open(PEERS_STATUS, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(f"{name}: "):
+                    status = line.split(": ", 1)[1].strip()
+                    return "" if status == "ok" else status
+    except OSError:
+        pass
+    return f"not installed here (run benchmarks/install_peers.sh; no {PEERS_STATUS})"
+
+
+def make_systems(names: list[str], root: str) -> tuple[list[System], KvdDaemons]:
+    daemons = KvdDaemons(root)
+    out: list[System] = []
+    for name in names:
+        if name == "raw":
+            out.append(WorkerSystem("raw", {}, root))
+        elif name in ("kvd-put", "kvd-pull"):
+            out.append(KvdSystem(name, daemons))
+        elif name == "nixl":
+            out.append(WorkerSystem("nixl", {"UCX_TLS": "tcp"}, root))
+        elif name == "mooncake":
+            # (glog: warnings and up; it logs every batch at INFO)
+            out.append(WorkerSystem("mooncake", {"GLOG_minloglevel": "1"}, root))
+    return out, daemons
+
+
+class Run:
+    def __init__(self, systems: list[System], rounds: int, repeat: int, log: Callable[[str], None]
+                 ) -> None:
+        self.systems = systems
+        self.rounds, self.repeat, self.log = rounds, repeat, log
+        self.skipped: dict[str, str] = {}
+        self.times: dict[str, dict[str, list[float]]] = {s.name: {} for s in systems}
+        self.checks: dict[str, dict[str, bool]] = {s.name: {} for s in systems}
+
+    def live(self) -> list[System]:
+        return [s for s in self.systems if s.name not in self.skipped]
+
+    def drop(self, s: System, why: str) -> None:
+        self.skipped[s.name] = why
+        self.log(f"  skipping {s.name}: {why}")
+        with contextlib.suppress(Exception):
+            s.stop()
+
+    def start(self) -> None:
+        for s in self.systems:
+            if s.name in ("nixl", "mooncake") and installed(s.name) and not importable(s.name):
+                self.drop(s, installed(s.name))
+                continue
+            try:
+                s.start()
+                s.pause()
+            except Exception as exc:
+                self.drop(s, str(exc) if isinstance(exc, Skip) else repr(exc))
+
+    def case(self, case: Case, seed: int) -> None:
+        self.log(f"{case.label}: {', '.join(s.name for s in self.live())}")
+        ready: list[System] = []
+        for s in self.live():
+            s.resume()
+            try:
+                s.setup(case)
+                s.verify(case, seed, move=True)
+                s.clear()  # the timed transfers must deliver the bytes again
+                ready.append(s)
+            except Exception as exc:
+                self.drop(s, f"{case.label}: {exc}")
+            finally:
+                s.pause()
+        repeat = repeat_for(case, self.repeat)
+        for r in range(self.rounds):
+            order = ready[r % len(ready):] + ready[:r % len(ready)] if ready else []
+            for s in order:
+                if s.name in self.skipped:
+                    continue
+                s.resume()
+                try:
+                    got = s.many(self.repeat) if case is MANY else s.time(case, repeat)
+                    self.times[s.name].setdefault(case.label, []).extend(got)
+                except Exception as exc:
+                    self.drop(s, f"{case.label}: {exc}")
+                finally:
+                    s.pause()
+        for s in ready:
+            if s.name in self.skipped:
+                continue
+            s.resume()
+            try:
+                s.verify(case, seed, move=False)
+                self.checks[s.name][case.label] = True
+                s.free(case)
+            except Exception as exc:
+                self.checks[s.name][case.label] = False
+                self.drop(s, f"{case.label}: after the timed transfers: {exc}")
+            finally:
+                s.pause()
+
+
+def repeat_for(case: Case, repeat: int) -> int:
+    """Transfers per round: ``repeat`` up to 1 MiB, fewer for bulk (16 MiB's worth of
+    the base count, at least 2) so that a round of 1 GiB stays within seconds."""
+    if case.nbytes <= MiB:
+        return repeat
+    return max(2, repeat * 16 * MiB // case.nbytes)
+
+
+def importable(name: str) -> bool:
+    module = {"nixl": "import nixl._api\n", "mooncake": "import mooncake.engine\n"}[name]
+    if name == "nixl":
+        module = "try:\n import nixl._api\nexcept ImportError:\n import nixl_cu12._api\n"
+    return subprocess.run([sys.executable, "-c", module], capture_output=True,
+                          timeout=120).returncode == 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q))
+
+
+def figures(run: Run, cases: list[Case]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, per_case in run.times.items():
+        for case in cases:
+            times = per_case.get(case.label)
+            if not times or not run.checks[name].get(case.label):
+                continue  # (a case whose bytes were not checked after timing reports nothing)
+            p = f"{name}_{case.label}"
+            if case is MANY:
+                rate = [MANY.pick / t for t in times]
+                out.update({f"{p}_best_per_s": round(max(rate)),
+                            f"{p}_median_per_s": round(statistics.median(rate)),
+                            f"{p}_p90_per_s": round(percentile(rate, 10))})
+                continue
+            best, p50, p90 = min(times), statistics.median(times), percentile(times, 90)
+            out.update({f"{p}_best_us": round(best * 1e6, 1), f"{p}_p50_us": round(p50 * 1e6, 1),
+                        f"{p}_median_us": round(p50 * 1e6, 1), f"{p}_p90_us": round(p90 * 1e6, 1),
+                        f"{p}_best_gbps": round(case.nbytes / best / 1e9, 3),
+                        f"{p}_median_gbps": round(case.nbytes / p50 / 1e9, 3),
+                        f"{p}_p90_gbps": round(case.nbytes / p90 / 1e9, 3),
+                        f"{p}_n": len(times)})
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else round(a / b, 3)
+
+
+def ratios(f: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kvd, suffix in (("kvd-put", ""), ("kvd-pull", "_pull")):
+        out[f"lat_4k_vs_nixl{suffix}"] = ratio(f.get(f"{kvd}_4KiB_p50_us"),
+                                               f.get("nixl_4KiB_p50_us"))
+        out[f"lat_1m_vs_nixl{suffix}"] = ratio(f.get(f"{kvd}_1MiB_p50_us"),
+                                               f.get("nixl_1MiB_p50_us"))
+        peers = {p: f[f"{p}_64MiB_median_gbps"] for p in ("nixl", "mooncake")
+                 if f"{p}_64MiB_median_gbps" in f}
+        best = max(peers, key=lambda p: peers[p]) if peers else None
+        out[f"bulk_64m_vs_best_peer{suffix}"] = ratio(
+            f.get(f"{kvd}_64MiB_median_gbps"), peers[best] if best else None)
+        out["bulk_64m_best_peer"] = best
+        out[f"many_vs_nixl{suffix}"] = ratio(f.get(f"{kvd}_many_median_per_s"),
+                                             f.get("nixl_many_median_per_s"))
+    return out
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"node": platform.node(), "cpus": os.cpu_count(), "cpu_model": model,
+            "python": platform.python_version(), "kernel": platform.release(),
+            "load_1m": round(os.getloadavg()[0], 2)}
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def table(run: Run, cases: list[Case], f: dict[str, Any]) -> None:
+    names = [s.name for s in run.systems]
+    print(f"\n{'case':<8}" + "".join(f"{n:>22}" for n in names))
+    for case in cases:
+        if case is MANY:
+            unit, cells = "transfers/s (best / median / p90)", []
+            for n in names:
+                k = f"{n}_many"
+                cells.append(f"{f[k + '_best_per_s']:,} / {f[k + '_median_per_s']:,}"
+                             if k + "_best_per_s" in f else "-")
+            print(f"{'many':<8}" + "".join(f"{c:>22}" for c in cells) + f"   {unit}")
+            continue
+        lat = case.label in LATENCY_LABELS
+        cells = []
+        for n in names:
+            k = f"{n}_{case.label}"
+            if f"{k}_best_us" not in f:
+                cells.append("-")
+            elif lat:
+                cells.append(f"{f[k + '_best_us']:.0f} / {f[k + '_p50_us']:.0f} / "
+                             f"{f[k + '_p90_us']:.0f}")
+            else:
+                cells.append(f"{f[k + '_best_gbps']:.2f} / {f[k + '_median_gbps']:.2f} / "
+                             f"{f[k + '_p90_gbps']:.2f}")
+        unit = "µs best / p50 / p90" if lat else "GB/s best / median / p90"
+        print(f"{case.label:<8}" + "".join(f"{c:>22}" for c in cells) + f"   {unit}")
+
+
+def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    cases = [Case.contig("4KiB", 4 * KiB), Case.contig("1MiB", MiB)]
+    if not args.quick:
+        cases.append(Case.contig("64MiB", 64 * MiB))
+    note = ""
+    if args.full:
+        cases.append(Case.contig("1GiB", GiB))
+    elif not args.quick:
+        need = 2 * GiB * len(names) + 4 * GiB
+        if mem_available() >= need:
+            cases.append(Case.contig("1GiB", GiB))
+        else:
+            note = (f"1GiB left out: {mem_available() / GiB:.1f} GiB available, "
+                    f"{need / GiB:.0f} wanted (--full runs it anyway)")
+    if not args.quick:
+        cases.append(PAGED)
+    cases.append(MANY)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    root = tempfile.mkdtemp(prefix="kvd-peers-", dir="/tmp")
+    systems, daemons = make_systems(names, root)
+    run = Run(systems, args.rounds, args.repeat, log)
+    try:
+        run.start()
+        for i, case in enumerate(cases):
+            if run.live():
+                run.case(case, seed=1000 + i)
+    finally:
+        for s in systems:
+            with contextlib.suppress(Exception):
+                s.stop()
+        daemons.close()
+        CHILDREN.stop_all()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+    f = figures(run, cases)
+    host = machine()
+    out: dict[str, Any] = {
+        "device": "cpu", "machine": host, "rounds": args.rounds, "repeat": args.repeat,
+        "cases": [c.label for c in cases], "systems": names, "skipped": run.skipped,
+        "checks": run.checks, "note": note or None,
+        "checks_passed": all(all(v.values()) for v in run.checks.values()),
+        **f, **ratios(f)}
+    print(f"kvd beside its peers, CPU, two processes on loopback; {args.rounds} rounds x "
+          f"{args.repeat} per system and case, systems alternated, idle ones paused")
+    print(f"machine: {host['node']}, {host['cpu_model']}, {host['cpus']} CPUs, load "
+          f"{host['load_1m']}, Python {host['python']}, Linux {host['kernel']}")
+    table(run, cases, f)
+    for n, why in run.skipped.items():
+        print(f"skipped {n}: {why}")
+    if note:
+        print(note)
+    print("byte checks: " + ("all passed" if out["checks_passed"] else f"FAILED {run.checks}"))
+    print("ratios: " + ", ".join(f"{k} {v}" for k, v in ratios(f).items()))
+    return out
+
+
+GPU_RATIOS = ("gpu_lat_1m_vs_nixl", "gpu_contig_vs_nixl", "gpu_paged_vs_raw",
+              "gpu_paged_vs_nixl")
+
+
+def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
+    """One GPU: kvd's local path (one daemon, put -> waiting get) against NIXL VRAM -> VRAM
+    between two processes (UCX cuda_ipc) and the raw copy (contiguous) or one
+    gather/scatter kernel (paged), on the paged case (64 tensors x 256 random blocks of
+    32 KiB), contiguous 512 MiB and 1 MiB. The ratios: kvd 1 MiB p50 over NIXL's, kvd
+    contiguous median GB/s over NIXL's, kvd paged median GB/s over the kernel's and over
+    NIXL's."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise SystemExit(f"--device cuda needs torch with CUDA: {exc}") from None
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is "
+                         "False); run it on a GPU machine, or use --device cpu")
+    raise SystemExit("--device cuda: the GPU cases are not written yet (CPU only for now)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--quick", action="store_true",
+                    help="4KiB, 1MiB and many only, 2 rounds of 3 (a smoke run)")
+    ap.add_argument("--full", action="store_true", help="1GiB whatever memory is available")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--rounds", type=int, help="rounds per case (default 5; --quick 2)")
+    ap.add_argument("--repeat", type=int,
+                    help="transfers per system per round (default 20; --quick 3)")
+    args = ap.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.repeat = args.repeat or (3 if args.quick else 20)
+    if args.rounds < 1 or args.repeat < 1:
+        ap.error("--rounds and --repeat must be at least 1")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, exit_on_signal)
+    try:
+        out = gpu_main(args) if args.device == "cuda" else cpu_main(args)
+    except SystemExit as exc:
+        if args.json and isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            print(json.dumps({"error": exc.code, "device": args.device,
+                              **dict.fromkeys(GPU_RATIOS)}))
+            return 2
+        raise
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
