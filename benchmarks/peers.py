@@ -56,7 +56,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import select
 import signal
 import statistics
@@ -71,6 +70,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "peers_systems"))
+import tcp_transfer  # noqa: E402  (benchmarks/, this script's own directory)
 from cases import Case, GiB, KiB, MiB, check, fill  # noqa: E402
 
 now = time.perf_counter
@@ -636,15 +636,8 @@ def ratios(f: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    model = platform.processor()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"node": platform.node(), "cpus": os.cpu_count(), "cpu_model": model,
-            "python": platform.python_version(), "kernel": platform.release(),
-            "load_1m": round(os.getloadavg()[0], 2)}
+    """The machine, as benchmarks/tcp_transfer.py describes it, and its load now."""
+    return {**tcp_transfer.machine(), "load_1m": round(os.getloadavg()[0], 2)}
 
 
 def mem_available() -> int:
