@@ -44,8 +44,9 @@ class Progress:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvd-bench-progress",
-                                        daemon=True)
+        # Stopped by __exit__ (the flag and a wake-up, then a bounded join): it sleeps at
+        # most interval_s at a time, so the join does not wait on it.
+        self._thread = threading.Thread(target=self._run, name="kvd-bench-progress")
 
     def __enter__(self) -> Progress:
         self._started = self._step_started = time.monotonic()
