@@ -9,8 +9,8 @@ environment, see ``kvd/timeline.py``; ``--dev`` items go to their ``KVD_DEV``, s
 kvd/config.py; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 and 1, or both
 on GPU 0 of a one-GPU host, each told it is a host of its own (``NCCL_HOSTID``) so that NCCL
 joins them over its socket transport on loopback: the hand-offs are the daemons', the wire
-is not NVLink's), or with ``--local`` one daemon that sees two GPUs, the local transport of
-case (d)),
+is not NVLink's), or with ``--local`` one daemon, the local transport: case (d) between
+two GPUs, or within GPU 0 of a one-GPU host),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
 and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
 (``Flow.once`` of benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned``
@@ -134,8 +134,8 @@ def main() -> int:
     ap.add_argument("--contiguous", action="store_true",
                     help="move blocks 0..N-1 (one run: no staging) instead of every other")
     ap.add_argument("--local", action="store_true",
-                    help="one daemon, both GPUs: the local transport (case (d)); "
-                    "needs --device cuda")
+                    help="one daemon: the local transport, between its two GPUs (case "
+                    "(d)) or within GPU 0 of a one-GPU host; needs --device cuda")
     ap.add_argument("--pull", action="store_true",
                     help="time a pull from B of blocks A lent (the vLLM connector's flow) "
                     "instead of a put into a waiting get")
@@ -158,8 +158,6 @@ def main() -> int:
     one_gpu = cuda and torch.cuda.device_count() < 2
     if args.local and not cuda:
         ap.error("--local copies between two GPUs of one daemon: it needs --device cuda")
-    if args.local and one_gpu:
-        ap.error("--local copies between two GPUs of one daemon: this host has one")
     if args.local and args.pull:
         ap.error("--pull moves blocks between two daemons: not with --local")
     if not cuda:
@@ -168,7 +166,7 @@ def main() -> int:
     procs = []
     try:
         if args.local:
-            a, a_sock, _ = start_daemon(root, "a", "0,1")
+            a, a_sock, _ = start_daemon(root, "a", "0" if one_gpu else "0,1")
             procs.append(a)
             flow = Flow(a_sock, a_sock, None)
         else:

@@ -44,29 +44,62 @@ def address(buf: np.ndarray) -> int:
 
 
 class Side:
-    """What every system's side does with its buffer; subclasses move the bytes."""
+    """What every system's side does with its buffer; subclasses move the bytes. The
+    buffer is host memory, or with ``PEERS_DEVICE=cuda`` in the environment a uint8 tensor
+    on the process's current GPU (``gpu``; ``buf`` is then empty and ``base`` its
+    address)."""
 
     def __init__(self, role: str) -> None:
         self.role = role
         self.case: Case | None = None
         self.buf = np.zeros(0, np.uint8)
+        self.gpu: Any = None  # torch.Tensor on the GPU, under PEERS_DEVICE=cuda
+        self.on_gpu = os.environ.get("PEERS_DEVICE") == "cuda"
+
+    @property
+    def base(self) -> int:
+        return int(self.gpu.data_ptr()) if self.gpu is not None else address(self.buf)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gpu.numel()) if self.gpu is not None else len(self.buf)
 
     def setup(self, case: Case, peer: dict[str, Any]) -> dict[str, Any]:
         self.case = case
-        self.buf = np.zeros(case.side_bytes, np.uint8)
-        return {"base": address(self.buf)}
+        if self.on_gpu:
+            import torch
+
+            self.gpu = torch.zeros(case.side_bytes, dtype=torch.uint8, device="cuda")
+        else:
+            self.buf = np.zeros(case.side_bytes, np.uint8)
+        return {"base": self.base}
 
     def fill(self, seed: int) -> dict[str, Any]:
-        fill(self.buf, seed)
+        if self.gpu is not None:
+            import torch
+
+            pattern = np.empty(self.nbytes, np.uint8)
+            fill(pattern, seed)
+            self.gpu.copy_(torch.from_numpy(pattern))
+            torch.cuda.synchronize()
+        else:
+            fill(self.buf, seed)
         return {}
 
     def zero(self) -> dict[str, Any]:
-        self.buf[:] = 0
+        if self.gpu is not None:
+            import torch
+
+            self.gpu.zero_()
+            torch.cuda.synchronize()
+        else:
+            self.buf[:] = 0
         return {}
 
     def check(self, seed: int) -> dict[str, Any]:
         assert self.case is not None
-        return {"error": check(self.case, self.buf, seed) or None}
+        got = self.gpu.cpu().numpy() if self.gpu is not None else self.buf
+        return {"error": check(self.case, got, seed) or None}
 
     def time(self, repeat: int) -> dict[str, Any]:
         raise NotImplementedError
@@ -77,6 +110,7 @@ class Side:
     def free(self) -> dict[str, Any]:
         self.case = None
         self.buf = np.zeros(0, np.uint8)
+        self.gpu = None
         return {}
 
     def close(self) -> None:
@@ -217,16 +251,21 @@ class RawSide(Side):
 
 
 def nixl_api() -> Any:
-    """NIXL's Python API: the 'nixl' meta-package's module, else nixl-cu12's own."""
-    try:
-        import nixl._api as api  # type: ignore[import-not-found]
-    except ImportError:
-        import nixl_cu12._api as api  # type: ignore[import-not-found,no-redef]
-    return api
+    """NIXL's Python API: the 'nixl' meta-package's module, else nixl-cu12's or
+    nixl-cu13's own (the GPU host's CUDA 13 takes the latter)."""
+    import importlib
+
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            why = exc
+    raise why
 
 
 class NixlSide(Side):
-    """A NIXL agent with the UCX backend (UCX_TLS from the environment), DRAM to DRAM. The
+    """A NIXL agent with the UCX backend (UCX_TLS from the environment), DRAM to DRAM, or
+    VRAM to VRAM under ``PEERS_DEVICE=cuda`` (UCX's cuda_ipc between the two processes). The
     initiator prepares both descriptor lists and one WRITE handle per case (and one per
     piece for ``many``), then reposts the handles and polls them to DONE."""
 
@@ -239,6 +278,7 @@ class NixlSide(Side):
         # progresses its worker, and a second spinning thread only takes a core from it.
         conf = api.nixl_agent_config(enable_prog_thread=role == "target", backends=["UCX"])
         self.agent = api.nixl_agent(f"bench-{role}-{os.getpid()}", conf)
+        self.memory = "VRAM" if self.on_gpu else "DRAM"  # device 0: the process's one GPU
         self.reg: Any = None
         self.remote = ""
         self.handles: list[Any] = []
@@ -246,8 +286,7 @@ class NixlSide(Side):
 
     def setup(self, case: Case, peer: dict[str, Any]) -> dict[str, Any]:
         out = super().setup(case, peer)
-        self.reg = self.agent.register_memory(
-            [(address(self.buf), len(self.buf), 0, "")], "DRAM")
+        self.reg = self.agent.register_memory([(self.base, self.nbytes, 0, "")], self.memory)
         if self.role == "target":
             out["md"] = base64.b64encode(self.agent.get_agent_metadata()).decode()
             return out
@@ -258,12 +297,12 @@ class NixlSide(Side):
             self.remote = self.remote.decode()
         s_off, d_off, length = case.pieces()
         n = len(s_off)
-        local = np.stack([s_off + address(self.buf), np.full(n, length), np.zeros(n, np.int64)],
+        local = np.stack([s_off + self.base, np.full(n, length), np.zeros(n, np.int64)],
                          axis=1).astype(np.uint64)
         remote = np.stack([d_off + int(peer["base"]), np.full(n, length),
                            np.zeros(n, np.int64)], axis=1).astype(np.uint64)
-        local_h = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-        remote_h = self.agent.prep_xfer_dlist(self.remote, remote, "DRAM")
+        local_h = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.memory)
+        remote_h = self.agent.prep_xfer_dlist(self.remote, remote, self.memory)
         self.dlists = [local_h, remote_h]
         idx = np.arange(n, dtype=np.int32)
         self.whole = self.agent.make_prepped_xfer("WRITE", local_h, idx, remote_h, idx)

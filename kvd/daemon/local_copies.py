@@ -63,6 +63,12 @@ def after_ready(source: Region, fn: Callable[..., _T], *args: Any) -> _T:
 
 
 
+def _landed(events: list[torch.cuda.Event]) -> bool:
+    """Whether every destination GPU has passed its copy's event (raises a CUDA error the
+    copy met)."""
+    return all(e.query() for e in events)
+
+
 class LocalCopies:
     def __init__(self, worker: local.CopyWorker, busy_poll: BusyPoll, metrics: Metrics) -> None:
         self.worker = worker
@@ -140,6 +146,7 @@ class LocalCopies:
         the loop while the copy should still be running, then every 0.2 ms; the regions
         stay mapped until then, even past a cancel or the deadline. None: not queued."""
         submitted = time.monotonic()
+        timeline.mark("local.gpu_copy.start")
         try:
             queued = after_ready(source, local.copy_gpu_blocks_queued, source.tensors,
                                   src_idx, dst, dst_idx, dst_blocks)
@@ -149,49 +156,72 @@ class LocalCopies:
         if queued is None:
             return None
         copied, events = queued
+        timeline.mark("local.gpu_copy.queued")
         done: asyncio.Future[None] = self._loop.create_future()
         self.hold_regions(regions, done)
         self._copies_in_flight[id(done)] = nbytes
         busy_until = submitted + _GPU_COPY_SPIN_S + nbytes / _GPU_COPY_BYTES_PER_S
         deadline = submitted + _GPU_COPY_TIMEOUT_S + nbytes / 1e9
-
-        async def complete() -> None:
-            try:
-                while not all(e.query() for e in events):
-                    now = time.monotonic()
-                    if now > deadline:
-                        # Still holding the regions: a GPU this late is stuck, but the
-                        # copy may yet write into them.
-                        log.error("a GPU copy of %d bytes is not done after %.0fs",
-                                  nbytes, now - submitted)
-                        await asyncio.sleep(1.0)
-                    else:
-                        await asyncio.sleep(0 if now < busy_until else _GPU_COPY_POLL_S)
-                done.set_result(None)
-            except BaseException as exc:  # a failed launch shows here (CUDA error)
-                done.set_exception(exc)
-
-        waiter = self._loop.create_task(complete())
         outcome = "failed"
+        handed_over = False  # to _landing, which settles ``done``
         try:
-            await asyncio.wait_for(asyncio.shield(done), deadline - time.monotonic())
+            # Polled here, in the request's own coroutine: no task, no wait_for, no loop
+            # turn between the copy's end and the reply. Only a cancel or the deadline
+            # hands the rest of the wait to a task that holds the regions (_landing).
+            while not _landed(events):
+                now = time.monotonic()
+                if now > deadline:
+                    handed_over = True
+                    self._landing(events, done, nbytes, submitted)
+                    raise TransferFailed(f"GPU copy of {nbytes} bytes did not complete "
+                                         f"within {deadline - submitted:.0f}s")
+                await asyncio.sleep(0 if now < busy_until else _GPU_COPY_POLL_S)
+            timeline.mark("local.gpu_copy.done")
+            done.set_result(None)
             outcome = "done"
             return copied
-        except TimeoutError:
-            raise TransferFailed(f"GPU copy of {nbytes} bytes did not complete within "
-                                 f"{deadline - submitted:.0f}s") from None
         except asyncio.CancelledError:
             outcome = "cancelled"
+            if not done.done() and not handed_over:
+                self._landing(events, done, nbytes, submitted)
             await wait_out(done, 60.0)  # bytes already on their way land first
+            raise
+        except BaseException as exc:  # a failed launch shows in the poll (a CUDA error)
+            if not done.done() and not handed_over:
+                done.set_exception(exc)
+                done.exception()  # retrieved: raised to the request here
             raise
         finally:
             del self._copies_in_flight[id(done)]
-            if done.done() and not done.cancelled():
-                done.exception()  # retrieved: reported through the await above
-            if not waiter.done():
-                self._background.add(waiter)
-                waiter.add_done_callback(self._background.discard)
             self._record_copy(outcome, nbytes, 0.0, time.monotonic() - submitted)
+
+    def _landing(self, events: list[torch.cuda.Event], done: asyncio.Future[None],
+                 nbytes: int, submitted: float) -> None:
+        """Poll a GPU copy its request no longer waits for (cancelled, or past its
+        deadline) until its bytes have landed, then settle ``done``, which releases the
+        regions it writes into."""
+
+        async def poll() -> None:
+            try:
+                while not _landed(events):
+                    if time.monotonic() > submitted + _GPU_COPY_TIMEOUT_S + nbytes / 1e9:
+                        # Still holding the regions: a GPU this late is stuck, but the
+                        # copy may yet write into them.
+                        log.error("a GPU copy of %d bytes is not done after %.0fs",
+                                  nbytes, time.monotonic() - submitted)
+                        await asyncio.sleep(1.0)
+                    else:
+                        await asyncio.sleep(_GPU_COPY_POLL_S)
+                if not done.done():
+                    done.set_result(None)
+            except BaseException as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                    done.exception()  # retrieved: the request has gone
+
+        task = self._loop.create_task(poll())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _record_copy(self, outcome: str, nbytes: int, queue_s: float | None,
                      wire_s: float | None) -> None:

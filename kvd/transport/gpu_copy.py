@@ -120,13 +120,15 @@ class BlockMap:
         # ``ready``, which also follows the rows' upload.
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         if self.stream is not None:
-            if described.ready is not None:
-                self.stream.wait_event(described.ready)
+            upload = described.pending()
+            if upload is not None:
+                self.stream.wait_event(upload)
             self.ids = self._host.to(device, non_blocking=True)
             self.ready: torch.cuda.Event | None = recorded(self.stream)
         else:
             self.ids, self.ready = self._host, None
         self.num_tensors, self.num_blocks = len(facts.geometry), len(ids)
+        self.nbytes = facts.block_bytes * len(ids)  # of all tensors' blocks ``ids``
         self.device = device
 
     def piece_range(self, tensor: int, start: int, stop: int) -> tuple[int, int]:
@@ -241,12 +243,21 @@ def block_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Rows:
     rows: torch.Tensor
     k: int
-    ready: torch.cuda.Event | None  # after the upload
+    ready: torch.cuda.Event | None  # after the upload; None once it is known done
     host: torch.Tensor  # the upload's source, alive while it may be queued
+
+    def pending(self) -> torch.cuda.Event | None:
+        """The upload's event while a stream must still wait for it; None once it has been
+        seen complete, so that no later map waits on it (a stream wait costs a few us per
+        transfer). (Threads may race here: each gets the event or None, both right.)"""
+        ready = self.ready
+        if ready is not None and ready.query():
+            self.ready = ready = None
+        return ready
 
 
 class _Facts:
@@ -259,6 +270,7 @@ class _Facts:
         self.watch: Any = None  # the first tensor's weakref that drops this entry
         self._rows: dict[torch.device, _Rows] = {}
         self.geometry = [_geometry(t) for t in tensors]  # (address, block, stride) bytes
+        self.block_bytes = sum(g[1] for g in self.geometry)  # one block of every tensor
         self.device = tensors[0].device if len(tensors) else None
         self.describable = bool(len(tensors)) and all(
             t.is_cuda and t.device == self.device and len(t) > 0 and block_contiguous(t)
