@@ -149,8 +149,10 @@ def mark_ready(gpus: Sequence[int]) -> None:
     writes queued so far (the daemon's stream waits for the event; nobody synchronises)."""
     import torch
 
+    from kvd.memory.streams import current_stream
+
     for device in gpus:
-        _ready_event(device).record(torch.cuda.current_stream(device))
+        _ready_event(device).record(current_stream(torch.device("cuda", device)))
 
 
 def cuda_tensor_spec(tensor: torch.Tensor, index: int = 0) -> CudaIpcTensor:

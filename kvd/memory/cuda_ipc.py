@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvd.errors import BadRequest
+from kvd.memory.streams import current_stream
 from kvd.protocol import CudaIpcTensor
 
 # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE (CudaIPCTypes.h): int64 counters per file, which
@@ -188,4 +189,4 @@ def wait_ready(events: list[tuple[int, torch.cuda.Event]], stream: torch.cuda.St
     """Make ``stream`` (default: each event's device's current stream) wait for what the
     clients recorded: their writes before the request that made us read."""
     for device, event in events:
-        (stream or torch.cuda.current_stream(device)).wait_event(event)
+        (stream or current_stream(device)).wait_event(event)

@@ -24,6 +24,7 @@ import torch
 
 from kvd import timeline
 from kvd.memory.regions import IdArray, Layout, packed_offsets
+from kvd.memory.streams import current_stream
 from kvd.protocol import LayoutEntry
 from kvd.transport import gpu_copy
 from kvd.transport.chunks import BlockSet, largest_chunk, plan_chunks
@@ -114,13 +115,13 @@ def copy_gpu_blocks_queued(
     if src[0].device != dst[0].device:
         nbytes = copy_across_gpus(src, src_idx.numpy(), dst, dst_idx.numpy(),
                                   dst_blocks=dst_blocks)
+        written = {t.device for t in dst}
     else:
         done = _same_gpu_one_launch(src, src_idx.numpy(), dst, dst_idx.numpy(), dst_blocks)
         if done is None:
             return None
-        nbytes = done
-    return nbytes, [gpu_copy.recorded(torch.cuda.current_stream(device))
-                    for device in {t.device for t in dst}]
+        nbytes, written = done, {dst[0].device}  # (a map's tensors are on one GPU)
+    return nbytes, [gpu_copy.recorded(current_stream(device)) for device in written]
 
 
 def copy_blocks(
@@ -231,7 +232,7 @@ def copy_across_gpus(src: Sequence[torch.Tensor], src_ids: IdArray,
                                         for _ in range(CROSS_GPU_BUFFERS)]
     dst_stage = [torch.empty(size, dtype=torch.uint8, device=dst_dev)
                  for _ in range(CROSS_GPU_BUFFERS)]
-    src_now, dst_now = torch.cuda.current_stream(src_dev), torch.cuda.current_stream(dst_dev)
+    src_now, dst_now = current_stream(src_dev), current_stream(dst_dev)
     for s in (streams.gather, streams.copy):
         s.wait_stream(src_now)
 
@@ -310,7 +311,7 @@ def _finish_writes(*written: torch.Tensor) -> None:
     come here.) A daemon-side interprocess event the client waits on would
     remove it (next steps in docs/architecture.md)."""
     for device in {t.device for t in written if t.is_cuda}:
-        torch.cuda.current_stream(device).synchronize()
+        current_stream(device).synchronize()
 
 
 class CopyWorker:
