@@ -24,6 +24,19 @@ loopback, DRAM to DRAM, and the receiving side checks them:
 * **mooncake**: Mooncake Transfer Engine (0.3.13.post1, non-CUDA build), P2PHANDSHAKE
   metadata, the tcp protocol, a synchronous (batch) write.
 
+GPU (``--device cuda``, one GPU; ``bash .ci/gpu peers`` on the device machine, with the
+nixl-cu13 wheel that benchmarks/gpu_peer_wheels.sh puts in .whl/):
+
+* **raw**: in this process, ``dst.copy_(src)`` (contiguous) or one launch of kvd's
+  gather/scatter kernel (paged), from the launch to ``torch.cuda.synchronize()``;
+* **kvd-put**: one ``kvd serve`` on the GPU, both regions registered by CUDA IPC from
+  this process (two clients); a put into a get already waiting on the same daemon (its
+  local path: one kernel, GPU to GPU), timed until both have returned;
+* **nixl**: two processes, VRAM to VRAM, UCX's cuda_ipc (UCX_TLS left to UCX), a prepared
+  WRITE handle reposted and polled to DONE, as on the CPU.
+
+Its cases: 1 MiB, 512 MiB contiguous and the paged request below.
+
 Cases: 4 KiB, 1 MiB, 64 MiB, 1 GiB (with ``--full``, or when memory allows every system
 its two GiB), and ``paged``: 64 tensors of 512 blocks of 32 KiB each side, the same 256
 random source blocks of every tensor to 256 random destination blocks (512 MiB in 16,384
@@ -38,10 +51,14 @@ small machine slows whatever runs beside it. A system that cannot start (not ins
 install_peers.sh) or fails is skipped with its reason; its ratios are null.
 
 Figures: latency in µs (best, p50 = median, p90) and throughput in GB/s (1e9 B/s; best,
-median, p90: the throughput of the p90 time). ``--json`` prints one JSON object last, with
+median, p90: the throughput of the p90 time); for ``many`` also the CPU time of the
+system's processes and this one (the clients of kvd run here) per transfer, from
+/proc. ``--json`` prints one JSON object last, with
 every figure and the ratios ``lat_4k_vs_nixl`` and ``lat_1m_vs_nixl`` (kvd-put p50 over
 NIXL's), ``bulk_64m_vs_best_peer`` (kvd-put median GB/s over the best of NIXL's and
-Mooncake's), ``many_vs_nixl`` (transfers/s), each also for kvd-pull (``..._pull``).
+Mooncake's), ``many_vs_nixl`` (transfers/s), each also for kvd-pull (``..._pull``);
+on the GPU ``gpu_lat_1m_vs_nixl`` (p50), ``gpu_contig_vs_nixl`` (512 MiB, median GB/s),
+``gpu_paged_vs_raw`` and ``gpu_paged_vs_nixl`` (paged, median GB/s).
 
 Every process the run starts is in its own process group, killed (SIGCONT, SIGTERM, then
 SIGKILL) when the run ends however it ends; the children also die with this process
@@ -772,6 +789,10 @@ def mem_available() -> int:
     return 0
 
 
+def gbps(value: float) -> str:
+    return f"{value:.2f}" if value < 100 else f"{value:.0f}"  # (a GPU's fit the column)
+
+
 def table(run: Run, cases: list[Case], f: dict[str, Any]) -> None:
     names = [s.name for s in run.systems]
     print(f"\n{'case':<8}" + "".join(f"{n:>22}" for n in names))
@@ -798,8 +819,8 @@ def table(run: Run, cases: list[Case], f: dict[str, Any]) -> None:
                 cells.append(f"{f[k + '_best_us']:.0f} / {f[k + '_p50_us']:.0f} / "
                              f"{f[k + '_p90_us']:.0f}")
             else:
-                cells.append(f"{f[k + '_best_gbps']:.2f} / {f[k + '_median_gbps']:.2f} / "
-                             f"{f[k + '_p90_gbps']:.2f}")
+                cells.append(" / ".join(gbps(f[f"{k}_{s}_gbps"]) for s in ("best", "median",
+                                                                           "p90")))
         unit = "µs best / p50 / p90" if lat else "GB/s best / median / p90"
         print(f"{case.label:<8}" + "".join(f"{c:>22}" for c in cells) + f"   {unit}")
 

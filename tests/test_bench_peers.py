@@ -85,6 +85,7 @@ def test_quick_run_moves_checked_bytes_and_reports_positive_figures() -> None:
                 assert res[f"{system}_{case}_{stat}"] > 0, (system, case, stat)
             assert res[f"{system}_{case}_n"] == 6
         assert res[f"{system}_many_median_per_s"] > 0
+        assert res[f"{system}_many_cpu_us_per_transfer"] > 0  # its processes' CPU, counted
     # NIXL was not asked for: its ratios are null, not made up.
     assert res["lat_4k_vs_nixl"] is None and res["many_vs_nixl"] is None
 
@@ -110,3 +111,33 @@ def test_a_run_stopped_half_way_leaves_no_process() -> None:
         left = reap(tag)
     assert proc.returncode != 0
     assert not left, f"the stopped run left processes behind: {left}"
+
+
+def cuda_here() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(cuda_here(), reason="a GPU is here: --device cuda would run for real")
+def test_the_gpu_part_says_it_needs_a_gpu_and_leaves_its_ratios_null() -> None:
+    tag = uuid.uuid4().hex
+    proc = start(tag, "--device", "cuda", "--json")
+    try:
+        out, err = proc.communicate(timeout=80)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        left = reap(tag)
+    assert proc.returncode == 2, err[-3000:]
+    assert not left, left
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "no CUDA device here" in res["error"]
+    assert res["device"] == "cuda"
+    for name in ("gpu_lat_1m_vs_nixl", "gpu_contig_vs_nixl", "gpu_paged_vs_raw",
+                 "gpu_paged_vs_nixl"):
+        assert name in res and res[name] is None, name
