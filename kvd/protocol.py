@@ -449,7 +449,9 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     eager: bool = False
     channel: ChannelId = 0
     chunk_bytes: Annotated[int, Meta(ge=0, le=2**40)] = 0
-    inline: Annotated[bytes, Meta(max_length=MAX_INLINE_BYTES)] = b""
+    # Decoded as a view of the received message, not a copy of it: the receiver copies
+    # the bytes once, into their destination.
+    inline: Annotated[memoryview, Meta(max_length=MAX_INLINE_BYTES)] = memoryview(b"")
 
 
 class Accept(_PeerMsg, tag="accept", frozen=True):

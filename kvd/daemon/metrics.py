@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -68,6 +69,16 @@ def _nccl_version() -> str:
     return "none"
 
 
+@dataclass(frozen=True, slots=True)
+class _TransferSeries:
+    """The series of one (peer, direction, transport, outcome)."""
+
+    transfers: Counter
+    nbytes: Counter
+    queue: Histogram
+    wire: Histogram
+
+
 class Metrics:
     def __init__(self) -> None:
         # (Process-wide in prometheus_client, read at scrape time; the daemon owns its
@@ -88,27 +99,34 @@ class Metrics:
         self._wire = Histogram(
             "kvd_transfer_wire_seconds", "From the first byte to the last.",
             ["direction", "transport"], buckets=DURATION_BUCKETS, registry=self.registry)
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[str, str, str, str], _TransferSeries] = {}
 
     def transfer(self, *, peer: str, direction: str, transport: str, outcome: str,
                  nbytes: int = 0, queue_s: float | None = None,
                  wire_s: float | None = None) -> None:
-        self._child(self._transfers, peer, direction, transport, outcome).inc()
+        series = self._series(peer, direction, transport, outcome)
+        series.transfers.inc()
         if outcome == "done":
-            self._child(self._bytes, peer, direction, transport).inc(nbytes)
+            series.nbytes.inc(nbytes)
             if wire_s is not None:
-                self._child(self._wire, direction, transport).observe(max(wire_s, 0.0))
+                series.wire.observe(max(wire_s, 0.0))
         if queue_s is not None:
-            self._child(self._queue, direction, transport).observe(max(queue_s, 0.0))
+            series.queue.observe(max(queue_s, 0.0))
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, looked up once per label set: prometheus_client
-        validates and locks on every labels() call, ~25 us per transfer in a daemon on
-        the GPU host (py-spy), and this runs at the end of every transfer."""
-        key = (id(metric), labels)
+    def _series(self, peer: str, direction: str, transport: str, outcome: str
+                ) -> _TransferSeries:
+        """The labelled series one transfer counts in, looked up once per label set (one
+        dict lookup per transfer): prometheus_client validates and locks on every
+        labels() call, ~25 us per transfer in a daemon on the GPU host (py-spy), and this
+        runs at the end of every transfer."""
+        key = (peer, direction, transport, outcome)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = metric.labels(*labels)
+            found = self._children[key] = _TransferSeries(
+                self._transfers.labels(peer, direction, transport, outcome),
+                self._bytes.labels(peer, direction, transport),
+                self._queue.labels(direction, transport),
+                self._wire.labels(direction, transport))
         return found
 
     def attach(self, parts: DaemonParts) -> None:

@@ -187,20 +187,21 @@ class PeerRouter:
         """A message on our ROUTER: [routing id, payload] from a peer's DEALER."""
         routing_id = frame_bytes(frames[0])
         reply = self.reply_to(routing_id)
-        source = f"routing id {routing_id.hex()}"
         if len(frames) != 2:
             self._bad.report("frames", reply, ProtocolError(
-                f"expected one frame per message, got {len(frames) - 1}"), source)
+                f"expected one frame per message, got {len(frames) - 1}"),
+                _source(routing_id))
             return
         frame = frames[1]
         payload = frame.buffer if isinstance(frame, zmq.Frame) else frame
         if not len(payload):
-            self._bad.report("empty", reply, ProtocolError("empty message"), source)
+            self._bad.report("empty", reply, ProtocolError("empty message"),
+                             _source(routing_id))
             return
         try:
             msg = decode_peer(payload)
         except ProtocolError as err:
-            self._bad.report("malformed", reply, err, source)
+            self._bad.report("malformed", reply, err, _source(routing_id))
             return
         self._on_message(routing_id, frame, msg, reply)
 
@@ -221,6 +222,11 @@ class PeerRouter:
                              peer)
 
         self._zap.send(zap_answer(frames, self._keys, refused))
+
+
+def _source(routing_id: bytes) -> str:
+    """Who sent a bad message, for its log line (made only for one: not per message)."""
+    return f"routing id {routing_id.hex()}"
 
 
 def frame_bytes(frame: bytes | zmq.Frame) -> bytes:

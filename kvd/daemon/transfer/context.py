@@ -9,6 +9,7 @@ same state through ``TransferPart``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import random
@@ -36,6 +37,35 @@ log = logging.getLogger("kvd.daemon.transfer.transfers")
 BUSY_RETRY_S = 0.05  # a BUSY's retry_after_s, and a sender's first backoff after one
 
 
+class Replies:
+    """What answers one send, in arrival order (the peer's answers, an error the daemon
+    hands it), taken one at a time by the send's task. An ``asyncio.Queue`` did this with
+    an event, a lock-free waiting list and a loop lookup made for every send; one waiter
+    is all a send needs. An answer stays here until taken, so a task cancelled as it
+    arrives (after a cancel, ``Sender._verdict`` reads on) still finds it."""
+
+    __slots__ = ("_answers", "_waiter")
+
+    def __init__(self) -> None:
+        self._answers: collections.deque[Answer | KvdError] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, answer: Answer | KvdError) -> None:
+        self._answers.append(answer)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Answer | KvdError:
+        while not self._answers:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return self._answers.popleft()
+
+
 @dataclass(eq=False)
 class Push:
     """A send in progress: its machine state, and what moves its bytes."""
@@ -47,7 +77,7 @@ class Push:
     eager_tcp: Moving | None = None  # bytes sent with the first offer (TCP)
     tcp_job: Moving | None = None  # the bytes the ACCEPT took over TCP
     nccl_job: Moving | None = None  # ... or over NCCL (queued with the offer, if eager)
-    replies: asyncio.Queue[Answer | KvdError] = field(default_factory=asyncio.Queue)
+    replies: Replies = field(default_factory=Replies)
 
     def jobs(self) -> list[Moving]:
         return [j for j in (self.eager_tcp, self.tcp_job, self.nccl_job) if j is not None]
@@ -76,8 +106,32 @@ class Pull:
 
     state: PullState[PeerLink]
     region: Region
+    # Settled by whatever ends the pull (its bytes, a refusal, the link's loss), maybe
+    # once nothing awaits it (cancelled, timed out): then a cancelled pull waits on it
+    # for bytes still landing.
     future: asyncio.Future[int]
     blocks: BlockSet  # the destination, prepared while the request is out
+    # What the pull's task awaits: settled with ``future``, but a cancel of the task
+    # cancels only this one. (``asyncio.shield(future)`` would do the same one turn of
+    # the loop later, as store.Waiter.wake says.)
+    wake: asyncio.Future[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.wake = self.future.get_loop().create_future()
+
+    def settle(self, result: int | KvdError) -> None:
+        """The pull's end: the bytes it took, or its error (once; later ones are moot)."""
+        if self.future.done():
+            return
+        for fut in (self.future, self.wake):
+            if fut.done():
+                continue
+            if isinstance(result, KvdError):
+                fut.set_exception(result)
+                # (nothing may await it any more: its error is the pull's to report)
+                fut.add_done_callback(retrieved)
+            else:
+                fut.set_result(result)
 
 
 @dataclass
@@ -163,8 +217,8 @@ class TransferPart:
     def _fail_pull(self, tid: int, err: KvdError) -> None:
         """Our pull ``tid`` fails now (no bytes of it land), not at its timeout."""
         pull = self._pulls.get(tid)
-        if pull is not None and not pull.future.done():
-            pull.future.set_exception(err)
+        if pull is not None:
+            pull.settle(err)
 
     def _refuse(self, link: PeerLink, tid: int, err: KvdError, bad: str | None = None) -> None:
         self.ctx.refuse(link, tid, err, bad)

@@ -75,10 +75,10 @@ class Outgoing(Generic[L]):
     offer_pending: bool = False  # an offer is out and not answered yet
     accepted: bool = False  # the receiver ACCEPTed: it waits for the bytes (inline: has them)
     inline: bool = False  # the bytes went in the offer itself (Offer.inline)
+    nbytes: int = field(init=False)  # read several times per send: summed once
 
-    @property
-    def nbytes(self) -> int:
-        return wire_bytes(self.layout, self.num_blocks)
+    def __post_init__(self) -> None:
+        self.nbytes = wire_bytes(self.layout, self.num_blocks)
 
 
 @dataclass(eq=False)

@@ -133,8 +133,8 @@ class Receiver(TransferPart):
         timeline.mark("transfer.received")
         self.counters.bytes_received += offer.nbytes
         self.arrivals.arrived(arrival, offer.nbytes)
-        if pull is not None and not pull.future.done():
-            pull.future.set_result(offer.nbytes)
+        if pull is not None:
+            pull.settle(offer.nbytes)
         # (call_soon: the get's task, woken by arrived, replies first; see _receive)
         self._loop.call_soon(self.plane.send, link,
                              XferDone(transfer_id=tid, nbytes=offer.nbytes))
@@ -199,16 +199,16 @@ class Receiver(TransferPart):
                      receive.key, link.address, err.code, err.message)
             self.plane.send(link, XferFailed(transfer_id=tid, code=err.code,
                                              message=err.message))
-            if pull is not None and not pull.future.done():
-                pull.future.set_exception(err)
+            if pull is not None:
+                pull.settle(err)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
             outcome = "done"
             self.counters.bytes_received += nbytes
             self.arrivals.arrived(receive.arrival, nbytes)
-            if pull is not None and not pull.future.done():
-                pull.future.set_result(nbytes)
+            if pull is not None:
+                pull.settle(nbytes)
             try:
                 if receive.arrival.waiter is not None:
                     # The get these bytes answer replies first: its client is what a

@@ -43,15 +43,13 @@ class Source:
     num_blocks: int
     regions: Sequence[Region] = ()  # the client regions read (their writes go first)
     gpu: str | None = field(init=False)  # the GPU the blocks are on ("cuda:N"), or None
+    nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         # Found once: read several times per transfer, and str(device) is not free.
         device = self.blocks.tensors[0].device if self.blocks is not None else None
         self.gpu = str(device) if device is not None and device.type == "cuda" else None
-
-    @property
-    def nbytes(self) -> int:
-        return wire_bytes(self.layout, self.num_blocks)
+        self.nbytes = wire_bytes(self.layout, self.num_blocks)
 
 
 class Moving(Protocol):

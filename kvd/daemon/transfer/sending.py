@@ -241,6 +241,16 @@ class Sender(TransferPart):
                      one_run=out.from_gpu and push.source.blocks is not None
                      and push.source.blocks.one_run())
 
+    def _send_inline(self, push: Push, offer: Offer) -> None:
+        """Send ``offer`` with the bytes in it, read from the client's blocks as it is
+        encoded: one view (a run of blocks) goes to the encoder as it is, several are
+        joined first. Nothing of the bytes is kept while the answer is awaited: 64 sends
+        in flight would otherwise hold a copy each, of up to 64 KiB."""
+        assert push.source.blocks is not None
+        views = push.source.blocks.views()
+        payload = views[0] if len(views) == 1 else memoryview(b"".join(views))
+        self.plane.send(push.state.link, msgspec.structs.replace(offer, inline=payload))
+
     async def _offer_until_accepted(self, push: Push, ttl_s: float | None,
                                     inline: bool = False) -> Accept | XferDone:
         """Offer until the receiver takes the bytes: its ACCEPT, or, for an ``inline``
@@ -251,16 +261,13 @@ class Sender(TransferPart):
         # Host memory to a peer that will take it over TCP anyway: the bytes go right
         # behind the first offer, and the ACCEPT round trip leaves the critical path.
         eager_tcp = push.tcp is not None and out.src_dev == CPU_DEVICE
-        if inline:
-            assert push.source.blocks is not None
-            offer = msgspec.structs.replace(offer, inline=b"".join(push.source.blocks.views()))
         while True:
             chunk = self.config.nccl_chunk_bytes
             route = (None if eager_tcp or inline
                      or not self.machine.may_send_eager_nccl(out, chunk)
                      else self.routes.eager_send(link, out.src_dev))
             if inline:
-                self.plane.send(link, offer)
+                self._send_inline(push, offer)
                 self.machine.offered(out, inline=True)
                 timeline.mark("transfer.sent")
             elif route is not None:

@@ -52,7 +52,6 @@ from kvd.daemon.transfer.context import (
     TransferPart,
     log,
     new_id,
-    retrieved,
 )
 from kvd.daemon.transfer.machine import (
     Action,
@@ -158,10 +157,6 @@ class PeerTransfers(TransferPart):
         tid = new_id()
         pull = Pull(PullState(key, link, region.layout, len(idx)), region,
                     self._loop.create_future(), BlockSet(region.tensors, idx.numpy()))
-        # Settled by whatever ends the pull (its bytes, a refusal, the link's loss), maybe
-        # once nothing awaits it (cancelled, timed out): its error is the pull's to report,
-        # not "never retrieved".
-        pull.future.add_done_callback(retrieved)
         self._pulls[tid] = pull
         self.machine.pull_begins(tid, pull.state)
         try:
@@ -173,13 +168,12 @@ class PeerTransfers(TransferPart):
             self.engine.prepare_gpu_blocks(pull.blocks, region.layout)
 
             def lost(_link: PeerLink, err: KvdError) -> None:
-                if not pull.future.done():
-                    pull.future.set_exception(err)
+                pull.settle(err)
 
             link.on_lost.append(lost)
             try:
                 async with asyncio.timeout(timeout_s):
-                    return await asyncio.shield(pull.future)
+                    return await pull.wake
             except TimeoutError:
                 raise KvdTimeout(f"pull {tid} of key {key!r} from {src} did not complete "
                                  f"within {timeout_s:g}s") from None
@@ -243,7 +237,7 @@ class PeerTransfers(TransferPart):
         for tid in list(self.machine.pulls_not_offered()):
             pull = self._pulls.get(tid)
             if pull is not None and not pull.future.done():
-                pull.future.set_exception(err)  # (its task tells the owner: XferCancel)
+                pull.settle(err)  # (its task tells the owner: XferCancel)
                 refused += 1
         return refused
 
