@@ -169,13 +169,15 @@ def test_tensor_facts_are_cached_per_list_and_dropped_with_its_tensors() -> None
     assert gpu_copy._facts_of(tensors) is first  # a hit compares by identity, not by value
     assert gpu_copy._facts_of(list(tensors)) is first  # same tensors, another list
     assert not gpu_copy.describable(tensors, torch.device("cpu"))  # host memory
-    other = gpu_copy._facts_of([tensors[0], torch.empty(4, 8, dtype=torch.int64)])
+    second = torch.empty(4, 8, dtype=torch.int64)
+    other = gpu_copy._facts_of([tensors[0], second])
     assert other is not first and other.geometry[1] != first.geometry[1]
-    key = id(tensors[0])
-    assert gpu_copy._facts[key] is other
-    del tensors, first, other
+    assert gpu_copy._facts_of([tensors[0], second]) is other  # it took first's place
+    assert gpu_copy._facts_of(tensors) is not first
+    entries = len(gpu_copy._facts)
+    del tensors, first, other, second
     gc.collect()
-    assert key not in gpu_copy._facts
+    assert len(gpu_copy._facts) == entries - 1  # gone with its first tensor
 
 
 def test_block_views_are_the_blocks_bytes_in_wire_order() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 
 from kvd.memory.regions import IdArray
 from kvd.memory.streams import current_stream
+from kvd.memory.tensor_lists import PerTensorList
 
 log = logging.getLogger(__name__)
 
@@ -280,13 +280,9 @@ class _Rows:
 
 
 class _Facts:
-    """What the maps need of a list of tensors, found once: the same region's tensors
-    come back with every transfer, and reading 64 tensors' geometry costs ~60 us and
-    checking them ~250 us of CPU on the H200 host, per transfer."""
+    """What the maps need of a list of tensors, found once per list (``_facts_of``)."""
 
     def __init__(self, tensors: Any) -> None:
-        self.refs = tuple(weakref.ref(t) for t in tensors)
-        self.watch: Any = None  # the first tensor's weakref that drops this entry
         self._rows: dict[torch.device, _Rows] = {}
         self.geometry = [_geometry(t) for t in tensors]  # (address, block, stride) bytes
         self.block_bytes = sum(g[1] for g in self.geometry)  # one block of every tensor
@@ -320,33 +316,8 @@ class _Facts:
             self._rows[device] = found
         return found
 
-    def of(self, tensors: Any) -> bool:
-        return len(self.refs) == len(tensors) and all(
-            r() is t for r, t in zip(self.refs, tensors, strict=True))
-
-
-# Keyed by id() of each list's first tensor (a WeakKeyDictionary would compare tensors
-# with ==, elementwise); an entry goes when that tensor goes. Plain dict operations are
-# atomic under the GIL, and the weakref callback may run in any thread, so no lock.
-_facts: dict[int, _Facts] = {}
-
-
-def _facts_of(tensors: Any) -> _Facts:
-    if not len(tensors):
-        return _Facts(tensors)
-    key = id(tensors[0])
-    found = _facts.get(key)
-    if found is not None and found.of(tensors):
-        return found
-    found = _Facts(tensors)
-
-    def forget(_ref: Any, key: int = key, entry: _Facts = found) -> None:
-        if _facts.get(key) is entry:
-            _facts.pop(key, None)
-
-    found.watch = weakref.ref(tensors[0], forget)
-    _facts[key] = found
-    return found
+_facts = PerTensorList(_Facts)
+_facts_of = _facts.get
 
 
 def describable(tensors: Any, device: torch.device) -> bool:
