@@ -165,10 +165,13 @@ class Channel:
             return self._error
         err = (exc if isinstance(exc, KvdError)
                else PeerUnreachable(f"channel {self.name}: {exc!r}"))
-        self.abort(err)
-        log.warning("channel %s broken: %s", self.name, err.message)
+        # The owner hears first, then the jobs fail: both reach the loop through its
+        # queue, in this order, so whoever sees a job's failure sees the broken link too
+        # (the other way round, a failed receive was counted while its link was still up).
         if self.on_broken is not None:
             self.on_broken(err)
+        self.abort(err)
+        log.warning("channel %s broken: %s", self.name, err.message)
         return err
 
     # subclasses
