@@ -401,7 +401,28 @@ def sync(tensors: list[Any]) -> None:
         torch.cuda.synchronize(tensors[0].device)
 
 
-class KvdSystem(System):
+class InProcessPair(System):
+    """A system whose case is a ``TensorPair`` in this process (``tensors``): filled,
+    cleared and checked here."""
+
+    def tensors(self) -> TensorPair:
+        raise NotImplementedError
+
+    def verify(self, case: Case, seed: int, move: bool) -> None:
+        pair = self.tensors()
+        if move:
+            pair.fill(case, seed)
+            pair.clear()
+            self.many(1) if case is MANY else self.time(case, 1)
+        error = pair.check(case, seed)
+        if error:
+            raise RuntimeError(error)
+
+    def clear(self) -> None:
+        self.tensors().clear()
+
+
+class KvdSystem(InProcessPair):
     """kvd through its client, on the shared pair of daemons: ``put`` to a waiting get,
     or ``lend`` then ``pull``."""
 
@@ -426,19 +447,9 @@ class KvdSystem(System):
         self.keys += 1
         return f"{self.name}-{self.keys}"
 
-    def verify(self, case: Case, seed: int, move: bool) -> None:
+    def tensors(self) -> TensorPair:
         assert self.regions is not None
-        if move:
-            self.regions.fill(case, seed)
-            self.regions.clear()
-            self.many(1) if case is MANY else self.time(case, 1)
-        error = self.regions.check(case, seed)
-        if error:
-            raise RuntimeError(error)
-
-    def clear(self) -> None:
-        assert self.regions is not None
-        self.regions.clear()
+        return self.regions
 
     def wait_gets(self, n: int) -> None:
         deadline = time.monotonic() + 30
@@ -513,7 +524,7 @@ class KvdSystem(System):
             self.d.rx.unregister(r.r_dst)
 
 
-class GpuRawSystem(System):
+class GpuRawSystem(InProcessPair):
     """The floor on one GPU, in this process: ``dst.copy_(src)`` for a contiguous case, one
     launch of kvd's gather/scatter kernel (``kvd.transport.gpu_copy``, block maps made
     once per case) for the paged case; each transfer timed from the launch to
@@ -546,19 +557,9 @@ class GpuRawSystem(System):
                          BlockMap(p.dst, np.array(p.dst_ids), device))
             torch.cuda.synchronize()
 
-    def verify(self, case: Case, seed: int, move: bool) -> None:
+    def tensors(self) -> TensorPair:
         assert self.pair is not None
-        if move:
-            self.pair.fill(case, seed)
-            self.pair.clear()
-            self.time(case, 1)
-        error = self.pair.check(case, seed)
-        if error:
-            raise RuntimeError(error)
-
-    def clear(self) -> None:
-        assert self.pair is not None
-        self.pair.clear()
+        return self.pair
 
     def time(self, case: Case, repeat: int) -> list[float]:
         import torch

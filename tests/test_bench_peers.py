@@ -44,6 +44,18 @@ def start(tag: str, *args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def finish(proc: subprocess.Popen[str], tag: str) -> tuple[str, str, list[tuple[int, str]]]:
+    """The run's output once it has ended (killed after 80 s), and what it left behind."""
+    try:
+        out, err = proc.communicate(timeout=80)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        left = reap(tag)
+    return out, err, left
+
+
 def reap(tag: str) -> list[tuple[int, str]]:
     """What the run left: killed now, and returned for the assertion."""
     deadline = time.monotonic() + 10
@@ -65,13 +77,7 @@ def test_quick_run_moves_checked_bytes_and_reports_positive_figures() -> None:
     tag = uuid.uuid4().hex
     proc = start(tag, "--json", "--quick", "--rounds", "2", "--repeat", "3",
                  "--systems", "raw,kvd-put")
-    try:
-        out, err = proc.communicate(timeout=80)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        left = reap(tag)
+    out, err, left = finish(proc, tag)
     assert proc.returncode == 0, err[-3000:]
     assert not left, f"the run left processes behind: {left}"
     res = json.loads(out.strip().splitlines()[-1])
@@ -126,13 +132,7 @@ def cuda_here() -> bool:
 def test_the_gpu_part_says_it_needs_a_gpu_and_leaves_its_ratios_null() -> None:
     tag = uuid.uuid4().hex
     proc = start(tag, "--device", "cuda", "--json")
-    try:
-        out, err = proc.communicate(timeout=80)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        left = reap(tag)
+    out, err, left = finish(proc, tag)
     assert proc.returncode == 2, err[-3000:]
     assert not left, left
     res = json.loads(out.strip().splitlines()[-1])

@@ -128,14 +128,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """All of ``views`` with ``sendmsg`` (scatter-gather, no copy in Python)."""
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i:i + IOV_MAX])
-        while sent:
-            if sent >= len(views[i]):
-                sent -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
 
 
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -145,13 +138,20 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         got = sock.recvmsg_into(views[i:i + IOV_MAX])[0]
         if got == 0:
             raise EOFError("peer closed")
-        while got:
-            if got >= len(views[i]):
-                got -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][got:]
-                got = 0
+        i = advance(views, i, got)
+
+
+def advance(views: list[memoryview], i: int, moved: int) -> int:
+    """Past ``moved`` bytes from view ``i`` on: the index of the first view not yet done,
+    which is cut to what is left of it."""
+    while moved:
+        if moved >= len(views[i]):
+            moved -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][moved:]
+            moved = 0
+    return i
 
 
 class RawSide(Side):

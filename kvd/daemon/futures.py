@@ -57,6 +57,26 @@ def _copy(src: concurrent.futures.Future[T], dest: asyncio.Future[T]) -> None:
         dest.set_result(src.result())
 
 
+def settle_awaited(future: asyncio.Future[Any], wake: asyncio.Future[Any],
+                   result: Any) -> None:
+    """Settle ``future`` and ``wake`` with ``result`` (an exception is raised by whoever
+    awaits either), once: later calls are moot. ``wake`` is what a request's task awaits
+    in place of ``future``: a cancel of the task cancels only ``wake``, and ``future``
+    stays for the cancel path to wait on (bytes still landing), as ``asyncio.shield``
+    would leave it but without the shield's extra loop turn. An exception is marked
+    retrieved: the task may be gone, with nobody left to raise it."""
+    if future.done():
+        return
+    for fut in (future, wake):
+        if fut.done():
+            continue
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+            fut.exception()  # (retrieved)
+        else:
+            fut.set_result(result)
+
+
 async def wait_out(fut: asyncio.Future[Any], timeout_s: float) -> bool:
     """Wait until ``fut`` settles (at most ``timeout_s``), and let no cancel cut the wait
     short: for work that must end before its request answers, such as bytes still landing

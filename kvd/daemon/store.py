@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvd.daemon.futures import settle_awaited
 from kvd.errors import BadRequest
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region
@@ -90,19 +91,7 @@ class Waiter:
 
     def settle(self, result: Any) -> None:
         """The get's answer: a claim, a ``Delivered``, or an error (raised by the get)."""
-        if self.future.done():
-            return
-        for fut in (self.future, self.wake):
-            if fut.done():
-                continue
-            if isinstance(result, BaseException):
-                fut.set_exception(result)
-            else:
-                fut.set_result(result)
-        if isinstance(result, BaseException):  # the get may be gone: nobody to raise it
-            for fut in (self.future, self.wake):
-                if not fut.cancelled():
-                    fut.exception()
+        settle_awaited(self.future, self.wake, result)
 
 
 class KeyStore:

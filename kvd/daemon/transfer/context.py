@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.daemon.engine import Engine
-from kvd.daemon.futures import on_loop
+from kvd.daemon.futures import on_loop, settle_awaited
 from kvd.daemon.peer_link import PeerLink
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.transfer.arrivals import Arrival, Arrivals
@@ -121,17 +121,7 @@ class Pull:
 
     def settle(self, result: int | KvdError) -> None:
         """The pull's end: the bytes it took, or its error (once; later ones are moot)."""
-        if self.future.done():
-            return
-        for fut in (self.future, self.wake):
-            if fut.done():
-                continue
-            if isinstance(result, KvdError):
-                fut.set_exception(result)
-                # (nothing may await it any more: its error is the pull's to report)
-                fut.add_done_callback(retrieved)
-            else:
-                fut.set_result(result)
+        settle_awaited(self.future, self.wake, result)
 
 
 @dataclass

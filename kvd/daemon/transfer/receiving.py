@@ -91,10 +91,7 @@ class Receiver(TransferPart):
             route, accept = self.routes.for_receive(link, offer, arrival, eager_nccl)
             job = route.receive(offer, arrival)
         except KvdError as err:
-            self.arrivals.arrival_failed(arrival, err)
-            self._refuse(link, tid, err)
-            if pull is not None:
-                self._fail_pull(tid, err)
+            self._refuse_offer(link, tid, err, pull, arrival)
             return False
         receive = Receive(tid, offer.key, link, arrival, job, offer.nbytes)
         # The job may start writing before _receive runs: hold the regions from now on.
@@ -117,15 +114,12 @@ class Receiver(TransferPart):
         if arrival is None:
             return
         if arrival.device.type != "cpu":
-            err = BadRequest(f"the destination blocks are on {arrival.device}, and "
-                             f"{link.address} sent host memory without NCCL")
-            self.arrivals.arrival_failed(arrival, err)
-            self._refuse(link, tid, err)
-            if pull is not None:
-                self._fail_pull(tid, err)
+            self._refuse_offer(link, tid, BadRequest(
+                f"the destination blocks are on {arrival.device}, and {link.address} sent "
+                "host memory without NCCL"), pull, arrival)
             return
         self.machine.receive_begins(link, tid)  # (a second offer for our pull: a duplicate)
-        data, at = memoryview(offer.inline), 0
+        data, at = offer.inline, 0
         for view in arrival.wire_views():
             view[:] = data[at:at + len(view)]
             at += len(view)
@@ -173,11 +167,19 @@ class Receiver(TransferPart):
             self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))
             return None
         except KvdError as err:
-            self._refuse(link, tid, err)
-            if pull is not None:
-                self._fail_pull(tid, err)
+            self._refuse_offer(link, tid, err, pull)
             return None
         return arrival
+
+    def _refuse_offer(self, link: PeerLink, tid: int, err: KvdError, pull: Pull | None,
+                      arrival: Arrival | None = None) -> None:
+        """REFUSE an offer: the place made for its bytes (if any) is given back, and the
+        pull of ours it answers fails."""
+        if arrival is not None:
+            self.arrivals.arrival_failed(arrival, err)
+        self._refuse(link, tid, err)
+        if pull is not None:
+            self._fail_pull(tid, err)
 
     def _staging_gpu(self) -> str | None:
         """The GPU whose staging has the most room (arrivals nobody waits for yet)."""
