@@ -40,7 +40,12 @@ from kvd.errors import ProtocolError
 #        connection to the segment socket) was given (``Lifeline``, ``Hello.lifeline``).
 #  12 — 2026-12: small host transfers carry their bytes in the OFFER (``Offer.inline``),
 #        answered XFER_DONE / BUSY / REFUSE without an ACCEPT.
-PROTOCOL_VERSION = 12
+#  13 — 2026-12: the lifeline is the door: a client connects to ``socket_path`` itself
+#        (``SOCK_SEQPACKET``), hands over its private DEALER endpoint (``Reach``) and the
+#        daemon's ROUTER connects to it with the lifeline's token as routing id;
+#        ``Hello.lifeline`` is gone (the routing id is the token); ``Taken`` answers both
+#        handoffs; ``Welcome.max_message_bytes``.
+PROTOCOL_VERSION = 13
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
 # round through the data connection's threads costs more than the bytes' copy on the loops.
@@ -164,9 +169,6 @@ class Hello(_Msg, tag="hello", frozen=True):
     protocol_version: int
     pid: NonNeg = 0
     name: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
-    # The token the daemon gave this client's lifeline (``Lifeline``): the session lives
-    # as long as that connection does.
-    lifeline: bytes = b""
 
 
 class Bye(_Msg, tag="bye", frozen=True):
@@ -302,35 +304,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     node_id: str
     epoch: int
     daemon_version: str
-
-
-def segment_socket_path(socket_path: str) -> str:
-    """The segment socket of the daemon whose local socket is ``socket_path``: where each
-    client keeps its lifeline (``Lifeline``) and hands over its shared-memory segments."""
-    return socket_path + ".seg"
-
-
-class Lifeline(Struct, frozen=True, forbid_unknown_fields=True):
-    """The daemon's first message on a connection to the segment socket: the token a
-    ``Hello`` presents to open a session on this connection (its *lifeline*). The session
-    lives as long as the connection: a client that dies closes it, and so does a daemon."""
-
-    token: Annotated[bytes, Meta(min_length=SEGMENT_TOKEN_BYTES, max_length=SEGMENT_TOKEN_BYTES)]
-
-
-class SegmentHandoff(Struct, frozen=True, forbid_unknown_fields=True):
-    """Shared-memory segments handed over on a session's lifeline, sent with ``sendmsg``
-    and one file descriptor per segment id (``SCM_RIGHTS``), in order: they become the
-    session's."""
-
-    segments: Annotated[list[Annotated[int, Meta(ge=1, le=2**62)]],
-                        Meta(min_length=1, max_length=MAX_SEGMENTS_PER_HANDOFF)]
-
-
-class SegmentsTaken(Struct, frozen=True, forbid_unknown_fields=True):
-    """The answer to a ``SegmentHandoff``: empty ``error`` when the session has them."""
-
-    error: str = ""
+    # The longest request the daemon reads: a longer one ends the client's connection
+    # inside ZeroMQ, so the client refuses it before it is sent.
+    max_message_bytes: int
 
 
 class Done(_Msg, tag="done", frozen=True):
@@ -366,6 +342,44 @@ class ErrorReply(_Msg, tag="error", frozen=True):
 
 
 Reply = Welcome | Done | Pong | Registered | StatsReply | ErrorReply
+
+# ---------------------------------------------------------------- the lifeline
+
+
+class Lifeline(Struct, frozen=True, forbid_unknown_fields=True):
+    """The daemon's first message on a connection to ``socket_path`` (the client's
+    *lifeline*): the token that becomes the routing id of the client's DEALER on the
+    daemon's ROUTER once ``Reach`` is taken. The session lives as long as the connection:
+    a client that dies closes it, and so does a daemon."""
+
+    token: Annotated[bytes, Meta(min_length=SEGMENT_TOKEN_BYTES, max_length=SEGMENT_TOKEN_BYTES)]
+
+
+class Reach(Struct, tag="reach", tag_field="op", frozen=True, forbid_unknown_fields=True):
+    """Sent with one file descriptor (``SCM_RIGHTS``): an ``O_PATH`` descriptor of the
+    socket file the client's DEALER is bound to, in a directory only the client can enter
+    (the file may be unlinked already). The daemon's ROUTER connects through it, and
+    nobody else can: the daemon listens on no ZeroMQ endpoint for its clients."""
+
+
+class SegmentHandoff(Struct, tag="segments", tag_field="op", frozen=True,
+                     forbid_unknown_fields=True):
+    """Shared-memory segments handed over on a session's lifeline, sent with ``sendmsg``
+    and one file descriptor per segment id (``SCM_RIGHTS``), in order: they become the
+    session's."""
+
+    segments: Annotated[list[Annotated[int, Meta(ge=1, le=2**62)]],
+                        Meta(min_length=1, max_length=MAX_SEGMENTS_PER_HANDOFF)]
+
+
+LifelineRequest = Reach | SegmentHandoff
+
+
+class Taken(Struct, frozen=True, forbid_unknown_fields=True):
+    """The answer to a ``LifelineRequest``: empty ``error`` when the daemon took it."""
+
+    error: str = ""
+
 
 # ---------------------------------------------------------------- peer plane
 #

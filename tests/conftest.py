@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -240,10 +241,11 @@ class ProcessDaemon:
 
     ``socket_path``: its socket (default: ``kvd.sock`` in ``sock_dir``), given with
     ``--socket-path``, or not (``socket_flag=False``: where the daemon finds it by default,
-    from ``env``)."""
+    from ``env``). ``open_files``: its limit on open files (soft and hard)."""
 
     def __init__(self, sock_dir: str, *extra: str, env: dict[str, str] | None = None,
-                 socket_path: str | None = None, socket_flag: bool = True) -> None:
+                 socket_path: str | None = None, socket_flag: bool = True,
+                 open_files: int | None = None) -> None:
         self.socket_path = socket_path or os.path.join(sock_dir, "kvd.sock")
         self.log_path = os.path.join(sock_dir, "daemon.log")
         where = ["--socket-path", self.socket_path] if socket_flag else []
@@ -253,8 +255,12 @@ class ProcessDaemon:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         full_env.update(env or {})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        def limit() -> None:
+            if open_files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env)
+                                     env=full_env, preexec_fn=limit)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProcessDaemon:
         """Until it answers a ping; if it exits first, or does not answer within

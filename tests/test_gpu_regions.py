@@ -26,7 +26,6 @@ from kvd.protocol import (
     ErrorReply,
     Pong,
     decode_reply,
-    segment_socket_path,
 )
 from tests.gpu_nodes import running_node, start_node, stop_node
 
@@ -173,12 +172,11 @@ def test_forged_cuda_registrations_are_refused_and_the_daemon_keeps_serving(
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         cleanup.callback(sock.close, 0)
         sock.setsockopt(zmq.RCVTIMEO, 60_000)
-        sock.connect(f"ipc://{daemon}")
-        lifeline = ClientLifeline.connect(segment_socket_path(daemon), 60.0)
+        lifeline = ClientLifeline.connect(daemon, 60.0)
         cleanup.callback(lifeline.close)
+        lifeline.reach(sock, 60.0)
         welcome = _raw_call(sock, {"op": "hello", "req_id": 1,
-                                   "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(),
-                                   "lifeline": lifeline.token})
+                                   "protocol_version": PROTOCOL_VERSION, "pid": os.getpid()})
         assert welcome.__struct_config__.tag == "welcome", welcome
         for i, (change, needle) in enumerate(cases):
             forged = msgspec.structs.replace(spec, **change)

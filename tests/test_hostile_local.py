@@ -40,7 +40,6 @@ from kvd.protocol import (
     Welcome,
     XferCancel,
     decode_reply,
-    segment_socket_path,
 )
 from tests.conftest import ProcessDaemon, wait_until
 from tests.test_peers import RawPeer
@@ -117,14 +116,14 @@ class FakeDaemon(RawPeer):
 
 
 class RawLocal:
-    """A raw DEALER on the local socket, with a lifeline for its hello."""
+    """A raw DEALER the daemon connected to through its lifeline."""
 
     def __init__(self, path: str) -> None:
+        self.lifeline = ClientLifeline.connect(path, 10.0)
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
-        self.sock.connect(f"ipc://{path}")
-        self.lifeline = ClientLifeline.connect(segment_socket_path(path), 10.0)
+        self.lifeline.reach(self.sock, 10.0)
 
     def reply(self) -> Reply:
         return decode_reply(self.sock.recv())
@@ -135,8 +134,7 @@ class RawLocal:
 
     def hello(self) -> None:
         reply = self.ask(pack({"op": "hello", "req_id": 1, "protocol_version":
-                               PROTOCOL_VERSION, "pid": os.getpid(),
-                               "lifeline": self.lifeline.token}))
+                               PROTOCOL_VERSION, "pid": os.getpid()}))
         assert isinstance(reply, Welcome), reply
 
     def close(self) -> None:

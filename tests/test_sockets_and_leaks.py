@@ -37,7 +37,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0,
 def files_at(path: str) -> dict[str, tuple[int, int]]:
     """The socket files at ``path``, by name: (device, inode)."""
     found = {}
-    for name in (path, path + ".seg"):
+    for name in (path,):
         if os.path.lexists(name):
             st = os.lstat(name)
             found[os.path.basename(name)] = (st.st_dev, st.st_ino)
@@ -66,7 +66,7 @@ def test_a_second_serve_on_a_live_socket_is_refused_and_removes_nothing(
     running daemon keeps both its sockets: clients still reach it, and hand it segments."""
     path = process_daemon.socket_path
     before = files_at(path)
-    assert set(before) == {"kvd.sock", "kvd.sock.seg"}
+    assert set(before) == {"kvd.sock"}
     result = run_cli("serve", "--socket-path", path, *SERVE_FLAGS, timeout=120)
     assert result.returncode == 2, result.stderr
     assert f"another daemon is serving {path}" in result.stderr
@@ -104,7 +104,7 @@ def test_two_daemons_started_at_once_one_serves_and_a_restart_takes_over(
     finally:
         for d in pair:
             d.stop()
-    assert set(files_at(path)) == {"kvd.sock", "kvd.sock.seg"}  # left by the killed one
+    assert set(files_at(path)) == {"kvd.sock"}  # left by the killed one
     restarted = ProcessDaemon(dirs[2], socket_path=path)
     try:
         restarted.wait_ready()

@@ -14,7 +14,10 @@ import time
 import urllib.error
 import urllib.request
 
-from kvd import KvdClient
+import pytest
+import torch
+
+from kvd import Draining, KvdClient, shared_zeros
 from tests.conftest import READY_TIMEOUT_S, ProcessDaemon, wait_until
 
 # `INFO kvd.startup: +2.15s http listening on 127.0.0.1:9400 (took 0.03s)`
@@ -150,3 +153,27 @@ def test_drain_says_its_grace_and_the_process_exits_right_after_stopping(
     finally:
         assert a.stop() == 0, a.log()
         assert b.stop() == 0, b.log()
+
+
+def test_a_drain_fails_waiting_gets_at_once_with_draining(sock_dir: str) -> None:
+    """Gets that wait for a key when a drain begins fail at once with ``Draining``, long
+    before their own timeout or the drain's grace."""
+    d = ProcessDaemon(sock_dir, "--drain-grace-s", "20").wait_ready()
+    try:
+        with KvdClient(d.socket_path, timeout_s=60) as waiter, \
+                KvdClient(d.socket_path, timeout_s=60) as operator:
+            region = waiter.register("kv", [shared_zeros((4, 1024), torch.uint8)])
+            gets = [waiter.start_get(f"k{i}", region, [i], timeout_s=45) for i in range(3)]
+            time.sleep(0.3)  # (they wait in the daemon now)
+            drained = threading.Thread(target=operator.drain, kwargs={"timeout_s": 60})
+            started = time.monotonic()
+            drained.start()
+            for get in gets:
+                with pytest.raises(Draining):
+                    get.wait()
+            took = time.monotonic() - started
+            drained.join(60)
+        print(f"waiting gets failed {took:.3f}s after the drain began")
+        assert took < 5.0
+    finally:
+        d.stop()

@@ -26,10 +26,9 @@ from kvd.client.base import (
     Call,
     Region,
     RequestBuilder,
-    context,
-    dealer,
     decode_replies,
     ended_by,
+    open_connection,
     result_of,
     stoppable,
 )
@@ -37,7 +36,7 @@ from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline, handoff_batches
 from kvd.client.shm import Segment
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.loop_socket import LoopSocket
-from kvd.protocol import Bye, Done, Reply, encode
+from kvd.protocol import Bye, Done, Reply
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +115,18 @@ class AsyncKvdClient:
         answers within the timeout."""
         self._b.check_socket()
         wait_s = self._b.hello_timeout(timeout_s)
-        lifeline = await asyncio.to_thread(ClientLifeline.connect, self._b.segment_socket,
-                                           wait_s)
+        lifeline, sock, monitor = await asyncio.to_thread(open_connection, self._b.socket_path,
+                                                           wait_s)
         loop = asyncio.get_running_loop()
         lifeline.sock.setblocking(False)
         self._lifeline = lifeline
         loop.add_reader(lifeline.fileno(), self._on_lifeline)
         try:
-            sock, monitor = dealer(context(), self._b.socket_path)
             self._sock = LoopSocket(sock, self._on_frames, loop, "kvd client")
             self._monitor = LoopSocket(monitor, self._on_monitor, loop, "kvd client monitor")
             self._sock.start()
             self._monitor.start()
-            welcome = await self._call(self._b.hello(wait_s, lifeline.token))
+            welcome = await self._call(self._b.hello(wait_s))
         except (KvdError, OSError) as exc:
             await self.aclose()
             raise DaemonUnavailable(
@@ -244,7 +242,7 @@ class AsyncKvdClient:
             raise self._dead
         if self._lost:
             raise self._b.disconnected()
-        if not self._sock.send((encode(call.msg),)):
+        if not self._sock.send((self._b.encode(call),)):
             if self._lifeline is not None and self._lifeline.gone():
                 raise self._b.disconnected()
             raise DaemonUnavailable(f"kvd daemon at {self._b.socket_path} is not taking "

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
+from kvd.client.lifeline import ClientLifeline
 from kvd.client.shm import Segment, mark_ready, segment_of, tensor_spec
 from kvd.errors import (
     BadRequest,
@@ -58,8 +59,8 @@ from kvd.protocol import (
     Unregister,
     Welcome,
     decode_reply,
+    encode,
     pack_block_ids,
-    segment_socket_path,
 )
 
 log = logging.getLogger(__name__)
@@ -135,24 +136,24 @@ def decode_replies(payloads: Iterable[bytes]) -> Iterator[Reply]:
             log.warning("dropping undecodable reply: %s", exc)
 
 
-def dealer(ctx: zmq.Context[Any], socket_path: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
-    """A DEALER connected to the daemon's local socket, and its monitor (``ended_by``).
-
-    It keeps ZeroMQ's reconnecting: a DEALER that does not reconnect discards the replies
-    it has not handed over yet when its connection ends, and the last replies of a
-    daemon that stops (a drain's report) come just before that end. A client stops
-    sending once its lifeline says the daemon is gone, so a reconnect carries nothing."""
-    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+def open_connection(socket_path: str, timeout_s: float
+                    ) -> tuple[ClientLifeline, zmq.Socket[Any], zmq.Socket[Any]]:
+    """The lifeline to the daemon at ``socket_path``, a DEALER its ROUTER has connected to
+    (``ClientLifeline.reach``), and the DEALER's monitor (``ended_by``). Blocking, within
+    ``timeout_s``."""
+    lifeline = ClientLifeline.connect(socket_path, timeout_s)
+    sock: zmq.Socket[Any] = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
-        sock.connect(f"ipc://{socket_path}")
-    except zmq.ZMQError as exc:
+        lifeline.reach(sock, timeout_s)
+    except BaseException:
         monitor.close(linger=0)
         sock.close()
-        raise DaemonUnavailable(f"cannot connect to kvd daemon at {socket_path}: {exc}") from None
-    return sock, monitor
+        lifeline.close()
+        raise
+    return lifeline, sock, monitor
 
 
 def ended_by(event: list[bytes]) -> bool:
@@ -225,14 +226,23 @@ class RequestBuilder:
         self.name = name
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
-        # The daemon's segment socket (this client's lifeline), and the segments the
-        # session holds.
-        self.segment_socket = segment_socket_path(self.socket_path)
-        self._handed: set[int] = set()
+        self._handed: set[int] = set()  # the segments the session holds
+        self._max_message_bytes = 0  # the daemon's, told in its welcome (0: not yet)
 
     def welcomed(self, welcome: Welcome) -> None:
         """A new session: none of our segments yet."""
         self._handed = set()
+        self._max_message_bytes = welcome.max_message_bytes
+
+    def encode(self, call: Call) -> bytes:
+        """``call``'s message for the wire; ``BadRequest`` if it is longer than the daemon
+        reads (its connection would end)."""
+        payload = encode(call.msg)
+        if self._max_message_bytes and len(payload) > self._max_message_bytes:
+            raise BadRequest(f"a request of {len(payload)} bytes is longer than the daemon "
+                             f"reads (max_message_bytes {self._max_message_bytes}): "
+                             "fewer blocks or tensors per call")
+        return payload
 
     def segments_to_hand(self, call: Call) -> list[Segment]:
         """The shared-memory segments a register call needs that this session lacks."""
@@ -277,9 +287,9 @@ class RequestBuilder:
         # behind it should not cost the whole request timeout.
         return min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
 
-    def hello(self, timeout_s: float | None, lifeline: bytes) -> Call:
+    def hello(self, timeout_s: float | None) -> Call:
         msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
-                    pid=os.getpid(), name=self.name, lifeline=lifeline)
+                    pid=os.getpid(), name=self.name)
         return Call(msg, self.hello_timeout(timeout_s), "welcome")
 
     def bye(self, in_flight: bool) -> Call:

@@ -1,27 +1,36 @@
-"""A client's lifeline: its connection to the daemon's segment socket.
+"""A client's lifeline: its connection to the daemon's ``socket_path``, the door.
 
-The client connects before it says hello and presents the token the daemon answers with
-(``Lifeline``) in its ``Hello``: the session then lives as long as this connection. The
-daemon sees a client that dies by its closing; the client sees a daemon that dies the same
-way (``gone``), since ZeroMQ's DEALER would only reconnect, silently. The shared-memory
-segments of the client's CPU tensors travel on it too: ZeroMQ cannot carry file
-descriptors (``hand_over``: ``SegmentHandoff`` with ``SCM_RIGHTS``, one ``SegmentsTaken``
-back). See ``kvd/daemon/lifelines.py`` for the daemon's end.
+The client connects first, and the daemon answers with a token (``Lifeline``). Then
+``reach`` makes the client's DEALER: bound in a directory only this process's user may
+enter, its socket file handed over as an ``O_PATH`` descriptor (``Reach``) and unlinked at
+once. The daemon's ROUTER connects through that descriptor with the token as routing id,
+and nobody else can connect at all. The hello on the DEALER then opens a session, which
+lives as long as the lifeline. The daemon sees a client that dies by its closing; the
+client sees a daemon that dies the same way (``gone``), since a ZeroMQ connection ends
+silently. The shared-memory segments of the client's CPU tensors travel on it too: ZeroMQ
+cannot carry file descriptors (``hand_over``: ``SegmentHandoff`` with ``SCM_RIGHTS``, one
+``Taken`` back). See ``kvd/daemon/lifelines.py`` for the daemon's end.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import os
 import select
+import shutil
 import socket
+import tempfile
+import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgspec
+import zmq
 
 from kvd.client.shm import Segment
 from kvd.errors import BadRequest, DaemonUnavailable, KvdTimeout
-from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, Lifeline, SegmentHandoff, SegmentsTaken
+from kvd.protocol import MAX_SEGMENTS_PER_HANDOFF, Lifeline, Reach, SegmentHandoff, Taken
 
 _MAX_ANSWER_BYTES = 4096
 # A daemon's replies and the end of its lifeline travel apart: its last replies (a drain's
@@ -30,7 +39,7 @@ _MAX_ANSWER_BYTES = 4096
 # before it fails its calls.
 LAST_WORDS_S = 2.0
 _lifeline_decoder = msgspec.msgpack.Decoder(Lifeline)
-_taken_decoder = msgspec.msgpack.Decoder(SegmentsTaken)
+_taken_decoder = msgspec.msgpack.Decoder(Taken)
 
 
 def handoff_batches(segments: Sequence[Segment]) -> Iterator[Sequence[Segment]]:
@@ -49,12 +58,21 @@ class ClientLifeline:
 
     @classmethod
     def connect(cls, path: str, timeout_s: float) -> ClientLifeline:
-        """Connect to the segment socket at ``path`` and read the token (blocking, within
+        """Connect to the daemon's socket at ``path`` and read the token (blocking, within
         ``timeout_s``); ``DaemonUnavailable`` if no daemon is there."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        deadline = time.monotonic() + timeout_s
         sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
+            while True:
+                try:
+                    sock.connect(path)
+                    break
+                except BlockingIOError:  # its backlog is full: a flood the daemon sheds
+                    if time.monotonic() > deadline:
+                        raise TimeoutError from None
+                    time.sleep(0.002)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
             data = sock.recv(_MAX_ANSWER_BYTES)
             token = _lifeline_decoder.decode(data).token
         except (OSError, msgspec.DecodeError) as exc:
@@ -70,6 +88,37 @@ class ClientLifeline:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def reach(self, sock: zmq.Socket[Any], timeout_s: float) -> None:
+        """Bind the DEALER ``sock`` where only the daemon can reach it, and wait until the
+        daemon's connection is up (blocking, within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        # A directory only this user may enter (0700): nobody else can connect to the
+        # socket file in it. The daemon connects through the descriptor handed over (it
+        # may run as another user: the file itself lets anyone who reaches it connect),
+        # and the file goes at once: the descriptor is the only way in left.
+        private = tempfile.mkdtemp(prefix="kvd-")
+        try:
+            path = os.path.join(private, "s")
+            try:
+                sock.bind(f"ipc://{path}")
+            except zmq.ZMQError as exc:
+                raise DaemonUnavailable(f"cannot bind the client's endpoint at {path}: "
+                                        f"{exc}") from None
+            os.chmod(path, 0o666)
+            endpoint = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        try:
+            self._send(msgspec.msgpack.encode(Reach()), [endpoint])
+        finally:
+            os.close(endpoint)
+        self.answer(self._receive(max(0.0, deadline - time.monotonic())))
+        # The DEALER may send once the daemon's connection is attached.
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        if not sock.poll(left_ms, zmq.POLLOUT):
+            raise KvdTimeout(f"the daemon at {self.path} did not connect within "
+                             f"{timeout_s:g}s")
+
     def gone(self) -> bool:
         """Whether the daemon closed it (without waiting; an answer waiting is not)."""
         try:
@@ -82,11 +131,28 @@ class ClientLifeline:
     def send_handoff(self, segments: Sequence[Segment]) -> None:
         """Send one handoff (at most ``MAX_SEGMENTS_PER_HANDOFF`` segments)."""
         payload = msgspec.msgpack.encode(SegmentHandoff(segments=[seg.id for seg in segments]))
-        fds = array.array("i", [seg.fd for seg in segments])
+        self._send(payload, [seg.fd for seg in segments])
+
+    def _send(self, payload: bytes, fds: list[int]) -> None:
+        rights = array.array("i", fds)
         try:
-            self.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            self.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
         except OSError as exc:
-            raise DaemonUnavailable(f"cannot hand segments to the daemon at {self.path}: "
+            raise DaemonUnavailable(f"cannot hand descriptors to the daemon at {self.path}: "
+                                    f"{exc.strerror or exc}") from None
+
+    def _receive(self, timeout_s: float) -> bytes:
+        """The next answer (blocking, within ``timeout_s``). ``poll``, not ``select``: the
+        descriptor's number may be past select's 1024 in a process with many open."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        try:
+            if not poller.poll(timeout_s * 1000):
+                raise KvdTimeout(f"the daemon's socket {self.path} did not answer within "
+                                 f"{timeout_s:g}s")
+            return self.sock.recv(_MAX_ANSWER_BYTES, socket.MSG_DONTWAIT)
+        except OSError as exc:
+            raise DaemonUnavailable(f"the daemon at {self.path} closed the connection: "
                                     f"{exc.strerror or exc}") from None
 
     def answer(self, data: bytes) -> None:
@@ -96,25 +162,17 @@ class ClientLifeline:
         try:
             taken = _taken_decoder.decode(data)
         except msgspec.DecodeError:
-            raise DaemonUnavailable(f"the daemon's segment socket {self.path} answered "
+            raise DaemonUnavailable(f"the daemon's socket {self.path} answered "
                                     "something else") from None
         if taken.error:
-            raise BadRequest(f"the daemon refused the segments: {taken.error}")
+            raise BadRequest(f"the daemon refused: {taken.error}")
 
     def hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
         """Give the daemon a descriptor of each segment, blocking until the session has
         them."""
         for batch in handoff_batches(segments):
             self.send_handoff(batch)
-            try:
-                if not select.select([self.sock], [], [], timeout_s)[0]:
-                    raise KvdTimeout(f"the daemon's segment socket {self.path} did not "
-                                     f"answer within {timeout_s:g}s")
-                data = self.sock.recv(_MAX_ANSWER_BYTES, socket.MSG_DONTWAIT)
-            except OSError as exc:
-                raise DaemonUnavailable(f"the daemon at {self.path} closed the connection: "
-                                        f"{exc.strerror or exc}") from None
-            self.answer(data)
+            self.answer(self._receive(timeout_s))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

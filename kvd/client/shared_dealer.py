@@ -30,12 +30,12 @@ from typing import Any
 
 import zmq
 
-from kvd.client.base import Call, RequestBuilder, context, dealer, decode_replies, ended_by
+from kvd.client.base import Call, RequestBuilder, decode_replies, ended_by, open_connection
 from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline
 from kvd.client.shm import Segment
 from kvd.errors import DaemonUnavailable
 from kvd.loop_socket import NOBLOCK, descriptor, has_message
-from kvd.protocol import Bye, Reply, encode
+from kvd.protocol import Bye, Reply
 
 _MAIN_THREAD = threading.main_thread().ident  # (signal handlers run in it: wait_reply)
 
@@ -74,11 +74,9 @@ class SharedDealer:
         self._closed = False  # close began: only its Bye is sent from now on
         self._shut = threading.Event()  # close ended
 
-    def open(self, wait_s: float) -> bytes:
-        """Connect the lifeline, then the DEALER; returns the lifeline's token (for the
-        hello)."""
-        self._lifeline = ClientLifeline.connect(self._b.segment_socket, wait_s)
-        self._sock, self._monitor = dealer(context(), self._b.socket_path)
+    def open(self, wait_s: float) -> None:
+        """Connect the lifeline, then the DEALER (the daemon's hello comes next)."""
+        self._lifeline, self._sock, self._monitor = open_connection(self._b.socket_path, wait_s)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -87,7 +85,6 @@ class SharedDealer:
         self._poller.register(descriptor(self._monitor), select.POLLIN)
         self._poller.register(self._lifeline.fileno(), 0)  # (its end: POLLHUP, always)
         self._poller.register(self._wake_r, select.POLLIN)
-        return self._lifeline.token
 
     # ------------------------------------------------------------ state, for the client
 
@@ -249,7 +246,7 @@ class SharedDealer:
                 self._outstanding.add(req_id)
                 self._others += counted
             try:
-                self._write(encode(call.msg))
+                self._write(self._b.encode(call))
             except BaseException:
                 with self._replies_lock:
                     self._outstanding.discard(req_id)

@@ -114,9 +114,9 @@ class KvdClient:
         answers within the timeout."""
         self._b.check_socket()
         wait_s = self._b.hello_timeout(timeout_s)
-        token = self._dealer.open(wait_s)
+        self._dealer.open(wait_s)
         try:
-            welcome = self._call(self._b.hello(wait_s, token))
+            welcome = self._call(self._b.hello(wait_s))
         except (KvdError, OSError) as exc:
             self.close()
             raise DaemonUnavailable(

@@ -1,5 +1,10 @@
-"""The local socket: a ZeroMQ ROUTER on ``ipc://<socket_path>`` serving the node's
-inference processes, each through a DEALER.
+"""The local plane: a ZeroMQ ROUTER serving the node's inference processes, each
+through a DEALER, behind the door of ``daemon/lifelines.py``.
+
+The ROUTER listens nowhere. A client comes in through its lifeline, a connection to
+``socket_path``, and hands over the endpoint of a DEALER that only it and the daemon can
+reach; the ROUTER connects to it with the lifeline's token as routing id (``_reach``).
+So every connection on the ROUTER is one the daemon made, under an id it chose.
 
 A message is two frames, the client's routing id and one msgspec message. The ROUTER is
 read on the loop (``kvd.loop_socket``): quick requests are answered right in the read
@@ -7,23 +12,24 @@ callback; long ones (get, put, offload, unregister, cancel) become tasks that re
 they finish. Every malformed message gets an ``ErrorReply`` and a count in
 ``bad_messages``; nothing a client sends can stop the server.
 
-A client is a *session*, opened by ``Hello`` and known by its routing id. The hello
-presents the token of the client's lifeline, its connection to the segment socket
-(``daemon/lifelines.py``): when that connection closes (the client exited or died) the
-session is closed at once: its pending requests are cancelled, its regions and its keys
-without a TTL are released, its segments' descriptors closed. A client that stops reading
-its replies is cut off once ``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed,
-so it sees its daemon gone).
+A client is a *session*, opened by ``Hello`` on its connection: when its lifeline closes
+(the client exited or died) the session is closed at once: its pending requests are
+cancelled, its regions and its keys without a TTL are released, its segments'
+descriptors closed. A client that stops reading its replies is cut off once
+``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed, so it sees its daemon gone).
 
-What one client can make the daemon hold: ZeroMQ queues at most ``_MAX_QUEUED_REQUESTS``
-of its requests, each at most ``_HARD_LIMIT_BYTES`` (``ZMQ_MAXMSGSIZE``: a longer one ends
-its connection inside ZeroMQ, unread); a request longer than ``max_message_bytes`` is
-answered with an error naming its ``req_id``.
+What one client can make the daemon hold: ZeroMQ reads ahead at most
+``_MAX_QUEUED_REQUESTS`` of its requests, each at most ``max_message_bytes``
+(``ZMQ_MAXMSGSIZE``: a longer one ends its connection inside ZeroMQ, unread; the client
+library refuses one before it is sent, told the limit in ``Welcome``); its descriptors
+are counted against the daemon's (``daemon/descriptors.py``); at most
+``MAX_SEGMENTS_PER_SESSION`` segments.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable
@@ -35,10 +41,10 @@ import zmq
 from kvd import __version__, timeline
 from kvd.config import Config, socket_dir_problem
 from kvd.daemon.accepting import Throttled
+from kvd.daemon.descriptors import PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
 from kvd.daemon.lifelines import Connection, LifelineServer
 from kvd.daemon.parts import DrainRequest, Status
-from kvd.daemon.socket_files import BoundFile, remove_bound, socket_identity
 from kvd.errors import (
     Cancelled,
     ConfigError,
@@ -78,25 +84,26 @@ from kvd.protocol import (
     decode_request,
     encode,
     salvage_req_id,
-    segment_socket_path,
 )
 
 log = logging.getLogger(__name__)
 
-# A request longer than max_message_bytes gets an error reply with its req_id; one longer
-# than this ends its connection inside ZeroMQ (ZMQ_MAXMSGSIZE), never held whole.
-_HARD_LIMIT_BYTES = 64 * 1024 * 1024
-# Requests ZeroMQ queues for one client before it stops reading that connection: with the
-# hard limit, what one client can make the daemon hold before the loop takes them.
-_MAX_QUEUED_REQUESTS = 64
+# Requests ZeroMQ reads ahead for one client before it stops reading that connection
+# (the client's sends wait; nothing is lost): with max_message_bytes, what one client can
+# make the daemon hold before the loop takes them.
+_MAX_QUEUED_REQUESTS = 16
 # Replies queued for a client that does not read them: past this the client is cut off
 # (its session closed) rather than buffered without end. Replies are ~100 bytes, and a
 # client has a reply coming per request in flight: no client that reads falls this far
 # behind.
 _MAX_UNREAD_REPLIES = 100_000
 # Segments (file descriptors, kept open) one session may hand over: each region's mapping
-# holds one more while it lives. LimitNOFILE in the systemd unit leaves room for many.
+# holds one more while it lives. All sessions together are bounded by the daemon's
+# descriptors (daemon/descriptors.py).
 MAX_SEGMENTS_PER_SESSION = 4096
+# The ZeroMQ handshake on a connection to a client's endpoint (local: it takes
+# microseconds; one that stalls is the client's fault, and its lifeline expires anyway).
+_HANDSHAKE_MS = 10_000
 # How long a cancel, or a session's close, waits for requests to stop (what they wait for
 # once cancelled, a copy or the bytes on the wire, is bounded too: 60 s for a copy).
 _CANCEL_WAIT_S = 90.0
@@ -113,7 +120,7 @@ _REPLIED = _Replied()
 class Session:
     sid: int
     identity: bytes  # the client's routing id on the ROUTER
-    lifeline: Connection  # its connection to the segment socket: the session's life
+    lifeline: Connection  # its lifeline: the session's life
     pid: int
     name: str
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
@@ -123,13 +130,13 @@ class Session:
 
 class LocalServer:
     def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
-                 status: Status, drain: DrainRequest | None = None) -> None:
+                 status: Status, budget: DescriptorBudget,
+                 drain: DrainRequest | None = None) -> None:
         self._status = status  # the daemon's report, for Stats
         self._drain_daemon = drain  # kvd drain; None: this daemon is not drained from here
         self.config = config
         self.engine = engine
         self.epoch = epoch
-        self.endpoint = f"ipc://{config.socket_path}"
         self.bad_messages: dict[str, int] = {}
         # Bad messages are each answered and counted, and logged at most once per reason
         # every few seconds: a client sending nothing else cannot flood the log.
@@ -141,17 +148,21 @@ class LocalServer:
         self._drain_requests: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._reading_stopped = False  # draining or stopping: no new clients
-        self.segment_socket = segment_socket_path(config.socket_path)
-        self._bound: BoundFile | None = None  # the socket file bound here: removed at close
+        self._budget = budget
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone client: refused
-        router.setsockopt(zmq.MAXMSGSIZE, max(_HARD_LIMIT_BYTES, config.max_message_bytes))
+        router.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         router.setsockopt(zmq.RCVHWM, _MAX_QUEUED_REQUESTS)
         router.setsockopt(zmq.SNDHWM, _MAX_UNREAD_REPLIES)
+        router.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        # Never dial again: a connection to a client ends with its session, and the
+        # descriptor number it was reached through may be another client's by then.
+        router.setsockopt(zmq.RECONNECT_IVL, -1)
         self._router = LoopSocket(router, self.on_frames, self._loop, "local socket")
-        self._lifelines = LifelineServer(self.segment_socket, self.adopt_segments,
-                                         self._lifeline_lost, self.count_bad)
+        self._lifelines = LifelineServer(config.socket_path, budget, self._reach,
+                                         self.adopt_segments, self._lifeline_closed,
+                                         self.count_bad)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -162,23 +173,11 @@ class LocalServer:
         if os.path.exists(path) and _socket_answers(path):
             raise ConfigError(f"socket_path: another daemon is serving {path}")
         prepare_socket_dir(path)
-        old_umask = os.umask(0o117)  # socket mode 0660
-        try:
-            # (ZeroMQ replaces a socket file left by a daemon that died: a live one
-            # answered above)
-            self._router.sock.bind(self.endpoint)
-            self._bound = socket_identity(path)
-        except (OSError, zmq.ZMQError) as exc:
-            raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
-        finally:
-            os.umask(old_umask)
         try:
             self._lifelines.bind()
         except OSError as exc:
-            raise ConfigError(f"socket_path: cannot listen on {self.segment_socket}: "
-                              f"{exc}") from None
+            raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
         self._router.start()
-        log.info("local socket listening endpoint=%s", self.endpoint)
 
     def stop_reading(self) -> None:
         """No new clients, no new requests (replies still go out)."""
@@ -200,10 +199,6 @@ class LocalServer:
         # client/lifeline.py's LAST_WORDS_S).
         self._router.close(linger_s=0.5)
         self._lifelines.close()
-        # ZeroMQ removes the socket file it bound at close: the path is this daemon's
-        # until its PathClaim is released (service.py), so no other daemon's is removed.
-        remove_bound(self._bound)
-        self._bound = None
 
     def pending_tasks(self) -> list[asyncio.Task[None]]:
         return [t for s in self.sessions.values() for t in s.tasks.values()]
@@ -229,11 +224,6 @@ class LocalServer:
                 f"a message is one frame, got {len(frames) - 1}"))
             return
         payload = frames[1]
-        if len(payload) > self.config.max_message_bytes:
-            self._bad(identity, "too_large", salvage_req_id(payload), ProtocolError(
-                f"message of {len(payload)} bytes exceeds max_message_bytes "
-                f"{self.config.max_message_bytes}"))
-            return
         try:
             msg = decode_request(payload)
         except ProtocolError as err:
@@ -264,12 +254,10 @@ class LocalServer:
             self._send(identity, ErrorReply(req_id=msg.req_id, code="draining",
                                             message="daemon is draining: no new clients"))
             return
-        lifeline = self._lifelines.claim(msg.lifeline)
-        if lifeline is None:
+        lifeline = self._lifelines.claim(identity)
+        if lifeline is None:  # (a bye's lifeline expired before a new hello)
             self._bad(identity, "no_lifeline", msg.req_id, ProtocolError(
-                f"hello needs a lifeline: connect to the segment socket {self.segment_socket} "
-                "and present the token of its Lifeline message, unclaimed (the session lives "
-                "as long as that connection)"))
+                "this connection's lifeline is claimed or gone: connect again"))
             return
         session = Session(self._next_sid, identity, lifeline, msg.pid, msg.name)
         self._next_sid += 1
@@ -278,9 +266,28 @@ class LocalServer:
         log.info("client connected session=%d pid=%d name=%s", session.sid, msg.pid, msg.name)
         self._send(identity, Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
-            node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__))
+            node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__,
+            max_message_bytes=self.config.max_message_bytes))
 
-    def _lifeline_lost(self, lifeline: Connection) -> None:
+    def _reach(self, lifeline: Connection, fd: int) -> str:
+        """Connect the ROUTER to a client's endpoint, through the descriptor ``fd`` of its
+        socket file: '' once the connection is on its way (ZeroMQ queues the replies
+        until it is up), or why not."""
+        if self._reading_stopped or self.engine.draining:
+            return "daemon is draining: no new clients"
+        sock = self._router.sock
+        try:
+            sock.setsockopt(zmq.CONNECT_ROUTING_ID, lifeline.token)
+            sock.connect(_endpoint(fd))
+        except zmq.ZMQError as exc:
+            return f"cannot connect to the endpoint: {exc}"
+        return ""
+
+    def _lifeline_closed(self, lifeline: Connection) -> None:
+        """A lifeline closed: its connection goes, and its session closes."""
+        if lifeline.endpoint_fd >= 0 and not self._router.closed:
+            with contextlib.suppress(zmq.ZMQError):  # (ended already)
+                self._router.sock.disconnect(_endpoint(lifeline.endpoint_fd))
         session = self._by_lifeline.get(lifeline)
         if session is not None:
             self.start_close(session, "client disconnected")
@@ -291,10 +298,13 @@ class LocalServer:
         session = self._by_lifeline.get(lifeline)
         if session is None or session.closing:
             return "the session of this connection is closed"
-        new = [i for i in ids if i not in session.segments]
+        new = {i for i in ids if i not in session.segments}
         if len(session.segments) + len(new) > MAX_SEGMENTS_PER_SESSION:
             return (f"a session holds at most {MAX_SEGMENTS_PER_SESSION} segments; "
                     "allocate larger tensors, or fewer")
+        if not self._budget.take(PER_SEGMENT * len(new)):
+            self.count_bad("descriptor_limit")
+            return self._budget.refusal()
         for seg_id, fd in zip(ids, fds, strict=True):
             if seg_id in session.segments:  # handed twice: one is enough
                 os.close(fd)
@@ -473,6 +483,7 @@ class LocalServer:
         await self.engine.drop_session(session.sid, reason)
         for fd in session.segments.values():  # the regions' mappings hold their own
             os.close(fd)
+        self._budget.give(PER_SEGMENT * len(session.segments))
         session.segments.clear()
         log.info("client gone session=%d pid=%d reason=%s", session.sid, session.pid, reason)
         if reply_to is not None:
@@ -488,6 +499,12 @@ class LocalServer:
         """This socket's part of the daemon's status."""
         return {"clients": len(self.sessions), "bad_messages": dict(self.bad_messages),
                 "in_flight": len(self.pending_tasks())}
+
+def _endpoint(fd: int) -> str:
+    """A client's endpoint, reached through the descriptor of its socket file (it lives in
+    a directory only the client may enter, and may be unlinked already)."""
+    return f"ipc:///proc/self/fd/{fd}"
+
 
 def prepare_socket_dir(path: str) -> None:
     """Create the socket's directory, and refuse one that another user could change
@@ -508,7 +525,7 @@ def prepare_socket_dir(path: str) -> None:
 def _socket_answers(path: str) -> bool:
     import socket
 
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
         probe.settimeout(0.5)
         try:
             probe.connect(path)

@@ -44,9 +44,9 @@ DURATION_BUCKETS = (
 # still exported once it happens (and a test fails until it is added).
 BAD_MESSAGE_REASONS: dict[str, tuple[str, ...]] = {
     "local": (
-        "connection_lost", "duplicate_hello", "duplicate_req_id", "frames", "malformed",
-        "no_hello", "no_lifeline", "no_session", "segments", "too_large", "unclaimed_limit",
-        "unread_replies", "version",
+        "connection_lost", "descriptor_limit", "duplicate_hello", "duplicate_req_id",
+        "frames", "lifeline", "malformed", "no_hello", "no_lifeline", "no_session",
+        "unclaimed_limit", "unread_replies", "version",
     ),
     "peer": (
         "auth", "bad_offer", "data_connect", "data_encryption", "data_handshake",

@@ -25,9 +25,10 @@ from typing import Any
 
 from kvd import timeline
 from kvd.config import Config, check_socket_path, development_overrides, format_size
+from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
 from kvd.daemon.http import HttpServer
-from kvd.daemon.local_server import LocalServer, prepare_socket_dir
+from kvd.daemon.local_server import MAX_SEGMENTS_PER_SESSION, LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.notify import Notifier, StartupSteps
 from kvd.daemon.parts import DaemonParts
@@ -219,6 +220,8 @@ class Daemon:
         sees_gpu = await asyncio.to_thread(_sees_gpu)
         steps.done("a GPU is seen: the host pool is pinned" if sees_gpu
                    else "no GPU seen: the host pool is not pinned")
+        budget = DescriptorBudget.from_limit()
+        _report_limits(budget, pinned=sees_gpu)
         # Pinned where the daemon sees a GPU: host <-> GPU copies of pinned memory run at
         # PCIe speed (~55 GB/s on H200, against 6-13 GB/s pageable).
         pool = await self._take_pool(pin=sees_gpu)
@@ -260,7 +263,7 @@ class Daemon:
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
         local = self.parts.local = LocalServer(self.config, engine, zmq_context, self.epoch,
-                                               self.status, self.drain_on_request)
+                                               self.status, budget, self.drain_on_request)
         stack.push_async_callback(local.close)
         steps.done("engine and peer plane set up")
         steps.begin("opening the local socket")
@@ -404,7 +407,7 @@ class Daemon:
         failed_waiters = 0
         for waiter in engine.store.all_waiters():
             if not waiter.delivering and not waiter.future.done():
-                waiter.future.set_exception(Draining("daemon is draining"))
+                waiter.settle(Draining("daemon is draining"))
                 failed_waiters += 1
         failed_pulls = 0
         if self.transfers is not None:
@@ -491,6 +494,28 @@ def _raise_open_file_limit() -> None:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             log.info("open files limit %d (was %d)", want, soft)
+
+
+# Below this, the daemon's clients could not hold one session at its segment bound.
+_FEWEST_CLIENT_DESCRIPTORS = PER_LIFELINE + PER_SEGMENT * MAX_SEGMENTS_PER_SESSION
+
+
+def _report_limits(budget: DescriptorBudget, pinned: bool) -> None:
+    """Log the limits the daemon relies on, and warn where they are too low for it."""
+    memlock, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    shown = "unlimited" if memlock == resource.RLIM_INFINITY else format_size(memlock)
+    log.info("limits: open files %d (clients may hold %d descriptors, %d kept for the "
+             "daemon), locked memory %s", budget.limit, budget.capacity, budget.reserve,
+             shown)
+    if budget.capacity < _FEWEST_CLIENT_DESCRIPTORS:
+        log.warning("open files limit %d is low: clients may hold %d descriptors, fewer "
+                    "than one session's %d segments need (%d); raise LimitNOFILE (the "
+                    "systemd unit sets 65536)", budget.limit, budget.capacity,
+                    MAX_SEGMENTS_PER_SESSION, _FEWEST_CLIENT_DESCRIPTORS)
+    if pinned and memlock != resource.RLIM_INFINITY:
+        log.warning("locked memory limit %s: NCCL's network transports register memory "
+                    "under it; set LimitMEMLOCK=infinity (docker: --ulimit memlock=-1)",
+                    shown)
 
 
 def _warm_kernels(gpus: list[str]) -> None:

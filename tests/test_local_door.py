@@ -1,0 +1,226 @@
+"""No local tenant can end the daemon: attacks on the door (``socket_path``) by another
+process, as an unprivileged user in the socket's group where the tests run as root.
+
+Each attack runs against a `kvd serve` with a low open-file limit (so that the limit is
+within reach), from ``tests/local_attacker.py``. While it holds, and after it ends: the
+daemon is alive, a new client is served (a real one, with a CPU tensor and bytes checked),
+and its descriptors and memory come back to within a stated bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvd import KvdClient, shared_zeros
+from tests.conftest import ProcessDaemon
+
+NOBODY = 65534
+# What a daemon may hold above its descriptors before an attack, once the attack is over
+# (lifelines on their way out, ZeroMQ's own).
+FDS_AFTER_ATTACK = 16
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@functools.cache
+def nobody_runs_python() -> bool:
+    """Whether this Python runs as nobody here (not where it lives in a home directory
+    only root may enter)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        return subprocess.run([sys.executable, "-c", ""], user=NOBODY, group=NOBODY,
+                              extra_groups=[], timeout=60).returncode == 0
+    except OSError:
+        return False
+
+
+class Attacker:
+    """``tests/local_attacker.py`` as another process: as nobody, in the socket's group,
+    where the tests run as root and nobody can run this Python; else as this user, in a
+    process of its own."""
+
+    def __init__(self, mode: str, path: str, n: int) -> None:
+        unprivileged = nobody_runs_python()
+        if unprivileged:  # the socket's group is the attacker's: it may connect
+            for where in (os.path.dirname(path), path):
+                os.chown(where, -1, NOBODY)
+            os.chmod(os.path.dirname(path), 0o750)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.local_attacker", mode, path, str(n)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if unprivileged else {}))
+
+    def ready(self, timeout_s: float = 60.0) -> str:
+        """What it says once its attack holds."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("READY"):
+                return line.strip()
+            if not line and self.proc.poll() is not None:
+                break
+        raise AssertionError(f"attacker not ready: {self.proc.poll()}")
+
+    def stop(self) -> str:
+        """End the attack; what it said last."""
+        out, _ = self.proc.communicate(timeout=60)
+        return out.strip()
+
+
+@pytest.fixture
+def attackers() -> Iterator[list[Attacker]]:
+    started: list[Attacker] = []
+    yield started
+    for a in started:
+        if a.proc.poll() is None:
+            a.proc.kill()
+            a.proc.wait(10)
+
+
+def served(path: str) -> None:
+    """A new client registers a CPU tensor, and a put and a get move its bytes."""
+    with KvdClient(path, timeout_s=30) as c:
+        src = shared_zeros((4, 4096), torch.uint8)
+        src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))
+        dst = shared_zeros((4, 4096), torch.uint8)
+        r_src, r_dst = c.register("src", [src]), c.register("dst", [dst])
+        c.put("k", r_src, [0, 1, 2, 3])
+        c.get("k", r_dst, [3, 2, 1, 0])
+        assert torch.equal(dst, src.flip(0))
+
+
+def bad_messages(path: str) -> dict[str, int]:
+    with KvdClient(path, timeout_s=30) as c:
+        counts: dict[str, int] = c.stats()["bad_messages"]
+        return counts
+
+
+def settled(d: ProcessDaemon, fds_before: int) -> None:
+    """The daemon is alive, serves a new client, and holds its descriptors of before."""
+    assert d.proc.poll() is None, d.log()
+    served(d.socket_path)
+    deadline = time.monotonic() + 10
+    while open_fds(d.proc.pid) > fds_before + FDS_AFTER_ATTACK and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_fds(d.proc.pid) <= fds_before + FDS_AFTER_ATTACK, (open_fds(d.proc.pid),
+                                                                   fds_before)
+
+
+def test_a_flood_of_connections_neither_ends_the_daemon_nor_locks_clients_out(
+        sock_dir: str, attackers: list[Attacker]) -> None:
+    """3,000 connections held and reopened at a daemon whose open-file limit is 1,024 (F1:
+    libzmq's IPC listener used to abort the process at the limit; F3: 64 connections that
+    never said hello locked every new client out). Connections without a hello are bounded
+    per user, the oldest closed first: clients get in while the flood holds."""
+    d = ProcessDaemon(sock_dir, open_files=1024).wait_ready()
+    try:
+        before = open_fds(d.proc.pid)
+        attackers.append(a := Attacker("flood", d.socket_path, 3000))
+        print(a.ready())
+        for _ in range(10):
+            served(d.socket_path)
+        assert open_fds(d.proc.pid) < before + 3 * 64, open_fds(d.proc.pid)
+        print(a.stop())
+        assert bad_messages(d.socket_path).get("unclaimed_limit", 0) > 0
+        settled(d, before)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_segments_handed_over_are_bounded_in_all(
+        sock_dir: str, attackers: list[Attacker]) -> None:
+    """Sessions that hand over one memfd under ever new ids (F1b: six used to fill 20,000
+    descriptors) are refused, with a count, before the daemon's limit; once they end,
+    everything they held is back."""
+    d = ProcessDaemon(sock_dir, open_files=2048).wait_ready()
+    try:
+        before = open_fds(d.proc.pid)
+        attackers.append(a := Attacker("segments", d.socket_path, 6))
+        said = a.ready()
+        print(said)
+        handed = int(said.split()[2])
+        assert 0 < handed <= (2048 - 512) // 2, said
+        assert open_fds(d.proc.pid) < 2048 - 256
+        print(a.stop())
+        assert bad_messages(d.socket_path).get("descriptor_limit", 0) > 0
+        settled(d, before)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_routing_ids_are_the_daemons_to_give(
+        sock_dir: str, attackers: list[Attacker]) -> None:
+    """Clients that take the routing ids libzmq generates next as their own (F2: a ROUTER
+    asserted, and aborted, when it generated one of them for the next client): every
+    connection on the daemon's ROUTER is one it made, under an id it chose."""
+    d = ProcessDaemon(sock_dir, open_files=4096).wait_ready()
+    try:
+        before = open_fds(d.proc.pid)
+        attackers.append(a := Attacker("ids", d.socket_path, 200))
+        print(a.ready())
+        for _ in range(5):
+            served(d.socket_path)
+        a.stop()
+        settled(d, before)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_message_begun_and_never_finished_holds_no_more_than_the_limit(
+        sock_dir: str, attackers: list[Attacker]) -> None:
+    """24 sessions each begin a 63 MiB message and never finish it (F4: the daemon held
+    62 MiB each). The local socket reads at most max_message_bytes (1 MiB) per message:
+    the connection ends at the frame's header."""
+    d = ProcessDaemon(sock_dir, open_files=4096).wait_ready()
+    try:
+        before, rss_before = open_fds(d.proc.pid), rss_kib(d.proc.pid)
+        attackers.append(a := Attacker("bigmsg", d.socket_path, 24))
+        print(a.ready())
+        time.sleep(1)
+        grown = (rss_kib(d.proc.pid) - rss_before) // 1024
+        print(f"RSS grew {grown} MiB")
+        assert grown < 48, grown
+        served(d.socket_path)
+        a.stop()
+        settled(d, before)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_client_with_more_than_1024_descriptors_open_hands_segments_over(
+        sock_dir: str) -> None:
+    """F5: the lifeline's descriptor is past select()'s 1024 in a process with many open;
+    the sync client's register of CPU tensors still works."""
+    d = ProcessDaemon(sock_dir).wait_ready()
+    held: list[int] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    try:
+        while len(held) < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert max(held) > 1024
+        served(d.socket_path)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert d.stop() == 0, d.log()
