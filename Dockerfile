@@ -10,7 +10,8 @@
 # TORCH_VERSION (2.13.0, the version CI tests) should be the one your inference containers
 # run; TORCH_INDEX the wheel index of their CUDA build.
 #
-# Run flags for a GPU node (--gpus, --ipc=host, --pid=host, --ulimit memlock=-1, ...) and
+# Run flags for a GPU node (--gpus, --ipc=host, --pid=host, --ulimit memlock=-1,
+# --ulimit nofile=65536, ...) and
 # how the inference containers reach the socket: docs/operations.md, "Running in a container".
 
 # A precise tag (Python 3.11.16 on Debian trixie). To pin the bytes too, append the digest

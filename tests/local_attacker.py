@@ -130,7 +130,7 @@ def segments(path: str, n: int) -> str:
 
 
 def ids(path: str, n: int) -> str:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     chosen = [b"\x00" + struct.pack(">I", 0x6B8B4567 + i) for i in range(n)]
     bare = []
     for rid in chosen:  # (ZeroMQ dialling the door: it is not a ZeroMQ socket)

@@ -62,11 +62,12 @@ class Attacker:
             for where in (os.path.dirname(path), path):
                 os.chown(where, -1, NOBODY)
             os.chmod(os.path.dirname(path), 0o750)
+        who = NOBODY if unprivileged else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.local_attacker", mode, path, str(n)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if unprivileged else {}))
+            user=who, group=who, extra_groups=[] if unprivileged else None)
 
     def ready(self, timeout_s: float = 60.0) -> str:
         """What it says once its attack holds."""
