@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import resource
+import site
 import subprocess
 import sys
 import time
@@ -38,36 +39,48 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 @functools.cache
-def nobody_runs_python() -> bool:
-    """Whether this Python runs as nobody here (not where it lives in a home directory
-    only root may enter)."""
+def nobody_python() -> tuple[str, dict[str, str]] | None:
+    """A Python that nobody can run with this one's packages, and its environment: this
+    one, or the system's of the same version where this one lives in a home directory only
+    root may enter. None when the tests do not run as root, or there is none."""
     if os.geteuid() != 0:
-        return False
-    try:
-        return subprocess.run([sys.executable, "-c", ""], user=NOBODY, group=NOBODY,
-                              extra_groups=[], timeout=60).returncode == 0
-    except OSError:
-        return False
+        return None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, *site.getsitepackages()])}
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for exe in (sys.executable, f"/usr/bin/python{version}"):
+        try:
+            if subprocess.run([exe, "-c", "import kvd, zmq, msgspec"], user=NOBODY,
+                              group=NOBODY, extra_groups=[], env=env, cwd=ROOT,
+                              capture_output=True, timeout=120).returncode == 0:
+                return exe, env
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
 
 
 class Attacker:
     """``tests/local_attacker.py`` as another process: as nobody, in the socket's group,
-    where the tests run as root and nobody can run this Python; else as this user, in a
-    process of its own."""
+    where the tests run as root and a Python with this one's packages runs as nobody;
+    else as this user, in a process of its own."""
 
     def __init__(self, mode: str, path: str, n: int) -> None:
-        unprivileged = nobody_runs_python()
-        if unprivileged:  # the socket's group is the attacker's: it may connect
+        nobody = nobody_python()
+        exe, env = nobody or (sys.executable, dict(os.environ))
+        if nobody:  # the socket's group is the attacker's: it may connect
             for where in (os.path.dirname(path), path):
                 os.chown(where, -1, NOBODY)
             os.chmod(os.path.dirname(path), 0o750)
-        who = NOBODY if unprivileged else None
+        who = NOBODY if nobody else None
+        self.unprivileged = nobody is not None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.local_attacker", mode, path, str(n)],
+            [exe, "-m", "tests.local_attacker", mode, path, str(n)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            user=who, group=who, extra_groups=[] if unprivileged else None)
+            text=True, cwd=ROOT, env=env, user=who, group=who,
+            extra_groups=[] if nobody else None)
 
     def ready(self, timeout_s: float = 60.0) -> str:
         """What it says once its attack holds."""
@@ -136,7 +149,7 @@ def test_a_flood_of_connections_neither_ends_the_daemon_nor_locks_clients_out(
     try:
         before = open_fds(d.proc.pid)
         attackers.append(a := Attacker("flood", d.socket_path, 3000))
-        print(a.ready())
+        print(a.ready(), "as nobody" if a.unprivileged else "as this user")
         for _ in range(10):
             served(d.socket_path)
         assert open_fds(d.proc.pid) < before + 3 * 64, open_fds(d.proc.pid)
