@@ -447,8 +447,8 @@ class LocalServer:
         log.warning("client session=%d %s: closing its session", session.sid,
                     f"stopped reading its replies ({_MAX_UNREAD_REPLIES} waiting)" if full
                     else "lost its connection to the local socket")
-        self._lifelines.cut(session.lifeline)
         self.start_close(session, "cut off")
+        self._lifelines.cut(session.lifeline)  # (its client sees its daemon gone)
 
     def _done(self, s: Session, req_id: int, nbytes: int = 0) -> None:
         self._send(s.identity, Done(req_id=req_id, nbytes=nbytes))
