@@ -36,7 +36,6 @@ import zmq
 from kvd.client.lifeline import ClientLifeline
 from kvd.protocol import PROTOCOL_VERSION, Reach, SegmentHandoff, Taken
 
-
 _HELD: list[Any] = []  # what an attack holds: kept until the process ends
 
 

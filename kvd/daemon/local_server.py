@@ -104,6 +104,7 @@ MAX_SEGMENTS_PER_SESSION = 4096
 # The ZeroMQ handshake on a connection to a client's endpoint (local: it takes
 # microseconds; one that stalls is the client's fault, and its lifeline expires anyway).
 _HANDSHAKE_MS = 10_000
+_NEVER_MS = 2**31 - 1  # ~25 days
 # How long a cancel, or a session's close, waits for requests to stop (what they wait for
 # once cancelled, a copy or the bytes on the wire, is bounded too: 60 s for a copy).
 _CANCEL_WAIT_S = 90.0
@@ -156,9 +157,14 @@ class LocalServer:
         router.setsockopt(zmq.RCVHWM, _MAX_QUEUED_REQUESTS)
         router.setsockopt(zmq.SNDHWM, _MAX_UNREAD_REPLIES)
         router.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-        # Never dial again: a connection to a client ends with its session, and the
-        # descriptor number it was reached through may be another client's by then.
-        router.setsockopt(zmq.RECONNECT_IVL, -1)
+        # A connection's endpoint is named by the number of the descriptor it was reached
+        # through, held for the session and reused by a later client once it is closed.
+        # With reconnecting off (-1), libzmq ends a lost connection's endpoint by its name,
+        # later, from its I/O thread: that would end the next client's connection of the
+        # same name (1 connect in 400 failed so, 4 threads connecting at once). So the
+        # ROUTER may redial, but not within a session's life, and only the daemon ends an
+        # endpoint (``_lifeline_closed``: before its descriptor is closed).
+        router.setsockopt(zmq.RECONNECT_IVL, _NEVER_MS)
         self._router = LoopSocket(router, self.on_frames, self._loop, "local socket")
         self._lifelines = LifelineServer(config.socket_path, budget, self._reach,
                                          self.adopt_segments, self._lifeline_closed,
