@@ -203,12 +203,20 @@ class PeerPlane:
         if pending is None:
             pending = self._loop.create_task(self._handshake(address, timeout_s))
             self._linking[address] = pending
-            pending.add_done_callback(lambda _t: self._linking.pop(address, None))
+            pending.add_done_callback(lambda task: self._handshake_ended(address, task))
         try:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(pending)
         except TimeoutError:
             raise PeerUnreachable(f"no answer from peer {address} within {timeout_s:g}s") from None
+
+    def _handshake_ended(self, address: str, task: asyncio.Task[PeerLink]) -> None:
+        """A shared handshake is over. Its failure is taken here: each caller waits within
+        its own timeout, and one that gives up first stops listening (its shield drops its
+        callback), so the failure may be nobody's; asyncio would log it as an error."""
+        self._linking.pop(address, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _handshake(self, address: str, timeout_s: float) -> PeerLink:
         if address == self.address:
