@@ -7,14 +7,20 @@ daemon alive and serving, its descriptors, its counts and its log."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from kvd import KvdClient
 from kvd.errors import PeerUnreachable
+from tests.test_hostile_peers import transfer_checked
 from tests.test_peers import BLOCK, Nodes, random_region
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +31,44 @@ def nodes(sock_dir: str) -> Iterator[Nodes]:
     started = Nodes(sock_dir)
     yield started
     started.stop_all()
+
+
+@contextlib.contextmanager
+def attack(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """``tests/peer_port_attacks.py`` with ``args``, as a process of its own: killed at the
+    end if it is still running."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.peer_port_attacks", *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def outcome(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, object]:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+def test_guessed_routing_ids_do_not_abort_the_daemon(nodes: Nodes) -> None:
+    """A stranger holds connections named with what libzmq's ROUTER would name the next
+    nameless ones, if its counter started where an unseeded rand() starts it, then connects
+    nameless ones: the daemon answers them all and lives; a new peer links and moves bytes,
+    and a new local client is answered."""
+    a, b = nodes.each([], [])
+    with attack("routing-ids", a.address) as proc:
+        result = outcome(proc, timeout_s=60)
+    assert a.proc.proc.poll() is None, f"the daemon died:\n{a.proc.log()[-3000:]}"
+    assert result["named"] == result["held"] and result["nameless_answered"] == 40, result
+    transfer_checked(b, a, "after", 11, time.monotonic() + 15)
+    with KvdClient(a.proc.socket_path, timeout_s=10) as late:
+        assert late.ping() > 0
+    assert "Assertion failed" not in a.proc.log()
 
 
 def test_a_handshake_that_outlives_its_caller_leaves_no_traceback(nodes: Nodes) -> None:
