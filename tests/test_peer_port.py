@@ -13,15 +13,19 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvd import KvdClient
+from kvd.daemon.peer_sockets import MAX_PENDING_HANDSHAKES
 from kvd.errors import PeerUnreachable
-from tests.test_hostile_peers import transfer_checked
-from tests.test_peers import BLOCK, Nodes, random_region
+from kvd.protocol import PeerWelcome
+from tests.conftest import wait_until
+from tests.test_hostile_peers import hello, open_fds, transfer_checked
+from tests.test_peers import BLOCK, Nodes, RawPeer, random_region
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +73,62 @@ def test_guessed_routing_ids_do_not_abort_the_daemon(nodes: Nodes) -> None:
     with KvdClient(a.proc.socket_path, timeout_s=10) as late:
         assert late.ping() > 0
     assert "Assertion failed" not in a.proc.log()
+
+
+class PeakFds:
+    """The most descriptors ``pid`` held, sampled every few milliseconds in a thread,
+    from construction to ``stop``."""
+
+    def __init__(self, pid: int) -> None:
+        self.peak = 0
+        self._pid = pid
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-fds")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stopping.wait(0.005):
+            with contextlib.suppress(FileNotFoundError):
+                self.peak = max(self.peak, open_fds(self._pid))
+
+    def stop(self) -> int:
+        self._stopping.set()
+        self._thread.join(5)
+        return self.peak
+
+
+def test_a_flood_of_silent_connections_is_bounded_and_a_peer_still_links(
+        nodes: Nodes) -> None:
+    """3000 TCP connections to the peer port that never say a byte, 1500 a second, held
+    for 3 s: the daemon holds at most MAX_PENDING_HANDSHAKES of them, and those its loop
+    has not heard of yet (200 more at most here; ~20 measured), by shutting down the
+    oldest, each counted; a peer links and moves bytes meanwhile; once the flood has gone
+    the daemon holds no more descriptors than before it, give or take the new link's
+    connections (16). (Before the bound: 3034 descriptors at the peak, 29 before.)"""
+    a, b = nodes.each([], [])
+    pid = a.proc.proc.pid
+    before = open_fds(pid)
+    peak = PeakFds(pid)
+    try:
+        with attack("flood", a.address, "3000", "1500", "3") as proc:
+            time.sleep(0.5)  # (the flood under way)
+            transfer_checked(b, a, "during", 12, time.monotonic() + 15)
+            result = outcome(proc, timeout_s=30)
+    finally:
+        most = peak.stop()
+    assert result["opened"] == 3000, result
+    assert a.proc.proc.poll() is None, a.proc.log()[-3000:]
+    print(f"descriptors: {before} before, {most} at most during the flood")
+    assert most <= before + MAX_PENDING_HANDSHAKES + 200, (before, most)
+    shut = a.client.stats()["peer"]["bad_messages"].get("handshake_limit", 0)
+    assert shut >= 1000, a.client.stats()["peer"]["bad_messages"]
+    assert "reason=handshake_limit" in a.proc.log()
+    wait_until(lambda: open_fds(pid) <= before + 16, timeout_s=10)
+    peer = RawPeer(a.address)
+    try:
+        assert isinstance(peer.ask(hello("127.0.0.1:1", "late", 1)), PeerWelcome)
+    finally:
+        peer.close()
 
 
 def test_a_handshake_that_outlives_its_caller_leaves_no_traceback(nodes: Nodes) -> None:

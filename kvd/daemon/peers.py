@@ -145,7 +145,7 @@ class PeerPlane:
         if isinstance(self._events, _NoHandler):
             raise RuntimeError("PeerPlane.handle_with must come before bind")
         cfg = self.config
-        self._router = PeerRouter(self.ctx, self.keys, self.handshake_ms, self._bad,
+        self._router = PeerRouter(self.ctx, self.keys, self._bad,
                                   self._on_router_message, self._on_disconnected,
                                   cfg.peer_host, cfg.peer_port)
         self.address = f"{cfg.advertise_host or cfg.peer_host}:{self._router.port}"
@@ -344,6 +344,8 @@ class PeerPlane:
         self._by_routing_id[routing_id] = link
         if link.fd >= 0:
             self._by_fd[link.fd] = link
+            if self._router is not None:
+                self._router.linked(link.fd)
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
                  link.node_id, link.epoch)
         if not reply(encode(PeerWelcome(**self._hello_fields(token)))):
