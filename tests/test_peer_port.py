@@ -20,10 +20,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvd import KvdClient
+from kvd.daemon.auth import is_loopback
 from kvd.daemon.peer_sockets import MAX_PENDING_HANDSHAKES
 from kvd.errors import PeerUnreachable
 from kvd.protocol import PeerWelcome
-from tests.conftest import wait_until
+from tests.conftest import ProcessDaemon, wait_until
 from tests.test_hostile_peers import hello, open_fds, transfer_checked
 from tests.test_peers import BLOCK, Nodes, RawPeer, random_region
 
@@ -131,6 +132,39 @@ def test_a_flood_of_silent_connections_is_bounded_and_a_peer_still_links(
         peer.close()
 
 
+def serve(sock_dir: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`kvd serve` that is expected to refuse to start."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "serve", "--socket-path",
+         os.path.join(sock_dir, "kvd.sock"), "--pool-size-bytes", "64MiB", "--peer-port", "0",
+         "--data-port", "0", "--http-port", "0", *flags],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")})
+
+
+def test_peers_beyond_loopback_without_keys_need_the_operator_s_word(sock_dir: str) -> None:
+    """peer_host on every interface and no CurveZMQ keys: `kvd serve` refuses to start
+    (exit 2) and says why and how to allow it; with allow_unauthenticated_peers it starts,
+    and says in its log that peers are not authenticated."""
+    refused = serve(sock_dir, "--peer-host", "0.0.0.0")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvd: config error: peer_host: 0.0.0.0 is not a loopback address"
+                           ), last
+    for words in ("anyone who reaches the peer port", "curve_secret_key_file",
+                  "allow_unauthenticated_peers = true"):
+        assert words in last, last
+    d = ProcessDaemon(sock_dir, "--peer-host", "0.0.0.0", "--allow-unauthenticated-peers",
+                      "true")
+    try:
+        d.wait_ready()
+        assert d.peer_address().startswith("0.0.0.0:")
+    finally:
+        code = d.stop()
+    assert code == 0, d.log()
+    assert "peers are not authenticated" in d.log()
+
+
 def test_a_handshake_that_outlives_its_caller_leaves_no_traceback(nodes: Nodes) -> None:
     """A put and a pull to an address that accepts connections and never answers, each
     with a timeout shorter than peer_connect_timeout_s: both fail with PeerUnreachable; the
@@ -157,3 +191,11 @@ def test_a_handshake_that_outlives_its_caller_leaves_no_traceback(nodes: Nodes) 
     log = a.proc.log()
     assert "Task exception was never retrieved" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("*", False), ("10.0.0.1", False),
+    ("no-such-host.invalid", False)])
+def test_what_counts_as_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
