@@ -255,7 +255,7 @@ class PeerRouter:
         shut down (ZeroMQ sees it end, closes it and says so), counted and logged."""
         fd = next(iter(self._pending))
         del self._pending[fd]
-        if shut_down_connection(fd, self.port):
+        if _shut_down_connection(fd, self.port):
             self._bad.report("handshake_limit", None, ProtocolError(
                 f"{MAX_PENDING_HANDSHAKES} connections to the peer port have not finished "
                 f"their handshake: the oldest is shut down"), "peer port")
@@ -270,7 +270,7 @@ class PeerRouter:
         self._zap.send(zap_answer(frames, self._keys, refused))
 
 
-def shut_down_connection(fd: int, port: int) -> bool:
+def _shut_down_connection(fd: int, port: int) -> bool:
     """Shut down (both ways) the TCP connection on descriptor ``fd``, if it is one that
     was accepted on ``port``: True if it was. The descriptor is ZeroMQ's, which closes it
     once it sees the end: a duplicate is shut down and closed, never ``fd`` itself. The
