@@ -178,6 +178,10 @@ class Config:
     encrypt_data: bool = _opt(True, BOOL,
                               help="with CurveZMQ keys, TLS on the data connections; the "
                                    "same on every daemon (NCCL is never encrypted)")
+    allow_unauthenticated_peers: bool = _opt(
+        False, BOOL,
+        help="start with peer_host off loopback and no CurveZMQ keys (anyone who reaches "
+             "the peer port can then link and move data): a fully trusted network only")
     # ---- memory given to the daemon
     pool_size_bytes: int = _opt(1 * GiB, SIZE,
                                 help="host memory pool for keys and early arrivals, taken "

@@ -17,12 +17,17 @@ send: a turn that sends the offers of 64 transfers asks ``EVENTS`` once.
 
 A batch of ``_BATCH`` messages at most is taken per callback; more waiting are taken in
 the next loop turn, so one busy socket cannot starve the loop's other callbacks.
+
+``new_context`` makes the daemon's ZeroMQ context, and seeds libc's rand() first: the
+routing ids its ROUTERs make up would otherwise be guessable (see ``_seed_rand``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import secrets
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -69,9 +74,31 @@ def monitor_event(frames: Sequence[bytes]) -> tuple[int, int] | None:
     return None
 
 
+_rand_seeded = False
+
+
+def _seed_rand() -> None:
+    """Seed libc's rand() once, from the OS's randomness, before the first ROUTER is made.
+
+    Why: a ROUTER names each connection that brings no routing id of its own 0x00 + a
+    counter, and libzmq (4.3.5, ``generate_random``) starts each ROUTER's counter at
+    rand(), which nothing in the process seeds: every daemon of a build starts them at the
+    same values (its peer ROUTER at 0xe43c9869). A stranger who connects with the next
+    values as its own routing ids (``ZMQ_ROUTING_ID``), then connects without one, makes
+    the ROUTER give a new connection a name in use, and libzmq aborts the process
+    (``zmq_assert`` in add_out_pipe). Seeded, each id a stranger holds is the next one
+    with a chance of one in 2**32."""
+    global _rand_seeded
+    if not _rand_seeded:
+        ctypes.CDLL(None).srand(ctypes.c_uint(secrets.randbits(32)))
+        _rand_seeded = True
+
+
 def new_context() -> zmq.Context[Any]:
-    """A context with one I/O thread: more gained nothing at control-message sizes, and
-    each one is a thread to wake."""
+    """The daemon's context, from which it makes every socket (its ROUTERs too), with
+    libc's rand() seeded first (``_seed_rand``). One I/O thread: more gained nothing at
+    control-message sizes, and each one is a thread to wake."""
+    _seed_rand()
     ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
     ctx.setsockopt(zmq.LINGER, 0)  # (sockets made from it; a close never waits)
     return ctx

@@ -111,6 +111,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "curve_secret_key_file": "",
         "curve_allowed_keys_file": "",
         "encrypt_data": True,
+        "allow_unauthenticated_peers": False,
         "pool_prefault": True,
         "peers": "",
         "max_message_bytes": MiB,

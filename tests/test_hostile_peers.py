@@ -22,6 +22,7 @@ import torch
 
 from kvd import AsyncKvdClient, shared_empty, shared_zeros
 from kvd.daemon.peer_data import MAX_UNLINKED_CONNECTIONS
+from kvd.daemon.peer_sockets import HANDSHAKE_S
 from kvd.daemon.peers import MAX_LINKS
 from kvd.daemon.transfer import machine as transfer_machine
 from kvd.daemon.transfer.machine import MAX_PULLS_SERVED_PER_LINK
@@ -171,8 +172,8 @@ def test_accept_loops_survive_running_out_of_descriptors(
 def test_connections_waiting_to_link_are_bounded(make_node: Callable[..., Node]) -> None:
     """Silent connections to the data port: past MAX_UNLINKED_CONNECTIONS the next ones
     are closed at once, counted and logged; the daemon holds no more than that. Silent
-    connections to the peer port are closed by ZeroMQ after peer_connect_timeout_s
-    (HANDSHAKE_IVL), each counted. Once they are gone a peer links again."""
+    connections to the peer port are closed by ZeroMQ after HANDSHAKE_S (its
+    HANDSHAKE_IVL), each counted. Once they are gone a peer links again."""
     a = make_node("a", "--peer-connect-timeout-s", "3")
     host, port = a.address.rsplit(":", 1)
     data_port = a.client.stats()["peer"]["data_port"]
@@ -199,7 +200,7 @@ def test_connections_waiting_to_link_are_bounded(make_node: Callable[..., Node])
             with contextlib.suppress(ConnectionResetError):
                 while s.recv(4096):  # (ZeroMQ's greeting, then the close)
                     pass
-        assert time.monotonic() - t0 < 3 + 3
+        assert time.monotonic() - t0 < HANDSHAKE_S + 3
         wait_until(lambda: a.client.stats()["peer"]["bad_messages"].get("handshake") == 100)
     finally:
         for s in flood + silent:

@@ -22,6 +22,7 @@ import zmq
 
 import kvd
 from kvd import KvdClient, shared_empty, shared_zeros
+from kvd.daemon.peer_sockets import HANDSHAKE_S
 from kvd.protocol import (
     PROTOCOL_VERSION,
     ChannelDown,
@@ -593,16 +594,16 @@ def test_accepted_offer_without_a_data_connection_fails_and_frees(nodes: object)
 
 def test_a_connection_that_never_starts_zeromq_is_closed(nodes: object) -> None:
     """A TCP connection to the peer port that never says ZeroMQ's greeting (a port scan,
-    a stuck peer) is closed by ZeroMQ after peer_connect_timeout_s (HANDSHAKE_IVL), and
+    a stuck peer) is closed by ZeroMQ after HANDSHAKE_S (its HANDSHAKE_IVL), and
     counted."""
-    (a,) = nodes(1, "--peer-connect-timeout-s", "1")  # type: ignore[operator]
+    (a,) = nodes(1)  # type: ignore[operator]
     host, port = a.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=8) as silent:
         t0 = time.monotonic()
         with contextlib.suppress(ConnectionResetError):
             while silent.recv(4096):  # (ZeroMQ's own greeting comes first)
                 pass
-        assert time.monotonic() - t0 < 4.5
+        assert time.monotonic() - t0 < HANDSHAKE_S + 2.5
     bad = wait_until(lambda: a.client.stats()["peer"]["bad_messages"].get("handshake"))
     assert bad == 1
 

@@ -21,14 +21,20 @@ self-signed certificate at start (``DataTls``), never written anywhere but a pri
 temporary file while it is loaded, and sends its SHA-256 fingerprint in its
 ``PeerHello``/``PeerWelcome``; the dialer pins that fingerprint, and the token, sent inside
 TLS, authenticates the dialer. NCCL's connections are never encrypted.
+
+Without keys anyone who reaches the peer port can link and move data: a daemon whose
+``peer_host`` is not a loopback address refuses to start without them
+(``check_exposure``), unless the operator says ``allow_unauthenticated_peers``.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import ipaddress
 import logging
 import os
+import socket
 import ssl
 import tempfile
 from collections.abc import Callable, Sequence
@@ -55,6 +61,39 @@ class CurveKeys:
     allowed: set[bytes] = field(default_factory=set)  # z85 public keys
     by_address: dict[str, bytes] = field(default_factory=dict)  # host:port -> key
     address_of: dict[bytes, str] = field(default_factory=dict)  # key -> host:port
+
+
+def check_exposure(config: Config) -> None:
+    """Refuse (ConfigError) a peer port beyond loopback without CurveZMQ keys, unless
+    ``allow_unauthenticated_peers``; allowed, say so in the log. Before anything is bound:
+    a mistake of the operator's is said at once, not after the pool is taken."""
+    if config.curve_secret_key_file or is_loopback(config.peer_host):
+        return
+    if not config.allow_unauthenticated_peers:
+        raise ConfigError(
+            f"peer_host: {config.peer_host} is not a loopback address and no CurveZMQ keys "
+            f"are set: anyone who reaches the peer port could link to this daemon and put, "
+            f"pull and flood it. Set curve_secret_key_file and curve_allowed_keys_file "
+            f"(kvd keygen), or, on a fully trusted network only, "
+            f"allow_unauthenticated_peers = true")
+    log.warning("peers are not authenticated: peer_host %s is not a loopback address and "
+                "no CurveZMQ keys are set (allow_unauthenticated_peers)", config.peer_host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or a name: every address it resolves to) is a
+    loopback address; a name that does not resolve, or ZeroMQ's ``*``, is not."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(
+        ipaddress.ip_address(str(address[0]).split("%")[0]).is_loopback
+        for *_rest, address in found)
 
 
 def load_keys(config: Config) -> CurveKeys | None:

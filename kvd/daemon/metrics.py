@@ -51,8 +51,8 @@ BAD_MESSAGE_REASONS: dict[str, tuple[str, ...]] = {
     "peer": (
         "auth", "bad_offer", "data_connect", "data_encryption", "data_handshake",
         "data_token", "duplicate_hello", "duplicate_transfer", "empty", "frames",
-        "handshake", "link_limit", "malformed", "no_link", "pull_limit", "takeover",
-        "unexpected", "unknown_transfer", "unlinked_limit", "version",
+        "handshake", "handshake_limit", "link_limit", "malformed", "no_link", "pull_limit",
+        "takeover", "unexpected", "unknown_transfer", "unlinked_limit", "version",
     ),
 }
 

@@ -3,10 +3,12 @@ ROUTER peers dial (``PeerRouter``), and the count of bad input from peers (``Bad
 
 What a peer can make the daemon hold on these sockets: per connection, ``RECV_HWM``
 messages of at most ``MAX_PEER_MESSAGE_BYTES`` read ahead by ZeroMQ (a larger message
-ends the connection); a connection that does not finish ZeroMQ's handshake within
-``peer_connect_timeout_s`` is closed by ZeroMQ. With ``curve_secret_key_file`` the ROUTER
-is a CurveZMQ server whose ZAP handler (``daemon/auth.py``) admits only the public keys
-on ``curve_allowed_keys_file``.
+ends the connection); a connection to the ROUTER that does not finish ZeroMQ's handshake
+within ``HANDSHAKE_S`` is closed by ZeroMQ; and at most ``MAX_PENDING_HANDSHAKES``
+connections to the ROUTER whose handshake is not done (ZeroMQ's, then a hello that makes
+a link) are kept: past it the oldest is shut down. With ``curve_secret_key_file`` the
+ROUTER is a CurveZMQ server whose ZAP handler (``daemon/auth.py``) admits only the public
+keys on ``curve_allowed_keys_file``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +39,19 @@ SEND_HWM = 32768
 # back to the sender; nothing is lost). With MAX_PEER_MESSAGE_BYTES, what one connection
 # can make the daemon hold: a flood of garbage is bounded by it.
 RECV_HWM = 64
+# ZeroMQ's handshake on our ROUTER (HANDSHAKE_IVL): a connection that has not finished it
+# by then is closed. A peer's takes milliseconds (the greeting, CurveZMQ's four commands,
+# ZAP answered on our loop): 2 s leaves room for a few lost packets (TCP's retransmission
+# timeout is 200 ms at least, doubling) and a busy loop, and is what one silent connection
+# holds a descriptor for. Not peer_connect_timeout_s: that bounds a dial of ours (the
+# connection and both handshakes), which an operator may make long.
+HANDSHAKE_S = 2.0
+# Connections to our ROUTER whose handshake is not done (ZeroMQ's, then a hello that made a
+# link): past this the oldest is shut down, so that a flood of connections that never
+# speak, or speak and never link, cannot take the daemon's descriptors (a silent one
+# also ends after HANDSHAKE_S). A real peer says its hello at once: one is shut down only
+# if this many connections came after it before its hello was read.
+MAX_PENDING_HANDSHAKES = 256
 
 _monitor_ids = itertools.count()
 
@@ -110,10 +127,11 @@ class PeerRouter:
     """Our ROUTER on ``tcp://host:port``, which peers' DEALERs dial: each message read off
     it is checked (one non-empty frame that decodes) and goes to ``on_message(routing id,
     frame, message, reply)``; a connection that closes goes to ``on_disconnected(its
-    descriptor)``. Bad input is counted in ``bad``."""
+    descriptor)``; the owner says which connection made a link (``linked``). Connections
+    whose handshake is not done are bounded (``MAX_PENDING_HANDSHAKES``). Bad input is
+    counted in ``bad``."""
 
-    def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys | None, handshake_ms: int,
-                 bad: BadInput,
+    def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys | None, bad: BadInput,
                  on_message: Callable[[bytes, bytes | zmq.Frame, PeerMessage, Reply], None],
                  on_disconnected: Callable[[int], None],
                  host: str, port: int) -> None:
@@ -123,9 +141,13 @@ class PeerRouter:
         self._on_disconnected = on_disconnected
         self._monitor: Monitor | None = None
         self._zap: LoopSocket | None = None
+        # Descriptors of the connections whose handshake is not done, oldest first (told
+        # by the monitor: EVENT_ACCEPTED, EVENT_DISCONNECTED; by the owner: ``linked``).
+        self._pending: dict[int, None] = {}
+        self.port = 0
         router = ctx.socket(zmq.ROUTER)
         try:
-            set_limits(router, handshake_ms)
+            set_limits(router, int(HANDSHAKE_S * 1000))
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown routing id: an error
             if keys is not None:
                 zap = ctx.socket(zmq.REP)
@@ -138,9 +160,11 @@ class PeerRouter:
                 router.zap_domain = ZAP_DOMAIN
             # Handshakes that fail inside ZeroMQ (no CURVE, a wrong key, garbage, silence
             # past HANDSHAKE_IVL) are counted; ZAP's refusals are counted by the handler.
+            # (EVENT_HANDSHAKE_SUCCEEDED does not name its connection: its value is 0.)
             self._monitor = Monitor(
-                ctx, router, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, self._on_event, "peer monitor")
+                ctx, router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                self._on_event, "peer monitor")
             try:
                 router.bind(f"tcp://{host}:{port}")
             except zmq.ZMQError as exc:
@@ -163,6 +187,11 @@ class PeerRouter:
         def reply(data: bytes) -> object:
             return self._sock.send([routing_id, data])
         return reply
+
+    def linked(self, fd: int) -> None:
+        """The connection on descriptor ``fd`` said a hello that made a link: its handshake
+        is done."""
+        self._pending.pop(fd, None)
 
     def drain_events(self) -> None:
         """Handle the connection events that have come: before a hello is taken, since
@@ -206,13 +235,30 @@ class PeerRouter:
         self._on_message(routing_id, frame, msg, reply)
 
     def _on_event(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_ACCEPTED:
+            self._pending.pop(value, None)  # (a number seen before: its end went unsaid)
+            self._pending[value] = None
+            if len(self._pending) > MAX_PENDING_HANDSHAKES:
+                self._shut_down_oldest()
+            return
         if event == zmq.EVENT_DISCONNECTED:
+            self._pending.pop(value, None)
             self._on_disconnected(value)
             return
         # A connection that did not finish ZeroMQ's handshake: no CURVE, a wrong key,
         # garbage, silence past HANDSHAKE_IVL (ZAP's refusals are counted by the handler).
         self._bad.report("handshake", None, ProtocolError(
             f"ZeroMQ handshake failed ({_event_name(event)}, {value})"), "peer port")
+
+    def _shut_down_oldest(self) -> None:
+        """Past MAX_PENDING_HANDSHAKES: the oldest connection whose handshake is not done is
+        shut down (ZeroMQ sees it end, closes it and says so), counted and logged."""
+        fd = next(iter(self._pending))
+        del self._pending[fd]
+        if _shut_down_connection(fd, self.port):
+            self._bad.report("handshake_limit", None, ProtocolError(
+                f"{MAX_PENDING_HANDSHAKES} connections to the peer port have not finished "
+                f"their handshake: the oldest is shut down"), "peer port")
 
     def _on_zap_request(self, frames: list[bytes]) -> None:
         assert self._keys is not None and self._zap is not None
@@ -222,6 +268,34 @@ class PeerRouter:
                              peer)
 
         self._zap.send(zap_answer(frames, self._keys, refused))
+
+
+def _shut_down_connection(fd: int, port: int) -> bool:
+    """Shut down (both ways) the TCP connection on descriptor ``fd``, if it is one that
+    was accepted on ``port``: True if it was. The descriptor is ZeroMQ's, which closes it
+    once it sees the end: a duplicate is shut down and closed, never ``fd`` itself. The
+    monitor tells late, so ZeroMQ may have closed ``fd`` already and the number been given
+    to something else: what it is now is checked first."""
+    try:
+        dup = os.dup(fd)
+    except OSError:  # closed
+        return False
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:  # not a socket
+        os.close(dup)
+        return False
+    with sock:
+        try:
+            if (sock.family not in (socket.AF_INET, socket.AF_INET6)
+                    or sock.type != socket.SOCK_STREAM
+                    or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    or sock.getsockname()[1] != port):
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 def _source(routing_id: bytes) -> str:

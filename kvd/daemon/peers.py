@@ -18,7 +18,8 @@ Security (``daemon/auth.py``): with ``curve_secret_key_file`` the ROUTER admits 
 public keys on ``curve_allowed_keys_file``, and a peer's hello is taken only for the
 address the list gives its key; our DEALERs dial with the peer's key from the same list.
 With ``encrypt_data`` the data connections are TLS, pinned by the fingerprint exchanged
-over the CURVE-secured handshake. Without keys the plane is open.
+over the CURVE-secured handshake. Without keys the plane is open: a daemon refuses to
+start so beyond loopback unless the operator allows it (``auth.check_exposure``).
 
 A link ends at once when its connection does: the socket monitors say so (a DEALER's
 ``EVENT_DISCONNECTED`` is its link's; on the ROUTER the event names the connection's
@@ -33,7 +34,9 @@ restarted closed its old connection when it died (or falls silent past the grace
 hello is taken then, and the old link dies the same way.
 
 What a peer can make the daemon hold: ``MAX_LINKS`` links (a hello past it is refused),
-and per connection what ``daemon/peer_sockets.py`` and ``daemon/peer_data.py`` bound.
+connections that have not linked yet (``daemon/peer_sockets.py`` bounds those to the
+ROUTER, which ``PeerRouter.linked`` is told of, ``daemon/peer_data.py`` those to the data
+port), and per connection what those two modules bound.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class PeerPlane:
         self._data = DataPort(
             config, make_data_tls() if self.keys is not None and config.encrypt_data else None,
             self._bad, self._link_for_token, self._lose)
+        # Our dials' ZeroMQ handshake (our ROUTER's is peer_sockets.HANDSHAKE_S).
         self.handshake_ms = max(1, int(config.peer_connect_timeout_s * 1000))
         self._router: PeerRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -145,7 +149,7 @@ class PeerPlane:
         if isinstance(self._events, _NoHandler):
             raise RuntimeError("PeerPlane.handle_with must come before bind")
         cfg = self.config
-        self._router = PeerRouter(self.ctx, self.keys, self.handshake_ms, self._bad,
+        self._router = PeerRouter(self.ctx, self.keys, self._bad,
                                   self._on_router_message, self._on_disconnected,
                                   cfg.peer_host, cfg.peer_port)
         self.address = f"{cfg.advertise_host or cfg.peer_host}:{self._router.port}"
@@ -203,12 +207,20 @@ class PeerPlane:
         if pending is None:
             pending = self._loop.create_task(self._handshake(address, timeout_s))
             self._linking[address] = pending
-            pending.add_done_callback(lambda _t: self._linking.pop(address, None))
+            pending.add_done_callback(lambda task: self._handshake_ended(address, task))
         try:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(pending)
         except TimeoutError:
             raise PeerUnreachable(f"no answer from peer {address} within {timeout_s:g}s") from None
+
+    def _handshake_ended(self, address: str, task: asyncio.Task[PeerLink]) -> None:
+        """A shared handshake is over. Its failure is taken here: each caller waits within
+        its own timeout, and one that gives up first stops listening (its shield drops its
+        callback), so the failure may be nobody's; asyncio would log it as an error."""
+        self._linking.pop(address, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _handshake(self, address: str, timeout_s: float) -> PeerLink:
         if address == self.address:
@@ -336,6 +348,8 @@ class PeerPlane:
         self._by_routing_id[routing_id] = link
         if link.fd >= 0:
             self._by_fd[link.fd] = link
+            if self._router is not None:
+                self._router.linked(link.fd)
         log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
                  link.node_id, link.epoch)
         if not reply(encode(PeerWelcome(**self._hello_fields(token)))):

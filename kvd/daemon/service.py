@@ -25,6 +25,7 @@ from typing import Any
 
 from kvd import timeline
 from kvd.config import Config, check_socket_path, development_overrides, format_size
+from kvd.daemon.auth import check_exposure
 from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
 from kvd.daemon.http import HttpServer
@@ -195,6 +196,7 @@ class Daemon:
         _raise_open_file_limit()
         steps.begin("claiming the socket path")
         check_socket_path(self.config)
+        check_exposure(self.config)  # (peer_host off loopback needs keys, or a yes)
         prepare_socket_dir(self.config.socket_path)
         # The socket path is ours before anything is allocated: a second daemon on it is
         # refused here, and removes nothing of the first one's (socket_files.py).
