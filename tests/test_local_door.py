@@ -9,6 +9,7 @@ and its descriptors and memory come back to within a stated bound.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -18,8 +19,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
-import pytest
 import torch
 
 from kvd import KvdClient, shared_zeros
@@ -101,14 +102,45 @@ class Attacker:
         return out.strip()
 
 
-@pytest.fixture
-def attackers() -> Iterator[list[Attacker]]:
-    started: list[Attacker] = []
-    yield started
-    for a in started:
-        if a.proc.poll() is None:
+@dataclass
+class Attack:
+    """An attack that holds: the daemon, its descriptors before, what the attacker said;
+    once it is over, the daemon's counts of bad messages."""
+
+    daemon: ProcessDaemon
+    attacker: Attacker
+    said: str
+    fds_before: int
+    bad: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def under_attack(sock_dir: str, mode: str, n: int, open_files: int) -> Iterator[Attack]:
+    """A `kvd serve` whose open-file limit is ``open_files``, attacked (``mode``, ``n``)
+    while the block runs. Then, the attack over: the daemon is alive, serves a new client,
+    holds its descriptors of before (within ``FDS_AFTER_ATTACK``), and stops cleanly."""
+    d = ProcessDaemon(sock_dir, open_files=open_files).wait_ready()
+    a: Attacker | None = None
+    try:
+        before = open_fds(d.proc.pid)
+        a = Attacker(mode, d.socket_path, n)
+        said = a.ready()
+        print(said, "as nobody" if a.unprivileged else "as this user")
+        yield (attack := Attack(d, a, said, before))
+        print(a.stop())
+        assert d.proc.poll() is None, d.log()
+        served(d.socket_path)
+        attack.bad = bad_messages(d.socket_path)
+        deadline = time.monotonic() + 10
+        while open_fds(d.proc.pid) > before + FDS_AFTER_ATTACK and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert open_fds(d.proc.pid) <= before + FDS_AFTER_ATTACK, (open_fds(d.proc.pid),
+                                                                   before)
+    finally:
+        if a is not None and a.proc.poll() is None:
             a.proc.kill()
             a.proc.wait(10)
+        assert d.stop() == 0, d.log()
 
 
 def served(path: str) -> None:
@@ -129,96 +161,52 @@ def bad_messages(path: str) -> dict[str, int]:
         return counts
 
 
-def settled(d: ProcessDaemon, fds_before: int) -> None:
-    """The daemon is alive, serves a new client, and holds its descriptors of before."""
-    assert d.proc.poll() is None, d.log()
-    served(d.socket_path)
-    deadline = time.monotonic() + 10
-    while open_fds(d.proc.pid) > fds_before + FDS_AFTER_ATTACK and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert open_fds(d.proc.pid) <= fds_before + FDS_AFTER_ATTACK, (open_fds(d.proc.pid),
-                                                                   fds_before)
-
-
 def test_a_flood_of_connections_neither_ends_the_daemon_nor_locks_clients_out(
-        sock_dir: str, attackers: list[Attacker]) -> None:
+        sock_dir: str) -> None:
     """3,000 connections held and reopened at a daemon whose open-file limit is 1,024 (F1:
     libzmq's IPC listener used to abort the process at the limit; F3: 64 connections that
     never said hello locked every new client out). Connections without a hello are bounded
-    per user, the oldest closed first: clients get in while the flood holds."""
-    d = ProcessDaemon(sock_dir, open_files=1024).wait_ready()
-    try:
-        before = open_fds(d.proc.pid)
-        attackers.append(a := Attacker("flood", d.socket_path, 3000))
-        print(a.ready(), "as nobody" if a.unprivileged else "as this user")
+    per user, the oldest of the biggest holder closed first: clients get in while the
+    flood holds."""
+    with under_attack(sock_dir, "flood", 3000, open_files=1024) as at:
         for _ in range(10):
-            served(d.socket_path)
-        assert open_fds(d.proc.pid) < before + 3 * 64, open_fds(d.proc.pid)
-        print(a.stop())
-        assert bad_messages(d.socket_path).get("unclaimed_limit", 0) > 0
-        settled(d, before)
-    finally:
-        assert d.stop() == 0, d.log()
+            served(at.daemon.socket_path)
+        assert open_fds(at.daemon.proc.pid) < at.fds_before + 3 * 64
+    assert at.bad.get("unclaimed_limit", 0) > 0, at.bad
 
 
-def test_segments_handed_over_are_bounded_in_all(
-        sock_dir: str, attackers: list[Attacker]) -> None:
+def test_segments_handed_over_are_bounded_in_all(sock_dir: str) -> None:
     """Sessions that hand over one memfd under ever new ids (F1b: six used to fill 20,000
     descriptors) are refused, with a count, before the daemon's limit; once they end,
     everything they held is back."""
-    d = ProcessDaemon(sock_dir, open_files=2048).wait_ready()
-    try:
-        before = open_fds(d.proc.pid)
-        attackers.append(a := Attacker("segments", d.socket_path, 6))
-        said = a.ready()
-        print(said)
-        handed = int(said.split()[2])
-        assert 0 < handed <= (2048 - 512) // 2, said
-        assert open_fds(d.proc.pid) < 2048 - 256
-        print(a.stop())
-        assert bad_messages(d.socket_path).get("descriptor_limit", 0) > 0
-        settled(d, before)
-    finally:
-        assert d.stop() == 0, d.log()
+    with under_attack(sock_dir, "segments", 6, open_files=2048) as at:
+        handed = int(at.said.split()[2])
+        assert 0 < handed <= (2048 - 512) // 2, at.said
+        assert open_fds(at.daemon.proc.pid) < 2048 - 256
+    assert at.bad.get("descriptor_limit", 0) > 0, at.bad
 
 
-def test_routing_ids_are_the_daemons_to_give(
-        sock_dir: str, attackers: list[Attacker]) -> None:
+def test_routing_ids_are_the_daemons_to_give(sock_dir: str) -> None:
     """Clients that take the routing ids libzmq generates next as their own (F2: a ROUTER
     asserted, and aborted, when it generated one of them for the next client): every
     connection on the daemon's ROUTER is one it made, under an id it chose."""
-    d = ProcessDaemon(sock_dir, open_files=4096).wait_ready()
-    try:
-        before = open_fds(d.proc.pid)
-        attackers.append(a := Attacker("ids", d.socket_path, 200))
-        print(a.ready())
+    with under_attack(sock_dir, "ids", 200, open_files=4096) as at:
         for _ in range(5):
-            served(d.socket_path)
-        a.stop()
-        settled(d, before)
-    finally:
-        assert d.stop() == 0, d.log()
+            served(at.daemon.socket_path)
 
 
 def test_a_message_begun_and_never_finished_holds_no_more_than_the_limit(
-        sock_dir: str, attackers: list[Attacker]) -> None:
+        sock_dir: str) -> None:
     """24 sessions each begin a 63 MiB message and never finish it (F4: the daemon held
     62 MiB each). The local socket reads at most max_message_bytes (1 MiB) per message:
     the connection ends at the frame's header."""
-    d = ProcessDaemon(sock_dir, open_files=4096).wait_ready()
-    try:
-        before, rss_before = open_fds(d.proc.pid), rss_kib(d.proc.pid)
-        attackers.append(a := Attacker("bigmsg", d.socket_path, 24))
-        print(a.ready())
+    with under_attack(sock_dir, "bigmsg", 24, open_files=4096) as at:
+        rss_before = rss_kib(at.daemon.proc.pid)
         time.sleep(1)
-        grown = (rss_kib(d.proc.pid) - rss_before) // 1024
+        grown = (rss_kib(at.daemon.proc.pid) - rss_before) // 1024
         print(f"RSS grew {grown} MiB")
         assert grown < 48, grown
-        served(d.socket_path)
-        a.stop()
-        settled(d, before)
-    finally:
-        assert d.stop() == 0, d.log()
+        served(at.daemon.socket_path)
 
 
 def test_a_client_with_more_than_1024_descriptors_open_hands_segments_over(
