@@ -50,6 +50,11 @@ PROTOCOL_VERSION = 13
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
 # round through the data connection's threads costs more than the bytes' copy on the loops.
 MAX_INLINE_BYTES = 64 * 1024
+# The longest message a peer may send (the peer sockets' ZMQ_MAXMSGSIZE: a longer one ends
+# its connection at its header). The longest is an OFFER with its bytes inline and every
+# field at its bound (MAX_TENSORS_PER_REGION layout entries, a key of MAX_KEY_CHARS
+# four-byte characters): 168,250 bytes encoded, tested.
+MAX_PEER_MESSAGE_BYTES = 256 * 1024
 
 MAX_KEY_CHARS = 1024
 MAX_NAME_CHARS = 256

@@ -23,14 +23,22 @@ from kvd import AsyncKvdClient, shared_zeros
 from kvd.client.lifeline import ClientLifeline
 from kvd.daemon import local_server
 from kvd.protocol import (
+    MAX_BLOCKS_PER_OP,
+    MAX_INLINE_BYTES,
+    MAX_KEY_CHARS,
+    MAX_PEER_MESSAGE_BYTES,
+    MAX_TENSORS_PER_REGION,
     PROTOCOL_VERSION,
     ErrorReply,
+    LayoutEntry,
+    Offer,
     Pong,
     ShmTensor,
     StatsReply,
     Taken,
     Welcome,
     decode_reply,
+    encode,
 )
 from tests.conftest import RunningDaemon, in_process_only, make_config, running_daemon
 
@@ -484,3 +492,18 @@ def _as_user(uid: int, gid: int, work: Callable[[], None]) -> str:
         error = r.read().decode()
     os.waitpid(pid, 0)
     return error
+
+
+def test_the_largest_offer_fits_the_peer_sockets_message_limit() -> None:
+    """MAX_PEER_MESSAGE_BYTES follows from the largest offer a peer may send: its bytes
+    inline and every field at its bound. A larger limit lets a peer make the daemon hold
+    more for nothing; a smaller one would end a legitimate peer's connection."""
+    largest = Offer(
+        transfer_id=2**63 - 1, key="\U0010ffff" * MAX_KEY_CHARS, src_dev="d" * 64,
+        dst_dev="d" * 64, nbytes=2**62, num_blocks=MAX_BLOCKS_PER_OP,
+        layout=[LayoutEntry(2**62, "float8_e4m3fn")] * MAX_TENSORS_PER_REGION, ttl_s=1e7,
+        src_gpu=True, one_run=True, eager=True, channel=2**63 - 1, chunk_bytes=2**40,
+        inline=memoryview(b"x" * MAX_INLINE_BYTES))
+    size = len(encode(largest))
+    print(f"the largest offer: {size} bytes, the limit {MAX_PEER_MESSAGE_BYTES}")
+    assert MAX_PEER_MESSAGE_BYTES // 2 < size <= MAX_PEER_MESSAGE_BYTES

@@ -2,13 +2,14 @@
 ROUTER peers dial (``PeerRouter``), and the count of bad input from peers (``BadInput``).
 
 What a peer can make the daemon hold on these sockets: per connection, ``RECV_HWM``
-messages of at most ``MAX_PEER_MESSAGE_BYTES`` read ahead by ZeroMQ (a larger message
-ends the connection); a connection to the ROUTER that does not finish ZeroMQ's handshake
-within ``HANDSHAKE_S`` is closed by ZeroMQ; and at most ``MAX_PENDING_HANDSHAKES``
-connections to the ROUTER whose handshake is not done (ZeroMQ's, then a hello that makes
-a link) are kept: past it the oldest is shut down. With ``curve_secret_key_file`` the
-ROUTER is a CurveZMQ server whose ZAP handler (``daemon/auth.py``) admits only the public
-keys on ``curve_allowed_keys_file``.
+messages of at most ``MAX_PEER_MESSAGE_BYTES`` (256 KiB, from the largest offer) read
+ahead by ZeroMQ, 16 MiB (a larger message ends the connection at its header); a
+connection to the ROUTER that does not finish ZeroMQ's handshake within ``HANDSHAKE_S``
+is closed by ZeroMQ; and at most ``MAX_PENDING_HANDSHAKES`` connections to the ROUTER
+whose handshake is not done (ZeroMQ's, then a hello that makes a link) are kept: past it
+the oldest is shut down. With ``curve_secret_key_file`` the ROUTER is a CurveZMQ server
+whose ZAP handler (``daemon/auth.py``) admits only the public keys on
+``curve_allowed_keys_file``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from kvd.daemon.accepting import Throttled
 from kvd.daemon.auth import ZAP_DOMAIN, ZAP_ENDPOINT, CurveKeys, zap_answer
 from kvd.errors import ConfigError, KvdError, ProtocolError
 from kvd.loop_socket import LoopSocket, monitor_event
-from kvd.protocol import PeerError, PeerMessage, decode_peer, encode
+from kvd.protocol import MAX_PEER_MESSAGE_BYTES, PeerError, PeerMessage, decode_peer, encode
 
 log = logging.getLogger(__name__)
 
-MAX_PEER_MESSAGE_BYTES = 1 << 20  # ZMQ_MAXMSGSIZE: a larger message ends its connection
 # Control messages queued for one peer (its ZeroMQ pipe) that it has not taken: past this
 # the peer counts as not reading and its link ends (they are ~100 bytes each: a few MiB).
 SEND_HWM = 32768
