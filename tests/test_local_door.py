@@ -4,7 +4,8 @@ process, as an unprivileged user in the socket's group where the tests run as ro
 Each attack runs against a `kvd serve` with a low open-file limit (so that the limit is
 within reach), from ``tests/local_attacker.py``. While it holds, and after it ends: the
 daemon is alive, a new client is served (a real one, with a CPU tensor and bytes checked),
-and its descriptors and memory come back to within a stated bound.
+a new peer links, and its descriptors come back to within a stated bound (its memory,
+too, stays within one while messages are begun and never finished).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvd import KvdClient, shared_zeros
+from kvd.protocol import PeerWelcome
 from tests.conftest import ProcessDaemon
+from tests.test_hostile_peers import hello
+from tests.test_peers import RawPeer
 
 NOBODY = 65534
 # What a daemon may hold above its descriptors before an attack, once the attack is over
@@ -130,6 +134,7 @@ def under_attack(sock_dir: str, mode: str, n: int, open_files: int) -> Iterator[
         print(a.stop())
         assert d.proc.poll() is None, d.log()
         served(d.socket_path)
+        peer_served(d.peer_address())
         attack.bad = bad_messages(d.socket_path)
         deadline = time.monotonic() + 10
         while open_fds(d.proc.pid) > before + FDS_AFTER_ATTACK and time.monotonic() < deadline:
@@ -153,6 +158,16 @@ def served(path: str) -> None:
         c.put("k", r_src, [0, 1, 2, 3])
         c.get("k", r_dst, [3, 2, 1, 0])
         assert torch.equal(dst, src.flip(0))
+
+
+def peer_served(address: str) -> None:
+    """A new peer links: its hello is welcomed."""
+    peer = RawPeer(address)
+    try:
+        reply = peer.ask(hello("127.0.0.1:9", "a-new-peer", 1))
+        assert isinstance(reply, PeerWelcome), reply
+    finally:
+        peer.close()
 
 
 def bad_messages(path: str) -> dict[str, int]:
