@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -57,6 +58,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvd import KvdClient
 from kvd.integrations.kv_mover import DiscardOrder, LoadOrder, SendOrder
 from kvd.integrations.vllm import KvdConnector, KvdConnectorMetadata
+from kvd.integrations.vllm_compat import Compat
 from tests.conftest import ProcessDaemon, start_daemons
 from tests.gpu_nodes import free_port
 
@@ -673,3 +675,60 @@ def test_sleep_mode_is_declined() -> None:
             return [(p.name, p.kind) for p in inspect.signature(f).parameters.values()]
 
         assert params(base) == params(cls.supports_sleep_mode)
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_prefill_engine_of_another_configuration_is_refused_at_once(
+        daemon: ProcessDaemon, policy: str) -> None:
+    """Prefill says what its KV is (``kvd_compat``); decode compares it with its own. A pair
+    that differs (here prefill ran with TP=2 and an fp8 KV cache) is refused before any
+    byte moves, with one ERROR line naming what differs however many requests come, and
+    vLLM's kv_load_failure_policy applies: each request is computed here, or fails."""
+    d = Sched("kv_consumer", {"kvd_socket": daemon.socket_path}, policy=policy)
+    ours = Compat.of(d.config)
+    theirs = msgspec.structs.replace(ours, tensor_parallel_size=2, cache_dtype="fp8")
+    with worker_connectors(d.config) as (conn,), vllm_log(d.config) as out:
+        conn.register_kv_caches(cpu_kv(7, 0))
+        started = time.monotonic()
+        for i, rid in enumerate(("r1", "r2", "r3")):
+            d.add(rid, list(range(100 * i + 1, 100 * i + 41)), max_tokens=2,
+                  params=remote(f"k-{rid}", 40, kvd_compat=theirs.as_params()))
+        computed: dict[str, int] = {}
+        while len(computed) + len(d.finished) < 3:
+            assert time.monotonic() - started < 1.0, out.getvalue()
+            so, _ = d.step(worker=conn)
+            for rid, n in so.num_scheduled_tokens.items():
+                computed[rid] = max(computed.get(rid, 0), n)
+        took = time.monotonic() - started
+        stats = conn.get_kv_connector_stats()
+        assert stats is not None and stats.data["loads_refused"] == 3, stats
+    print(f"3 requests refused and handled in {took * 1000:.0f} ms")
+    if policy == "fail":
+        assert {r: o.finish_reason.name for r, o in d.finished.items()} == dict.fromkeys(
+            ("r1", "r2", "r3"), "ERROR")
+    else:
+        assert computed == dict.fromkeys(("r1", "r2", "r3"), 40)  # the prompt, computed here
+    log = out.getvalue()
+    assert log.count("refusing KV from prefill engines") == 1, log
+    line = vllm_line("ERROR", "vllm.py", "refusing KV from prefill engines of another "
+                     "configuration \\(cache_dtype: prefill 'fp8', this engine 'auto'; "
+                     "tensor_parallel_size: prefill 2, this engine 1\\)")
+    assert line.search(log), log
+    assert "its KV did not load" not in log  # said once, by the scheduler
+
+
+def test_prefill_tells_decode_what_its_kv_is(daemon: ProcessDaemon) -> None:
+    """The params prefill answers with carry its configuration, and broken ones from a
+    proxy are refused as a whole (decode computes the prompt)."""
+    p = Sched("kv_producer", {"kvd_socket": daemon.socket_path})
+    p.add("a", list(range(1, 41)), params={"do_remote_decode": True})
+    p.step()
+    params = p.finished["a"].kv_transfer_params
+    assert Compat.from_params(params["kvd_compat"]) == Compat.of(p.config)
+    d = Sched("kv_consumer", {})
+    d.add("b", list(range(1, 41)), params={**params, "kvd_compat": {"model": 7}})
+    so, meta = d.step()
+    assert so.num_scheduled_tokens == {"b": 40} and not meta.loads

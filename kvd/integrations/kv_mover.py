@@ -251,6 +251,10 @@ class KvMover:
         """Start loading (never raises: a bad order is logged and reported failed)."""
         now = time.monotonic()
         self._requests.load_ordered(order, now)
+        if order.refusal:
+            self.stats.loads_refused += 1
+            self._requests.load_ended(order, ok=False, cause=order.refusal, refused=True)
+            return
         load = _Load(order, now + order.timeout_s)
         if (order.key in self._loads
                 or len(order.block_ids) != order.remote_blocks - order.first

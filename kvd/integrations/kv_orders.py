@@ -44,6 +44,9 @@ class LoadOrder:
     block_ids: list[int]
     timeout_s: float
     parts: int = 1  # how many orders (keys) the request is loaded from; all come together
+    # Not '': the load is refused before it starts (prefill's KV does not fit this engine,
+    # said once by the scheduler): it fails at once, and vLLM's failure policy applies.
+    refusal: str = ""
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Polled:
     loaded: set[str] = field(default_factory=set)  # loads that completed
     failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
     causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
+    refused: set[str] = field(default_factory=set)  # failed ones that were refused: said
 
 
 @dataclass
@@ -77,6 +81,7 @@ class MoverStats:
     load_seconds: float = 0.0  # summed over completed loads
     pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
     parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
+    loads_refused: int = 0  # refused: prefill's KV did not fit this engine (kvd_compat)
 
     def as_dict(self) -> dict[str, int | float]:
         return dict(self.__dict__)

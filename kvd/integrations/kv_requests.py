@@ -34,6 +34,7 @@ class _LoadGroup:
     failed_blocks: list[int] = field(default_factory=list)
     failed: bool = False
     cause: str = ""  # the first part's failure
+    refused: bool = False  # a part was refused before it started (its cause said already)
 
 
 class RequestParts:
@@ -91,7 +92,8 @@ class RequestParts:
         group = self._loading.get(req_id)
         return group is not None and group.failed
 
-    def load_ended(self, order: LoadOrder, ok: bool, cause: str = "") -> None:
+    def load_ended(self, order: LoadOrder, ok: bool, cause: str = "",
+                   refused: bool = False) -> None:
         """Count a part; once every part of the request has ended (none can write into
         its blocks any more), report the request loaded, or failed with the blocks of
         the parts that failed and the first part's cause."""
@@ -103,6 +105,7 @@ class RequestParts:
             group.failed = True
             group.failed_blocks.extend(order.block_ids)
             group.cause = group.cause or cause
+            group.refused = group.refused or refused
         if group.ended < group.expected:
             return
         del self._loading[order.req_id]
@@ -110,6 +113,8 @@ class RequestParts:
             self._stats.load_failures += 1
             self._done.failed[order.req_id] = group.failed_blocks
             self._done.causes[order.req_id] = group.cause
+            if group.refused:
+                self._done.refused.add(order.req_id)
         else:
             self._stats.loads += 1
             self._stats.load_seconds += time.monotonic() - group.started

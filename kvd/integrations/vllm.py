@@ -20,7 +20,9 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
   "<decode daemon host:port>"`` and, optionally, the ``kvd_key`` to put under). When the
   request finishes, prefill keeps its blocks (``delay_free``) and answers with the params
   for decode: ``do_remote_prefill``, ``kvd_key``, ``kvd_source`` (its daemon),
-  ``kvd_flow``, ``kvd_num_tokens``, ``kvd_num_blocks``, ``kvd_block_size``. Pull flow: the
+  ``kvd_flow``, ``kvd_num_tokens``, ``kvd_num_blocks``, ``kvd_block_size``, ``kvd_compat``
+  (what its KV is: ``vllm_compat``; decode refuses KV that does not fit it, saying once
+  what differs, and the failure policy applies). Pull flow: the
   blocks are lent under the key until decode's daemon pulls them or the lease ends; push
   flow: they are put to the decode daemon at once. Either way prefill frees them when kvd
   is done with them.
@@ -54,6 +56,7 @@ from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import DiscardOrder, LoadOrder, SendOrder
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
+from kvd.integrations.vllm_compat import Compat, refusal
 from kvd.integrations.vllm_params import RemotePrefill, key_param
 from kvd.integrations.vllm_settings import Settings
 
@@ -135,11 +138,16 @@ if _VLLM_ERROR is None:
             self.block_size = vllm_config.cache_config.block_size
             self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
                                else vllm_config.cache_config.num_gpu_blocks)
+            # What this engine's KV is: prefill tells decode (kvd_compat), decode refuses
+            # KV that does not fit it.
+            self.compat = Compat.of(vllm_config)
             # scheduler side
             self._sends: list[SendOrder] = []
             self._loads: list[LoadOrder] = []
             self._discards: list[DiscardOrder] = []
             self._pushing: dict[str, _Pushing] = {}
+            self._refused: dict[str, str] = {}  # decode: requests refused, and why
+            self._said: set[str] = set()  # decode: refusals logged, by prefill's digest
             self.address = self.settings.kvd_address or ""
             # worker side
             self._client: Any = None
@@ -179,7 +187,25 @@ if _VLLM_ERROR is None:
                             offered, expected)
                 return 0, False
             count = prompt - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
+            if count <= 0:
+                return 0, False
+            if remote.compat is not None and (why := refusal(self.compat, remote.compat)):
+                # Claimed all the same: the worker fails the load at once, and vLLM's
+                # kv_load_failure_policy decides (recompute here, or fail the request).
+                self._refused[request.request_id] = why
+                self._say_refused(remote.compat, why)
+            return count, True
+
+        def _say_refused(self, theirs: Compat, why: str) -> None:
+            """One ERROR line per prefill configuration that does not fit this engine."""
+            digest = theirs.digest()
+            if digest in self._said:
+                return
+            self._said.add(digest)
+            log.error("kvd: refusing KV from prefill engines of another configuration (%s); "
+                      "%s, for this request and every other one from such an engine", why,
+                      _POLICY_OUTCOME.get(self.failure_policy,
+                                          f"kv_load_failure_policy={self.failure_policy}"))
 
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
@@ -199,6 +225,14 @@ if _VLLM_ERROR is None:
                 return
             ids = blocks.get_block_ids()[0]
             first = n - blocks_for(num_external_tokens, self.block_size)
+            why = self._refused.pop(request.request_id, "")
+            if why:  # nothing of it is loaded: pushed parts are dropped, the load refused
+                self._drop_pushed(remote, parts)
+                self._loads.append(LoadOrder(
+                    req_id=request.request_id, key=remote.key, source=remote.source,
+                    remote_blocks=n, first=first, block_ids=list(ids[first:n]),
+                    timeout_s=self.settings.load_timeout_s, refusal=why))
+                return
             # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
             self._drop_pushed(remote, [p for p in parts if p[2] <= first])
             wanted = [p for p in parts if p[2] > first]
@@ -327,11 +361,13 @@ if _VLLM_ERROR is None:
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
                 "kvd_num_tokens": prompt, "kvd_num_blocks": n,
                 "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
+                "kvd_compat": self.compat.as_params(),
             }
 
         def _drop_unloaded(self, request: Any) -> None:
             """A request that ends before decode ordered its load (aborted while it waited
             to be scheduled) wants none of the parts pushed for it."""
+            self._refused.pop(request.request_id, None)
             try:
                 remote = RemotePrefill.of(request.kv_transfer_params)
             except BadRequest:
@@ -399,6 +435,8 @@ if _VLLM_ERROR is None:
             polled = self._mover.poll()
             for req_id, blocks in polled.failed.items():
                 self._load_errors.update(blocks)
+                if req_id in polled.refused:  # (the scheduler said why, once)
+                    continue
                 # With policy "fail" the client sees only an error: the cause is here.
                 log.error("kvd: request %s: its KV did not load (%s); %s", req_id,
                           polled.causes.get(req_id, "cause unknown"),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.errors import BadRequest
+from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_settings import FLOWS
 
 MAX_KEY_CHARS = 512  # kvd takes up to 1024; the connector keeps room for its own keys
@@ -40,6 +41,7 @@ class RemotePrefill:
     num_blocks: int | None
     block_size: int | None
     push_parts: int | None = None  # prefill's push_part_blocks, when it told us
+    compat: Compat | None = None  # what prefill's KV is (None: not told, push flow early)
 
     @classmethod
     def of(cls, params: Any) -> RemotePrefill | None:
@@ -61,5 +63,6 @@ class RemotePrefill:
         parts = params.get("kvd_push_parts")
         if parts is not None and not (isinstance(parts, int) and parts >= 0):
             raise BadRequest(f"bad kvd_push_parts {parts!r}")
-        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2], parts)
+        return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2], parts,
+                   Compat.from_params(params.get("kvd_compat")))
 

@@ -64,6 +64,7 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         "load_seconds": "Seconds spent in completed KV loads through kvd",
         "pull_retries": "KV pulls through kvd that found no key yet and went again",
         "parts_dropped": "Pushed KV parts this engine had cached: taken from kvd, dropped",
+        "loads_refused": "KV loads refused: prefill's KV did not fit this engine",
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],

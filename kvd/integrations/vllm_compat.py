@@ -1,0 +1,97 @@
+"""Whether a prefill engine's KV fits a decode engine: what both must agree on, and what
+differs when they do not.
+
+Prefill puts its ``Compat`` in the params it answers with (``kvd_compat``); decode
+compares it with its own before it loads anything. A pair that differs is refused at once,
+with one ERROR line naming what differs, and vLLM's ``kv_load_failure_policy`` decides
+what happens to the request (recompute it, or fail it): bytes laid out for another model,
+dtype, block size or parallel layout would load without an error and decode garbage.
+
+Read from vLLM's config only, so that it reads without vLLM's types here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+
+from kvd.errors import BadRequest
+from kvd.protocol import PROTOCOL_VERSION
+
+# What the connector's own wire (the params, the keys, the layout it registers) means:
+# bumped on any change that an older connector would misread.
+CONNECTOR_VERSION = 1
+
+
+class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What both engines of a pair must agree on, one field each."""
+
+    model: str  # the served model name: the same weights, not only the same shapes
+    architecture: str
+    num_layers: int
+    num_kv_heads: int  # in all, before tensor parallelism splits them
+    head_size: int
+    use_mla: bool
+    dtype: str  # the model's
+    cache_dtype: str  # the KV cache's ("auto": the model's; "fp8", ...)
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kvd_protocol: int
+    connector: int
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> Compat:
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        cache = vllm_config.cache_config
+        hf = getattr(model, "hf_config", None)
+        architectures = getattr(hf, "architectures", None) or [""]
+        served = getattr(model, "served_model_name", None) or model.model
+        if isinstance(served, list | tuple):
+            served = served[0]
+        return cls(
+            model=str(served), architecture=str(architectures[0]),
+            num_layers=int(model.get_total_num_hidden_layers()),
+            num_kv_heads=int(model.get_total_num_kv_heads()),
+            head_size=int(model.get_head_size()),
+            use_mla=bool(getattr(model, "use_mla", False)),
+            dtype=str(model.dtype).removeprefix("torch."),
+            cache_dtype=str(cache.cache_dtype), block_size=int(cache.block_size),
+            tensor_parallel_size=int(parallel.tensor_parallel_size),
+            pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+            kvd_protocol=PROTOCOL_VERSION, connector=CONNECTOR_VERSION)
+
+    @classmethod
+    def from_params(cls, value: Any) -> Compat | None:
+        """Prefill's, as its params carry it (they come through a proxy: checked field by
+        field); None when they carry none."""
+        if value is None:
+            return None
+        try:
+            return msgspec.convert(value, cls)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"kvd_compat: {exc}") from None
+
+    def as_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = msgspec.to_builtins(self)
+        return params
+
+    def digest(self) -> str:
+        """One short hash of every field: equal digests, a compatible pair."""
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+    def differences(self, theirs: Compat) -> list[str]:
+        """Each field that differs, as ``name: ours vs theirs``."""
+        return [f"{name}: prefill {getattr(theirs, name)!r}, this engine "
+                f"{getattr(self, name)!r}" for name in self.__struct_fields__
+                if getattr(self, name) != getattr(theirs, name)]
+
+
+def refusal(ours: Compat, theirs: Compat) -> str:
+    """Why a prefill engine's KV does not fit this decode engine ('' if it does)."""
+    if ours.digest() == theirs.digest():
+        return ""
+    return "; ".join(ours.differences(theirs))
