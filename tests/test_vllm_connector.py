@@ -56,6 +56,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvd import KvdClient
+from kvd.errors import BadRequest
 from kvd.integrations.kv_mover import DiscardOrder, LoadOrder, SendOrder
 from kvd.integrations.vllm import KvdConnector, KvdConnectorMetadata
 from kvd.integrations.vllm_compat import Compat
@@ -732,3 +733,13 @@ def test_prefill_tells_decode_what_its_kv_is(daemon: ProcessDaemon) -> None:
     d.add("b", list(range(1, 41)), params={**params, "kvd_compat": {"model": 7}})
     so, meta = d.step()
     assert so.num_scheduled_tokens == {"b": 40} and not meta.loads
+
+
+def test_pipeline_parallelism_is_refused_at_start() -> None:
+    """Each stage would lend its own layers under the request's one key: the connector
+    refuses the combination at start, naming it, rather than let keys clash."""
+    for role in ("kv_producer", "kv_consumer"):
+        config = vllm_config(role, {})
+        config.parallel_config.pipeline_parallel_size = 2
+        with pytest.raises(BadRequest, match=f"pipeline_parallel_size=2 on this {role}"):
+            KvdConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())

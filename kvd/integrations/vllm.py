@@ -131,6 +131,14 @@ if _VLLM_ERROR is None:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
             transfer = vllm_config.kv_transfer_config
+            stages = vllm_config.parallel_config.pipeline_parallel_size
+            if stages > 1:
+                # Each stage's workers hold their own layers and would lend them under the
+                # request's one key: refused, not a silent clash of keys.
+                raise BadRequest(
+                    f"KvdConnector does not support pipeline parallelism yet "
+                    f"(pipeline_parallel_size={stages} on this {transfer.kv_role}): "
+                    "run prefill and decode with pipeline_parallel_size=1")
             self.settings = Settings.parse(transfer.kv_connector_extra_config)
             self.engine_id = transfer.engine_id or secrets.token_hex(8)
             self.is_producer = bool(transfer.is_kv_producer)
