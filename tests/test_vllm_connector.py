@@ -459,6 +459,12 @@ def test_worker_connectors_move_blocks_between_daemons(two_daemons: list[Process
             step(prefill, KvdConnectorMetadata())
         assert p_stats.data["sends"] == 1 and p_stats.data["sends_unread"] == 0
         assert stats.data["bytes_received"] == 3 * 2 * 2 * BLOCK * 64 * 4
+        # One sample per request loaded and per key sent, for the histograms.
+        ((seconds, nbytes),) = stats.data["load_samples"]
+        assert 0 < seconds < 10 and nbytes == stats.data["bytes_received"]
+        ((seconds, nbytes),) = p_stats.data["send_samples"]
+        assert 0 < seconds < 10 and nbytes == stats.data["bytes_received"]
+        assert decode.get_kv_connector_stats() is None  # (taken: nothing new)
 
         # A load that cannot succeed: finished, with its blocks reported invalid.
         step(decode, KvdConnectorMetadata(loads=[LoadOrder("lost", "no-such-key", pd.peer_address(),

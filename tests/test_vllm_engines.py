@@ -114,6 +114,12 @@ def kvd_counter(llm: LLM, name: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == f"vllm:kvd_{name}")
 
 
+def kvd_histogram(llm: LLM, name: str) -> tuple[int, float]:
+    """kvd's histogram in vLLM's own metrics: its count and sum."""
+    found = [m for m in llm.get_metrics() if m.name == f"vllm:kvd_{name}"]
+    return sum(m.count for m in found), sum(m.sum for m in found)
+
+
 def decode_mover_stats() -> Any:
     """The in-process decode's worker connector lives in this process."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -131,12 +137,16 @@ def test_pull_flow_decode_matches_one_instance(pair: Pair) -> None:
     assert all(p and p["do_remote_prefill"] and p["kvd_flow"] == "pull" for p in params)
     assert [p["kvd_num_blocks"] for p in params] == [3, 3, 3, 2]
     received = kvd_counter(pair.decode, "bytes_received")
+    loaded = kvd_histogram(pair.decode, "load_bytes_per_request")
     outs = [pair.decode.generate([{"prompt_token_ids": p}], greedy(8, params[i]))[0]
             for i, p in enumerate(prompts)]
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     block_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # layers x heads x tokens x K,V x head x fp32
     assert kvd_counter(pair.decode, "bytes_received") - received == 11 * block_bytes
     assert kvd_counter(pair.decode, "load_failures") == 0
+    # One sample per request in the histogram of bytes per request, in vLLM's registry.
+    count, total = kvd_histogram(pair.decode, "load_bytes_per_request")
+    assert (count - loaded[0], total - loaded[1]) == (4, 11 * block_bytes)
     # Decode took the prompt from kvd: it computed only the last prompt token itself.
     stats = [m for m in pair.decode.get_metrics()
              if m.name == "vllm:prompt_tokens_by_source"

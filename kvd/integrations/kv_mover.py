@@ -50,7 +50,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,6 +89,7 @@ HELLO_TIMEOUT_S = 0.2  # a reconnect attempt blocks the engine's step at most th
 class _Send:
     order: SendOrder
     deadline: float
+    started: float = field(default_factory=time.monotonic)
     slots: list[int] | None = None
     transfer: Transfer | None = None
 
@@ -289,6 +290,7 @@ class KvMover:
                 nbytes = send.transfer.wait(0)
                 self.stats.sends += 1
                 self.stats.bytes_sent += nbytes
+                self.stats.send_samples.append([time.monotonic() - send.started, nbytes])
                 if nbytes == 0 and order.push_to is None:
                     self.stats.sends_unread += 1
                     self.log.warning("kvd send %s: key %s was not pulled within its %gs "
@@ -356,7 +358,7 @@ class KvMover:
                 self._stage(order.block_ids, load.slots[order.first:], inward=False)
             self.stats.bytes_received += nbytes
             self._end_load(load)
-            self._requests.load_ended(order, ok=True)
+            self._requests.load_ended(order, ok=True, nbytes=nbytes)
         except KvdError as err:
             self._note(err)
             # The request's failure, with its first cause, is the caller's to log (poll).

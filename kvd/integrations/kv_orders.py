@@ -82,6 +82,17 @@ class MoverStats:
     pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
     parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
     loads_refused: int = 0  # refused: prefill's KV did not fit this engine (kvd_compat)
+    # Samples since the last report (taken by ``take_samples``), for histograms: each
+    # request loaded, and each key sent, as [seconds, bytes].
+    load_samples: list[list[float]] = field(default_factory=list)
+    send_samples: list[list[float]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int | float]:
-        return dict(self.__dict__)
+        """The counters (cumulative)."""
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, list)}
+
+    def take_samples(self) -> dict[str, list[list[float]]]:
+        """The samples since the last call."""
+        taken = {"load_samples": self.load_samples, "send_samples": self.send_samples}
+        self.load_samples, self.send_samples = [], []
+        return taken

@@ -35,6 +35,7 @@ class _LoadGroup:
     failed: bool = False
     cause: str = ""  # the first part's failure
     refused: bool = False  # a part was refused before it started (its cause said already)
+    nbytes: int = 0  # what its parts brought
 
 
 class RequestParts:
@@ -93,7 +94,7 @@ class RequestParts:
         return group is not None and group.failed
 
     def load_ended(self, order: LoadOrder, ok: bool, cause: str = "",
-                   refused: bool = False) -> None:
+                   refused: bool = False, nbytes: int = 0) -> None:
         """Count a part; once every part of the request has ended (none can write into
         its blocks any more), report the request loaded, or failed with the blocks of
         the parts that failed and the first part's cause."""
@@ -101,6 +102,7 @@ class RequestParts:
         if group is None:
             return
         group.ended += 1
+        group.nbytes += nbytes
         if not ok:
             group.failed = True
             group.failed_blocks.extend(order.block_ids)
@@ -116,6 +118,8 @@ class RequestParts:
             if group.refused:
                 self._done.refused.add(order.req_id)
         else:
+            took = time.monotonic() - group.started
             self._stats.loads += 1
-            self._stats.load_seconds += time.monotonic() - group.started
+            self._stats.load_seconds += took
+            self._stats.load_samples.append([took, group.nbytes])
             self._done.loaded.add(order.req_id)

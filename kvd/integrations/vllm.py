@@ -461,7 +461,8 @@ if _VLLM_ERROR is None:
         def get_kv_connector_stats(self) -> KvdConnectorStats | None:
             if self._mover is None:
                 return None
-            delta = stats_delta(self._mover.stats, self._reported)
+            delta: dict[str, Any] = stats_delta(self._mover.stats, self._reported)
+            delta.update(self._mover.stats.take_samples())
             self._reported = self._mover.stats.as_dict()
             stats = KvdConnectorStats(data=delta)
             return None if stats.is_empty() else stats

@@ -18,15 +18,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvd.integrations.kv_orders import MoverStats
 
+# Histograms of each request loaded and each key sent: its time and its bytes.
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0)
+_BYTES = tuple(float(4**i) for i in range(6, 19))  # 4 KiB .. 64 GiB
+_HISTOGRAMS = {  # (samples, which of each: 0 seconds, 1 bytes) -> name, buckets, help
+    ("load_samples", 0): ("load_seconds_per_request", _SECONDS,
+                          "Seconds from a request's load order to its KV in place"),
+    ("load_samples", 1): ("load_bytes_per_request", _BYTES,
+                          "Bytes of KV cache loaded through kvd per request"),
+    ("send_samples", 0): ("send_seconds_per_key", _SECONDS,
+                          "Seconds from a send order to the key's bytes taken (pulled or put)"),
+    ("send_samples", 1): ("send_bytes_per_key", _BYTES,
+                          "Bytes of KV cache sent through kvd per key"),
+}
+
 
 def stats_delta(now: MoverStats, before: dict[str, Any]) -> dict[str, Any]:
+    """The counters' change since ``before``."""
     current = now.as_dict()
     return {k: v - before.get(k, 0) for k, v in current.items()}
 
 
 @dataclass
 class KvdConnectorStats(KVConnectorStats):
-    """Counts since the last report; summed over workers and intervals."""
+    """Counts since the last report, summed over workers and intervals, and the samples
+    for the histograms (lists, joined)."""
 
     def reset(self) -> None:
         empty: dict[str, Any] = {}
@@ -35,12 +52,14 @@ class KvdConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KvdConnectorStats:
         merged = dict(self.data)
         for k, v in other.data.items():
-            merged[k] = merged.get(k, 0) + v
+            merged[k] = [*merged.get(k, []), *v] if isinstance(v, list) else (
+                merged.get(k, 0) + v)
         return KvdConnectorStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out: dict[str, int | float] = {k: d[k] for k in sorted(d)}
+        out: dict[str, int | float] = {k: d[k] for k in sorted(d)
+                                       if not isinstance(d[k], list)}
         loads = d.get("loads", 0)
         if loads:
             out["avg_load_ms"] = round(1000 * d.get("load_seconds", 0.0) / loads, 3)
@@ -77,9 +96,20 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                                        labelnames=labelnames)
             self._counters[name] = {idx: metric.labels(*values) for idx, values
                                     in per_engine_labelvalues.items()}
+        self._histograms = {}
+        for (samples, which), (name, buckets, doc) in _HISTOGRAMS.items():
+            histogram = self._histogram_cls(name=f"vllm:kvd_{name}", documentation=doc,
+                                            buckets=list(buckets), labelnames=labelnames)
+            self._histograms[samples, which] = {
+                idx: histogram.labels(*values) for idx, values
+                in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, children in self._counters.items():
             value = transfer_stats_data.get(name, 0)
             if value and engine_idx in children:
                 children[engine_idx].inc(value)
+        for (samples, which), children in self._histograms.items():
+            if engine_idx in children:
+                for sample in transfer_stats_data.get(samples, ()):
+                    children[engine_idx].observe(sample[which])
