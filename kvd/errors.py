@@ -75,6 +75,13 @@ class UnknownKey(KvdError):
     code = "unknown_key"
 
 
+class KeyGone(UnknownKey):
+    """The key was there and is gone: taken by its one reader, expired, or withdrawn. A
+    pull for it is answered at once, since waiting would not bring it back."""
+
+    code = "key_gone"
+
+
 class Cancelled(KvdError):
     """The operation was cancelled before it completed."""
 

@@ -165,6 +165,14 @@ def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> No
     drive(p, d, until=lambda: p.mover.stats.sends_unread == 1)
     assert p.mover._slots.free == 16
 
+    # Decode queued past prefill's lease: its load fails at once, not at its timeout
+    # (the key is gone from prefill's daemon, and waiting would not bring it back).
+    started, retries = time.monotonic(), d.mover.stats.pull_retries
+    d.mover.load(LoadOrder("late", "key-unread", p.address, 2, 0, [6, 7], timeout_s=20))
+    drive(p, d, until=lambda: "late" in d.seen.failed)
+    assert time.monotonic() - started < 1.0 and "was expired" in d.seen.causes["late"]
+    assert d.mover.stats.pull_retries == retries
+
     # More blocks than staging holds: a clear failure, and the engine's blocks come back.
     p.mover.send(SendOrder("huge", "key-huge", list(range(17)), lease_s=5))
     assert "huge" in p.poll().released and p.mover.stats.send_failures == 1

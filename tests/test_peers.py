@@ -315,7 +315,7 @@ def test_lend_to_one_reader_then_the_blocks_are_free(nodes: object) -> None:
 def test_a_pull_waits_at_the_owner_for_its_key(nodes: object) -> None:
     """A pull may wait for its key (the vLLM connector's does: decode can ask before
     prefill has lent): the owner holds it and serves it as the key is lent. One loan
-    serves one of two waiting pulls; the other is refused when its wait ends. A cancelled
+    serves one of two waiting pulls; the other is refused then (the key is gone). A cancelled
     pull stops waiting. Without a wait, no key is UnknownKey at once, as before."""
     a, b = nodes(2)  # type: ignore[operator]
     src = random_region(8, 4)
@@ -347,7 +347,7 @@ def test_a_pull_waits_at_the_owner_for_its_key(nodes: object) -> None:
     waiting(2)
     lent = a.client.lend("one", r_src, [5], ttl_s=30)
     assert first.wait(10) == BLOCK and torch.equal(dst[2], src[5])
-    with pytest.raises(kvd.UnknownKey, match=r"within 1\.5s"):
+    with pytest.raises(kvd.KeyGone, match="taken by its reader"):  # at once: it is gone
         second.wait(10)
     assert not bool(dst[3].any())
 
@@ -368,6 +368,41 @@ def test_a_pull_waits_at_the_owner_for_its_key(nodes: object) -> None:
     assert mine.wait(10) == BLOCK and back.wait(10) == BLOCK
     assert torch.equal(dst[5], src[2])
     assert not bool(dst[6:].any())
+
+
+def test_a_pull_for_a_key_that_is_gone_fails_at_once(nodes: object) -> None:
+    """A key that was lent and is gone (taken by its one reader, its lease over, withdrawn
+    by its owner) will not come back: a pull for it is answered at once with KeyGone,
+    however long it may wait, from another daemon or this one. A key that never was waits
+    its wait as before; lent again under the same name, it is served."""
+    a, b = nodes(2)  # type: ignore[operator]
+    src = random_region(8, 5)
+    r_src = a.client.register("kv", [src])
+    dst = shared_zeros((8, BLOCK), torch.uint8)
+    r_dst = b.client.register("kv", [dst])
+    back = a.client.register("back", [shared_zeros((1, BLOCK), torch.uint8)])
+    taken = a.client.lend("taken", r_src, [1], ttl_s=30)
+    assert b.client.pull("taken", a.address, r_dst, [0], timeout_s=10) == BLOCK
+    assert taken.wait(10) == BLOCK
+    assert a.client.lend("expired", r_src, [2], ttl_s=0.2).wait(10) == 0
+    withdrawn = a.client.lend("withdrawn", r_src, [3], ttl_s=30)
+    withdrawn.cancel()
+    with pytest.raises(kvd.Cancelled):
+        withdrawn.wait(5)
+    for key, why in (("taken", "taken by its reader"), ("expired", "expired"),
+                     ("withdrawn", "withdrawn by its owner")):
+        for client, region in ((b.client, r_dst), (a.client, back)):
+            started = time.monotonic()
+            with pytest.raises(kvd.KeyGone, match=f"was {why}"):
+                client.pull(key, a.address, region, [0], timeout_s=20, wait_for_key_s=15)
+            assert time.monotonic() - started < 1.0, (key, client)
+    started = time.monotonic()
+    with pytest.raises(kvd.UnknownKey) as never:
+        b.client.pull("never", a.address, r_dst, [0], timeout_s=20, wait_for_key_s=0.5)
+    assert not isinstance(never.value, kvd.KeyGone) and time.monotonic() - started >= 0.5
+    again = a.client.lend("taken", r_src, [4], ttl_s=30)
+    assert b.client.pull("taken", a.address, r_dst, [0], timeout_s=10) == BLOCK
+    assert again.wait(10) == BLOCK and torch.equal(dst[0], src[4])
 
 
 def test_pulls_past_max_waiting_pulls_are_refused_at_once(nodes: Nodes) -> None:

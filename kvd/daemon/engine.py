@@ -34,6 +34,7 @@ from kvd.errors import (
     BadRequest,
     Cancelled,
     Draining,
+    KeyGone,
     KvdError,
     KvdTimeout,
     LayoutMismatch,
@@ -183,7 +184,7 @@ class Engine:
             if self.store.find(item.key) is item:
                 log.info("key expired key=%s bytes=%d", item.key, item.nbytes)
                 self.counters.expired_keys += 1
-                self.store.remove(item)
+                self.store.remove(item, "expired")
 
         item.timer = self._loop.call_at(item.expires_at, expire)
 
@@ -262,7 +263,7 @@ class Engine:
         """Take a reader's share of ``item``; a consumed item leaves the store now."""
         item.readers += 1
         if item.consume_once:
-            self.store.pop(item.key)
+            self.store.pop(item.key, "taken by its reader")
             item.removed = True
             if item.timer is not None:
                 item.timer.cancel()
@@ -325,7 +326,7 @@ class Engine:
                 waiter.settle(Cancelled(reason))
         for item in self.store.items():
             if item.region is region:
-                self.store.remove(item)
+                self.store.remove(item, "dropped with its region")
         pending = self.copies.holding(region)
         if pending:
             await asyncio.wait(pending, timeout=60.0)
@@ -466,6 +467,8 @@ class Engine:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
         wait_for_key_s = min(wait_for_key_s, timeout_s)
         if src in self.self_names or (self.remote is not None and src == self.remote.address):
+            if self.store.find(key) is None and (why := self.store.gone(key)):
+                raise KeyGone(f"key {key!r} was {why}")  # it will not come back: no wait
             return await self.get(session, 0, key, region_id, blocks, wait_for_key_s,
                                   missing=UnknownKey)
         if self.remote is None:
@@ -519,7 +522,7 @@ class Engine:
             return await asyncio.shield(freed)
         except asyncio.CancelledError:
             # Withdrawn by the owner: a read in progress still finishes before we answer.
-            self.store.remove(item)
+            self.store.remove(item, "withdrawn by its owner")
             await wait_out(freed, 60.0)
             raise
 
@@ -527,13 +530,13 @@ class Engine:
         item = self._owned_item(session, key)
         if not item.published:
             raise BadRequest(f"key {key!r} is stored, not published; use delete")
-        self.store.remove(item)
+        self.store.remove(item, "unpublished")
 
     def delete(self, session: int, key: str) -> None:
         item = self._owned_item(session, key, any_owner=True)
         if item.published:
             raise BadRequest(f"key {key!r} is published; use unpublish")
-        self.store.remove(item)
+        self.store.remove(item, "deleted")
 
     def _owned_item(self, session: int, key: str, any_owner: bool = False) -> Item:
         item = self.store.find(key)
@@ -569,7 +572,7 @@ class Engine:
             if item.owner != session:
                 continue
             if item.published or item.expires_at is None:
-                self.store.remove(item)
+                self.store.remove(item, "dropped when its owner left")
             else:
                 item.owner = None  # outlives its owner until its TTL; anyone may delete it
         for region in self.regions.owned_by(session):

@@ -7,6 +7,10 @@ an optional expiry; the engine frees their memory through ``Item.release``.
 
 An item being read by a copy cannot be freed under it: ``readers`` counts such copies, and
 a removal during a read only marks the item ``removed``; the last reader frees it.
+
+The store remembers why the last ``GONE_REMEMBERED`` keys went (taken, expired, withdrawn),
+by a hash of their names: a pull that comes for such a key is answered at once instead of
+waiting for a key that will not come back.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,11 +99,20 @@ class Waiter:
         settle_awaited(self.future, self.wake, result)
 
 
+# Keys whose going is remembered (a 16-byte hash and a shared reason each: ~8 MiB at most).
+GONE_REMEMBERED = 65536
+
+
+def _name_hash(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
 class KeyStore:
     def __init__(self) -> None:
         self._items: dict[str, Item] = {}
         self._reserved: set[str] = set()  # keys whose bytes are being copied in
         self._waiters: dict[str, collections.deque[Waiter]] = {}
+        self._gone: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
     # ---- items
 
@@ -120,17 +134,34 @@ class KeyStore:
     def insert(self, item: Item) -> None:
         self._reserved.discard(item.key)
         self._items[item.key] = item
+        self._gone.pop(_name_hash(item.key), None)
 
     def find(self, key: str) -> Item | None:
         return self._items.get(key)
 
-    def pop(self, key: str) -> Item | None:
-        return self._items.pop(key, None)
+    def pop(self, key: str, why: str) -> Item | None:
+        """Take ``key`` out of the store (its memory stays: see ``remove``)."""
+        item = self._items.pop(key, None)
+        if item is not None:
+            self._went(key, why)
+        return item
 
-    def remove(self, item: Item) -> None:
+    def remove(self, item: Item, why: str) -> None:
         if self._items.get(item.key) is item:
             del self._items[item.key]
+            self._went(item.key, why)
         item.release()
+
+    def gone(self, key: str) -> str:
+        """Why ``key`` went, if it was here lately; '' if not."""
+        return self._gone.get(_name_hash(key), "")
+
+    def _went(self, key: str, why: str) -> None:
+        name = _name_hash(key)
+        self._gone[name] = why
+        self._gone.move_to_end(name)
+        if len(self._gone) > GONE_REMEMBERED:
+            self._gone.popitem(last=False)
 
     def items(self) -> list[Item]:
         return list(self._items.values())

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from kvd.client.sync import KvdClient, Transfer
-from kvd.errors import BadRequest, DaemonUnavailable, KvdError, UnknownKey
+from kvd.errors import BadRequest, DaemonUnavailable, KeyGone, KvdError, UnknownKey
 from kvd.integrations.kv_discards import Discarding, Discards
 from kvd.integrations.kv_orders import (
     DiscardOrder,
@@ -346,10 +346,11 @@ class KvMover:
                 return
             try:
                 nbytes = load.transfer.wait(0)
-            except UnknownKey:
+            except UnknownKey as err:
                 # Pull flow: the key did not appear while the pull waited at prefill's
                 # daemon (that daemon held too many waiting pulls, or no time was left).
-                if time.monotonic() + PULL_RETRY_S >= load.deadline:
+                # One that was there and is gone (its lease ended, say) will not come.
+                if isinstance(err, KeyGone) or time.monotonic() + PULL_RETRY_S >= load.deadline:
                     raise
                 load.transfer, load.retry_at = None, time.monotonic() + PULL_RETRY_S
                 self.stats.pull_retries += 1

@@ -16,7 +16,14 @@ import torch
 
 from kvd.daemon.engine import Delivered, Engine, unfit
 from kvd.daemon.store import Item, Waiter
-from kvd.errors import BadRequest, KvdError, LayoutMismatch, PoolExhausted, UnknownKey
+from kvd.errors import (
+    BadRequest,
+    KeyGone,
+    KvdError,
+    LayoutMismatch,
+    PoolExhausted,
+    UnknownKey,
+)
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region, describe_layout, packed_offsets
 from kvd.transport.chunks import BlockSet
@@ -130,7 +137,10 @@ class Arrivals:
         """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
         item = self.engine.store.find(key)
         if item is None:
-            raise UnknownKey(f"no key {key!r} on {self.engine.config.node_id}")
+            node = self.engine.config.node_id
+            if why := self.engine.store.gone(key):
+                raise KeyGone(f"key {key!r} on {node} was {why}")
+            raise UnknownKey(f"no key {key!r} on {node}")
         if item.layout != layout:
             raise LayoutMismatch(
                 f"key {key!r} has layout {describe_layout(item.layout)}, the puller's "

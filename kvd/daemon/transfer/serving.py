@@ -18,7 +18,7 @@ from kvd.daemon.peer_link import PeerLink
 from kvd.daemon.transfer.context import TransferContext, TransferPart, log
 from kvd.daemon.transfer.routes import Source
 from kvd.daemon.transfer.sending import Sender
-from kvd.errors import KvdError, PoolExhausted, ProtocolError, UnknownKey
+from kvd.errors import KeyGone, KvdError, PoolExhausted, ProtocolError, UnknownKey
 from kvd.protocol import PullRequest, Refuse
 
 
@@ -43,6 +43,9 @@ class PullServer(TransferPart):
         try:
             item = self.arrivals.readable(req.key, tuple(req.layout), req.num_blocks)
         except UnknownKey as err:
+            if isinstance(err, KeyGone):  # it will not come back: no wait
+                self._refuse(link, tid, err)
+                return
             if wait_until is None:  # a new request: its wait starts now
                 wait_until = self._loop.time() + min(req.wait_for_key_s,
                                                      self.config.max_wait_s)
