@@ -316,3 +316,36 @@ def test_block_dim_is_found_or_refused() -> None:
     assert block_dim_of(torch.empty(2, 5, 3), 5) == 1  # FlashAttention's [2, N, ...]
     with pytest.raises(BadRequest, match="no dimension of 7 blocks"):
         block_dim_of(torch.empty(2, 5, 7), 7)
+
+
+def test_mla_shaped_caches_move_whole(sides: tuple[Side, Side]) -> None:
+    """MLA's latent cache (DeepSeek: one bf16 tensor per layer, [N, block, 512 + 64], no K
+    and V halves) moves like any other: a request's blocks, and the part past a local
+    prefix hit."""
+    p, d = sides
+    movers = []
+    for side, seed in ((p, 7), (d, 8)):
+        gen = torch.Generator().manual_seed(seed)
+        whole = torch.randn((LAYERS, NUM_BLOCKS, 16, 576), generator=gen).to(torch.bfloat16)
+        kv = [whole[i] for i in range(LAYERS)]
+        client = KvdClient(side.proc.socket_path, name=f"mla-{seed}")
+        client.connect()
+        movers.append((KvMover(client, kv, NUM_BLOCKS, 8, name="mla"), kv))
+    (mp, p_kv), (md, d_kv) = movers
+    try:
+        mp.send(SendOrder("m1", "key-m1", [4, 11, 2], lease_s=10))
+        md.load(LoadOrder("m1", "key-m1", p.address, 3, 0, [0, 5, 6], timeout_s=10))
+        mp.send(SendOrder("m2", "key-m2", [7, 8, 9], lease_s=10))
+        md.load(LoadOrder("m2", "key-m2", p.address, 3, 2, [12], timeout_s=10))
+        loaded: set[str] = set()
+        deadline = time.monotonic() + 10
+        while loaded != {"m1", "m2"}:
+            mp.poll()
+            loaded |= md.poll().loaded
+            assert time.monotonic() < deadline
+        for src, dst in zip(p_kv, d_kv, strict=True):
+            assert torch.equal(dst[[0, 5, 6]], src[[4, 11, 2]])
+            assert torch.equal(dst[12], src[9])
+    finally:
+        mp.close()
+        md.close()
