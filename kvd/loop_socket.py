@@ -74,11 +74,8 @@ def monitor_event(frames: Sequence[bytes]) -> tuple[int, int] | None:
     return None
 
 
-_rand_seeded = False
-
-
 def _seed_rand() -> None:
-    """Seed libc's rand() once, from the OS's randomness, before the first ROUTER is made.
+    """Seed libc's rand() from the OS's randomness, before a context's ROUTERs are made.
 
     Why: a ROUTER names each connection that brings no routing id of its own 0x00 + a
     counter, and libzmq (4.3.5, ``generate_random``) starts each ROUTER's counter at
@@ -88,10 +85,7 @@ def _seed_rand() -> None:
     the ROUTER give a new connection a name in use, and libzmq aborts the process
     (``zmq_assert`` in add_out_pipe). Seeded, each id a stranger holds is the next one
     with a chance of one in 2**32."""
-    global _rand_seeded
-    if not _rand_seeded:
-        ctypes.CDLL(None).srand(ctypes.c_uint(secrets.randbits(32)))
-        _rand_seeded = True
+    ctypes.CDLL(None).srand(ctypes.c_uint(secrets.randbits(32)))
 
 
 def new_context() -> zmq.Context[Any]:

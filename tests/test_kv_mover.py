@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -273,18 +273,29 @@ def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:
     assert same(d.block(9), p.block(7)) and same(d.block(10), p.block(8))
 
 
+def movers_of(p: Side, d: Side, make_kv: Callable[[int], list[torch.Tensor]], name: str,
+              ) -> list[tuple[KvMover, list[torch.Tensor]]]:
+    """A second engine beside each side's (its KV from ``make_kv(seed)``, 8 staging
+    blocks), on the same daemons; the caller closes the movers."""
+    movers = []
+    for side, seed in ((p, 5), (d, 6)):
+        kv = make_kv(seed)
+        client = KvdClient(side.proc.socket_path, name=f"{name}-{seed}")
+        client.connect()
+        movers.append((KvMover(client, kv, NUM_BLOCKS, 8, name=name), kv))
+    return movers
+
+
 def test_blocks_on_dim_1_whose_blocks_are_not_one_run(sides: tuple[Side, Side]) -> None:
     """The older FlashAttention layout, [2, N, block, heads, dim] per layer: a block's K and
     V halves lie apart, so staging copies them as they are."""
     p, d = sides
-    movers = []
-    for side, seed in ((p, 5), (d, 6)):
+
+    def fa_kv(seed: int) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
-        kv = [torch.randn((2, NUM_BLOCKS, 4, 2, 8), generator=gen) for _ in range(LAYERS)]
-        client = KvdClient(side.proc.socket_path, name=f"fa-{seed}")
-        client.connect()
-        movers.append((KvMover(client, kv, NUM_BLOCKS, 8, name="fa"), kv))
-    (mp, p_kv), (md, d_kv) = movers
+        return [torch.randn((2, NUM_BLOCKS, 4, 2, 8), generator=gen) for _ in range(LAYERS)]
+
+    (mp, p_kv), (md, d_kv) = movers_of(p, d, fa_kv, "fa")
     try:
         mp.send(SendOrder("fa", "key-fa", [1, 9, 4], lease_s=10))
         md.load(LoadOrder("fa", "key-fa", p.address, 3, 0, [0, 2, 3], timeout_s=10))
@@ -323,15 +334,13 @@ def test_mla_shaped_caches_move_whole(sides: tuple[Side, Side]) -> None:
     and V halves) moves like any other: a request's blocks, and the part past a local
     prefix hit."""
     p, d = sides
-    movers = []
-    for side, seed in ((p, 7), (d, 8)):
+
+    def mla_kv(seed: int) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
         whole = torch.randn((LAYERS, NUM_BLOCKS, 16, 576), generator=gen).to(torch.bfloat16)
-        kv = [whole[i] for i in range(LAYERS)]
-        client = KvdClient(side.proc.socket_path, name=f"mla-{seed}")
-        client.connect()
-        movers.append((KvMover(client, kv, NUM_BLOCKS, 8, name="mla"), kv))
-    (mp, p_kv), (md, d_kv) = movers
+        return [whole[i] for i in range(LAYERS)]
+
+    (mp, p_kv), (md, d_kv) = movers_of(p, d, mla_kv, "mla")
     try:
         mp.send(SendOrder("m1", "key-m1", [4, 11, 2], lease_s=10))
         md.load(LoadOrder("m1", "key-m1", p.address, 3, 0, [0, 5, 6], timeout_s=10))

@@ -34,7 +34,6 @@ from kvd.errors import (
     BadRequest,
     Cancelled,
     Draining,
-    KeyGone,
     KvdError,
     KvdTimeout,
     LayoutMismatch,
@@ -467,8 +466,8 @@ class Engine:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
         wait_for_key_s = min(wait_for_key_s, timeout_s)
         if src in self.self_names or (self.remote is not None and src == self.remote.address):
-            if self.store.find(key) is None and (why := self.store.gone(key)):
-                raise KeyGone(f"key {key!r} was {why}")  # it will not come back: no wait
+            if self.store.find(key) is None and self.store.gone(key):
+                raise self.store.missing(key)  # KeyGone: it will not come back, no wait
             return await self.get(session, 0, key, region_id, blocks, wait_for_key_s,
                                   missing=UnknownKey)
         if self.remote is None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvd.daemon.futures import settle_awaited
-from kvd.errors import BadRequest
+from kvd.errors import BadRequest, KeyGone, UnknownKey
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region
 from kvd.transport.chunks import BlockSet
@@ -155,6 +155,12 @@ class KeyStore:
     def gone(self, key: str) -> str:
         """Why ``key`` went, if it was here lately; '' if not."""
         return self._gone.get(_name_hash(key), "")
+
+    def missing(self, key: str, where: str = "") -> UnknownKey:
+        """The error for a key that is not here: ``KeyGone`` if it went lately."""
+        if why := self.gone(key):
+            return KeyGone(f"key {key!r}{where} was {why}")
+        return UnknownKey(f"no key {key!r}{where}")
 
     def _went(self, key: str, why: str) -> None:
         name = _name_hash(key)

@@ -56,7 +56,7 @@ from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import DiscardOrder, LoadOrder, SendOrder
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
-from kvd.integrations.vllm_compat import Compat, refusal
+from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_params import RemotePrefill, key_param
 from kvd.integrations.vllm_settings import Settings
 
@@ -155,7 +155,7 @@ if _VLLM_ERROR is None:
             self._discards: list[DiscardOrder] = []
             self._pushing: dict[str, _Pushing] = {}
             self._refused: dict[str, str] = {}  # decode: requests refused, and why
-            self._said: set[str] = set()  # decode: refusals logged, by prefill's digest
+            self._said: set[Compat] = set()  # decode: prefill configurations refused
             self.address = self.settings.kvd_address or ""
             # worker side
             self._client: Any = None
@@ -197,7 +197,7 @@ if _VLLM_ERROR is None:
             count = prompt - num_computed_tokens
             if count <= 0:
                 return 0, False
-            if remote.compat is not None and (why := refusal(self.compat, remote.compat)):
+            if remote.compat is not None and (why := self.compat.refusal(remote.compat)):
                 # Claimed all the same: the worker fails the load at once, and vLLM's
                 # kv_load_failure_policy decides (recompute here, or fail the request).
                 self._refused[request.request_id] = why
@@ -206,10 +206,9 @@ if _VLLM_ERROR is None:
 
         def _say_refused(self, theirs: Compat, why: str) -> None:
             """One ERROR line per prefill configuration that does not fit this engine."""
-            digest = theirs.digest()
-            if digest in self._said:
+            if theirs in self._said:
                 return
-            self._said.add(digest)
+            self._said.add(theirs)
             log.error("kvd: refusing KV from prefill engines of another configuration (%s); "
                       "%s, for this request and every other one from such an engine", why,
                       _POLICY_OUTCOME.get(self.failure_policy,

@@ -12,7 +12,6 @@ Read from vLLM's config only, so that it reads without vLLM's types here.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import msgspec
@@ -79,19 +78,9 @@ class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         params: dict[str, Any] = msgspec.to_builtins(self)
         return params
 
-    def digest(self) -> str:
-        """One short hash of every field: equal digests, a compatible pair."""
-        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
-
-    def differences(self, theirs: Compat) -> list[str]:
-        """Each field that differs, as ``name: ours vs theirs``."""
-        return [f"{name}: prefill {getattr(theirs, name)!r}, this engine "
-                f"{getattr(self, name)!r}" for name in self.__struct_fields__
-                if getattr(self, name) != getattr(theirs, name)]
-
-
-def refusal(ours: Compat, theirs: Compat) -> str:
-    """Why a prefill engine's KV does not fit this decode engine ('' if it does)."""
-    if ours.digest() == theirs.digest():
-        return ""
-    return "; ".join(ours.differences(theirs))
+    def refusal(self, theirs: Compat) -> str:
+        """Why a prefill engine's KV (``theirs``) does not fit this engine: each field that
+        differs, as ``name: prefill …, this engine …``; '' if none does."""
+        return "; ".join(f"{name}: prefill {getattr(theirs, name)!r}, this engine "
+                         f"{getattr(self, name)!r}" for name in self.__struct_fields__
+                         if getattr(self, name) != getattr(theirs, name))

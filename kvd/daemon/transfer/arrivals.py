@@ -18,11 +18,9 @@ from kvd.daemon.engine import Delivered, Engine, unfit
 from kvd.daemon.store import Item, Waiter
 from kvd.errors import (
     BadRequest,
-    KeyGone,
     KvdError,
     LayoutMismatch,
     PoolExhausted,
-    UnknownKey,
 )
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region, describe_layout, packed_offsets
@@ -137,10 +135,7 @@ class Arrivals:
         """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
         item = self.engine.store.find(key)
         if item is None:
-            node = self.engine.config.node_id
-            if why := self.engine.store.gone(key):
-                raise KeyGone(f"key {key!r} on {node} was {why}")
-            raise UnknownKey(f"no key {key!r} on {node}")
+            raise self.engine.store.missing(key, f" on {self.engine.config.node_id}")
         if item.layout != layout:
             raise LayoutMismatch(
                 f"key {key!r} has layout {describe_layout(item.layout)}, the puller's "
