@@ -51,6 +51,8 @@ from kvd.protocol import (
     Put,
     Register,
     Registered,
+    Release,
+    Renew,
     Reply,
     ShmTensor,
     Stats,
@@ -323,10 +325,20 @@ class RequestBuilder:
         return Call(msg, self._t(timeout_s), "nbytes")
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int],
-            timeout_s: float | None) -> Call:
+            timeout_s: float | None, sender: str | None = None) -> Call:
         wait_s = self._t(timeout_s)
         msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
-                  blocks=_blocks(blocks), timeout_s=wait_s)
+                  blocks=_blocks(blocks), timeout_s=wait_s, sender=sender or "")
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def renew(self, key: str, src: str, ttl_s: float, timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Renew(req_id=self.next_id(), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def release(self, key: str, src: str, timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Release(req_id=self.next_id(), key=key, src=src, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,
