@@ -28,13 +28,18 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
   is done with them.
 - to decode: those params; or, push flow, sent at the same time as to prefill:
   ``{"do_remote_prefill": true, "kvd_flow": "push", "kvd_key": <the same key>}``, so that
-  decode is already waiting when the blocks come. Decode claims the prompt's tokens that it
-  has not cached as an asynchronous load, pulls (or takes the pushed) blocks into its own,
-  and reports the request done. Pushed parts that it has cached itself (or all of them,
-  when it computes the prompt itself) it takes and drops, so that none waits in its
-  daemon's pool. A load that fails or times out is logged at ERROR with its cause and
-  reported as invalid blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or
-  fail the request).
+  decode is already waiting when the blocks come (plus ``kvd_source``, the prefill daemon,
+  when the proxy knows it: decode's wait then fails at once if that daemon is gone).
+  Decode claims the prompt's tokens that it has not cached as an asynchronous load, pulls
+  (or takes the pushed) blocks into its own, and reports the request done. Pushed parts
+  that it has cached itself (or all of them, when it computes the prompt itself) it takes
+  and drops, so that none waits in its daemon's pool. Pull flow: while a request waits in
+  decode's queue, decode renews prefill's lease (prefill's ``lease_s``, sent as
+  ``kvd_lease_s``) every half lease; a request that will not load the key (aborted,
+  computed here, refused, its load failed) releases it, and prefill frees its blocks at
+  once. A load that fails or times out is logged at ERROR with its cause and reported as
+  invalid blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or fail the
+  request).
 
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
 Inside vLLM it logs under vLLM's own ``vllm`` logger, so that its lines come out in
@@ -48,13 +53,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import KvMover
-from kvd.integrations.kv_orders import DiscardOrder, LoadOrder, SendOrder
+from kvd.integrations.kv_orders import (
+    DiscardOrder,
+    LoadOrder,
+    ReleaseOrder,
+    RenewOrder,
+    SendOrder,
+)
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_params import RemotePrefill, key_param
@@ -109,6 +121,17 @@ class _Pushing:
     sent: int = 0  # parts sent so far
 
 
+@dataclass(eq=False)
+class _Held:
+    """Decode, pull flow: a request whose KV prefill keeps for it, from its arrival until
+    its load has ended. Its lease is renewed every half lease meanwhile."""
+
+    key: str
+    source: str
+    lease_s: float
+    renew_at: float  # time.monotonic()
+
+
 def _client(settings: Settings, name: str) -> KvdClient:
     client = KvdClient(settings.kvd_socket, name=name)
     client.connect()
@@ -124,6 +147,8 @@ if _VLLM_ERROR is None:
         sends: list[SendOrder] = field(default_factory=list)
         loads: list[LoadOrder] = field(default_factory=list)
         discards: list[DiscardOrder] = field(default_factory=list)
+        renews: list[RenewOrder] = field(default_factory=list)
+        releases: list[ReleaseOrder] = field(default_factory=list)
 
     class KvdConnector(KVConnectorBase_V1):
         """Disaggregated prefill/decode through kvd: see the module docstring."""
@@ -153,6 +178,10 @@ if _VLLM_ERROR is None:
             self._sends: list[SendOrder] = []
             self._loads: list[LoadOrder] = []
             self._discards: list[DiscardOrder] = []
+            self._renews: list[RenewOrder] = []
+            self._releases: list[ReleaseOrder] = []
+            self._held: dict[str, _Held] = {}  # decode: pull-flow requests until loaded
+            self._next_renewal = float("inf")  # the earliest _Held.renew_at
             self._pushing: dict[str, _Pushing] = {}
             self._refused: dict[str, str] = {}  # decode: requests refused, and why
             self._said: set[Compat] = set()  # decode: prefill configurations refused
@@ -180,6 +209,47 @@ if _VLLM_ERROR is None:
             return address
 
         # ------------------------------------------------------------ scheduler side
+
+        def on_new_request(self, request: Any) -> None:
+            """Decode, pull flow: prefill keeps this request's blocks for it from now on
+            (renewed while it waits in the queue, released if it will not load them)."""
+            try:
+                remote = RemotePrefill.of(request.kv_transfer_params)
+            except BadRequest:
+                return  # get_num_new_matched_tokens says why
+            if remote is not None and remote.source is not None:
+                self._hold(request.request_id, remote)
+
+        def _hold(self, req_id: str, remote: RemotePrefill) -> None:
+            if req_id in self._held or remote.source is None:
+                return
+            lease_s = remote.lease_s or self.settings.lease_s
+            renew_at = time.monotonic() + lease_s / 2
+            self._held[req_id] = _Held(remote.key, remote.source, lease_s, renew_at)
+            self._next_renewal = min(self._next_renewal, renew_at)
+
+        def _release(self, req_id: str, remote: RemotePrefill | _Held | None) -> None:
+            """Prefill may free what it lent for this request: it will not be loaded."""
+            self._held.pop(req_id, None)
+            if remote is not None and remote.source is not None:
+                self._releases.append(ReleaseOrder(req_id, remote.key, remote.source))
+
+        def _renewals(self) -> None:
+            """Renew the leases of the requests still waiting, every half lease each."""
+            now = time.monotonic()
+            if now < self._next_renewal:
+                return
+            self._next_renewal = float("inf")
+            for req_id, held in self._held.items():
+                if now >= held.renew_at:
+                    held.renew_at = now + held.lease_s / 2
+                    self._renews.append(RenewOrder(req_id, held.key, held.source,
+                                                   held.lease_s))
+                self._next_renewal = min(self._next_renewal, held.renew_at)
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            for req_id in connector_output.finished_recving or ():
+                self._held.pop(req_id, None)  # loaded, or failed (its worker released it)
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                        ) -> tuple[int | None, bool]:
@@ -229,17 +299,20 @@ if _VLLM_ERROR is None:
             parts = self._parts(remote, n)
             if num_external_tokens <= 0:  # decode computes the prompt itself
                 self._drop_pushed(remote, parts)
+                self._release(request.request_id, remote)
                 return
             ids = blocks.get_block_ids()[0]
             first = n - blocks_for(num_external_tokens, self.block_size)
             why = self._refused.pop(request.request_id, "")
             if why:  # nothing of it is loaded: pushed parts are dropped, the load refused
-                self._drop_pushed(remote, parts)
+                self._drop_pushed(remote, parts)  # (and the lent key released, by the worker)
+                self._held.pop(request.request_id, None)
                 self._loads.append(LoadOrder(
                     req_id=request.request_id, key=remote.key, source=remote.source,
                     remote_blocks=n, first=first, block_ids=list(ids[first:n]),
                     timeout_s=self.settings.load_timeout_s, refusal=why))
                 return
+            self._hold(request.request_id, remote)  # (if on_new_request did not)
             # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
             self._drop_pushed(remote, [p for p in parts if p[2] <= first])
             wanted = [p for p in parts if p[2] > first]
@@ -248,7 +321,8 @@ if _VLLM_ERROR is None:
                     req_id=request.request_id, key=key, source=remote.source,
                     remote_blocks=hi - lo, first=max(first - lo, 0),
                     block_ids=list(ids[max(lo, first):hi]),
-                    timeout_s=self.settings.load_timeout_s, parts=len(wanted)))
+                    timeout_s=self.settings.load_timeout_s, parts=len(wanted),
+                    sender=remote.sender))
 
         def _parts(self, remote: RemotePrefill, n: int) -> list[tuple[str, int, int]]:
             """The keys a request's ``n`` blocks come under, with the blocks each holds."""
@@ -318,15 +392,27 @@ if _VLLM_ERROR is None:
         def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
             if self._pushing:
                 self._send_written_parts()
+            if self._held:
+                self._renewals()
             meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads,
-                                        discards=self._discards)
+                                        discards=self._discards, renews=self._renews,
+                                        releases=self._releases)
             self._sends, self._loads, self._discards = [], [], []
+            self._renews, self._releases = [], []
             return meta
+
+        def has_pending_push_work(self) -> bool:
+            """Orders not yet handed to the worker (a release after an abort, say) keep
+            vLLM's engine stepping until they are: prefill's blocks are not left until
+            decode's next request."""
+            return bool(self._releases or self._discards or self._renews)
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
             pushing = self._pushing.pop(request.request_id, None)
-            self._drop_unloaded(request)
+            held = self._held.get(request.request_id)
+            if not self._drop_unloaded(request) and held is not None:
+                self._release(request.request_id, held)  # aborted while its load runs
             params = request.kv_transfer_params
             if not (self.is_producer and isinstance(params, dict)
                     and params.get("do_remote_decode")):
@@ -368,21 +454,25 @@ if _VLLM_ERROR is None:
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
                 "kvd_num_tokens": prompt, "kvd_num_blocks": n,
                 "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
-                "kvd_compat": self.compat.as_params(),
+                "kvd_lease_s": self.settings.lease_s, "kvd_compat": self.compat.as_params(),
             }
 
-        def _drop_unloaded(self, request: Any) -> None:
+        def _drop_unloaded(self, request: Any) -> bool:
             """A request that ends before decode ordered its load (aborted while it waited
-            to be scheduled) wants none of the parts pushed for it."""
+            to be scheduled) wants none of the parts pushed for it, nor the key lent for
+            it. Whether it was such a request."""
             self._refused.pop(request.request_id, None)
             try:
                 remote = RemotePrefill.of(request.kv_transfer_params)
             except BadRequest:
-                return
-            if remote is not None:
-                request.kv_transfer_params["do_remote_prefill"] = False
-                n = blocks_for(len(request.prompt_token_ids), self.block_size)
-                self._drop_pushed(remote, self._parts(remote, n))
+                return False
+            if remote is None:
+                return False
+            request.kv_transfer_params["do_remote_prefill"] = False
+            n = blocks_for(len(request.prompt_token_ids), self.block_size)
+            self._drop_pushed(remote, self._parts(remote, n))
+            self._release(request.request_id, remote)
+            return True
 
         @classmethod
         def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -424,6 +514,10 @@ if _VLLM_ERROR is None:
                 self._mover.load(replace(load, key=load.key + self._key_suffix))
             for discard in meta.discards:
                 self._mover.discard(replace(discard, key=discard.key + self._key_suffix))
+            for renew in meta.renews:
+                self._mover.renew(replace(renew, key=renew.key + self._key_suffix))
+            for release in meta.releases:
+                self._mover.release(replace(release, key=release.key + self._key_suffix))
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             return  # loads are asynchronous: the scheduler runs a request once it is in
@@ -442,8 +536,8 @@ if _VLLM_ERROR is None:
             polled = self._mover.poll()
             for req_id, blocks in polled.failed.items():
                 self._load_errors.update(blocks)
-                if req_id in polled.refused:  # (the scheduler said why, once)
-                    continue
+                if req_id in polled.refused or req_id in polled.aborted:
+                    continue  # (the scheduler said why, once; or the request is gone)
                 # With policy "fail" the client sees only an error: the cause is here.
                 log.error("kvd: request %s: its KV did not load (%s); %s", req_id,
                           polled.causes.get(req_id, "cause unknown"),
