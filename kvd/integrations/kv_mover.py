@@ -60,7 +60,14 @@ from typing import Any
 import torch
 
 from kvd.client.sync import KvdClient, Transfer
-from kvd.errors import BadRequest, DaemonUnavailable, KeyGone, KvdError, UnknownKey
+from kvd.errors import (
+    BadRequest,
+    DaemonUnavailable,
+    KeyGone,
+    KvdError,
+    PeerUnreachable,
+    UnknownKey,
+)
 from kvd.integrations.kv_discards import Discarding, Discards
 from kvd.integrations.kv_leases import LeaseCalls
 from kvd.integrations.kv_orders import (
@@ -413,8 +420,10 @@ class KvMover:
             self.log.warning("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
             self._requests.load_ended(order, ok=False, cause=f"key {order.key!r}: {err}")
-            if not isinstance(err, KeyGone) and order.req_id not in self._aborted:
-                self._release_lent(order)  # (gone: nothing to free; released already)
+            if not isinstance(err, KeyGone | PeerUnreachable) and (
+                    order.req_id not in self._aborted):
+                # (Gone, or its daemon gone: nothing to free. Aborted: released already.)
+                self._release_lent(order)
 
     def _start_load(self, load: _Load, now: float) -> None:
         order = load.order
