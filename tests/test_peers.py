@@ -401,6 +401,8 @@ def test_a_pull_for_a_key_that_is_gone_fails_at_once(nodes: object) -> None:
         b.client.pull("never", a.address, r_dst, [0], timeout_s=20, wait_for_key_s=0.5)
     assert not isinstance(never.value, kvd.KeyGone) and time.monotonic() - started >= 0.5
     again = a.client.lend("taken", r_src, [4], ttl_s=30)
+    # (the lend is in before the pull asks: before it, the name is still one that went)
+    wait_until(lambda: a.client.stats()["keys"] == 1)
     assert b.client.pull("taken", a.address, r_dst, [0], timeout_s=10) == BLOCK
     assert again.wait(10) == BLOCK and torch.equal(dst[0], src[4])
 

@@ -36,7 +36,7 @@ from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline, handoff_batches
 from kvd.client.shm import Segment
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.loop_socket import LoopSocket
-from kvd.protocol import Bye, Done, Reply
+from kvd.protocol import ALL, WHOLE, Bye, Done, Part, Reply, Share
 
 log = logging.getLogger(__name__)
 
@@ -420,9 +420,11 @@ class AsyncKvdClient:
 
     async def start_pull(self, key: str, src: str, region: Region | int,
                          blocks: Iterable[int], *, timeout_s: float | None = None,
-                         wait_for_key_s: float = 0.0) -> AsyncTransfer:
+                         wait_for_key_s: float = 0.0, share: Share = ALL,
+                         into: Part = WHOLE) -> AsyncTransfer:
         """``pull`` without waiting: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s,
+                                        share, into))
 
     def _start(self, call: Call) -> AsyncTransfer:
         """Send ``call``; its transfer. (No await between the send and the transfer: a
@@ -431,12 +433,16 @@ class AsyncKvdClient:
         return AsyncTransfer(self, call, self._queue(call), started)
 
     async def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-                   timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
+                   timeout_s: float | None = None, wait_for_key_s: float = 0.0,
+                   share: Share = ALL, into: Part = WHOLE) -> int:
         """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
         ``blocks``. If ``src`` does not hold the key it fails (``UnknownKey``) at once, or,
-        with ``wait_for_key_s``, once the key has not appeared there for that long."""
+        with ``wait_for_key_s``, once the key has not appeared there for that long.
+        ``share``: what of the key this pull takes (a part of each block, from a block
+        on, for how many readers; ``kvd.Share``); ``into``: the part of each of
+        ``blocks`` it lands in (``kvd.Part``)."""
         nbytes: int = await self._call(self._b.pull(key, src, region, blocks, timeout_s,
-                                                    wait_for_key_s))
+                                                    wait_for_key_s, share, into))
         return nbytes
 
     async def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,

@@ -24,7 +24,7 @@ from typing import Any
 from kvd.client.base import Call, Region, RequestBuilder, result_of, stoppable
 from kvd.client.shared_dealer import SharedDealer
 from kvd.errors import DaemonUnavailable, KvdError
-from kvd.protocol import Done, Reply
+from kvd.protocol import ALL, WHOLE, Done, Part, Reply, Share
 
 log = logging.getLogger(__name__)
 
@@ -292,9 +292,11 @@ class KvdClient:
         return self._start(self._b.get(key, region, blocks, timeout_s))
 
     def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-                   timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> Transfer:
+                   timeout_s: float | None = None, wait_for_key_s: float = 0.0,
+                   share: Share = ALL, into: Part = WHOLE) -> Transfer:
         """``pull`` without blocking: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s,
+                                        share, into))
 
     def _start(self, call: Call) -> Transfer:
         started = time.perf_counter()
@@ -308,12 +310,16 @@ class KvdClient:
         return Transfer(self, call, started)
 
     def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-             timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
+             timeout_s: float | None = None, wait_for_key_s: float = 0.0,
+                   share: Share = ALL, into: Part = WHOLE) -> int:
         """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
         ``blocks``. If ``src`` does not hold the key it fails (``UnknownKey``) at once, or,
-        with ``wait_for_key_s``, once the key has not appeared there for that long."""
+        with ``wait_for_key_s``, once the key has not appeared there for that long.
+        ``share``: what of the key this pull takes (a part of each block, from a block
+        on, for how many readers; ``kvd.Share``); ``into``: the part of each of
+        ``blocks`` it lands in (``kvd.Part``)."""
         nbytes: int = self._call(self._b.pull(key, src, region, blocks, timeout_s,
-                                              wait_for_key_s))
+                                              wait_for_key_s, share, into))
         return nbytes
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,

@@ -363,7 +363,7 @@ class LocalServer:
                 case Pull():
                     self._spawn(s, msg.req_id, op, e.pull(
                         s.sid, msg.key, msg.src, msg.region_id, msg.ids, msg.timeout_s,
-                        msg.wait_for_key_s))
+                        msg.wait_for_key_s, msg.share, msg.into))
                 case Offload():
                     self._spawn(s, msg.req_id, op, e.offload(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))
