@@ -45,8 +45,8 @@ from kvd.errors import ProtocolError
 #        daemon's ROUTER connects to it with the lifeline's token as routing id;
 #        ``Hello.lifeline`` is gone (the routing id is the token); ``Taken`` answers both
 #        handoffs; ``Welcome.max_message_bytes``.
-#  14 — 2026-12: a pull takes a share of a key (``Share``: a part of each block, from a
-#        block on, for a number of readers) into a part of its blocks (``Pull.into``).
+#  14 — 2026-12: a pull or get takes a share of a key (``Share``: a part of each block,
+#        from a block on, for a number of readers) into a part of its blocks (``into``).
 PROTOCOL_VERSION = 14
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
@@ -248,6 +248,8 @@ class Get(_WithBlocks, tag="get", frozen=True):
     region_id: NonNeg
     blocks: BlockIds
     timeout_s: Seconds
+    share: Share = ALL  # as in Pull
+    into: Part = WHOLE  # as in Pull
 
 
 class Put(_WithBlocks, tag="put", frozen=True):

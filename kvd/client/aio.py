@@ -395,9 +395,10 @@ class AsyncKvdClient:
         return nbytes
 
     async def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-                  timeout_s: float | None = None) -> int:
+                  timeout_s: float | None = None, share: Share = ALL,
+                  into: Part = WHOLE) -> int:
         """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``."""
-        nbytes: int = await self._call(self._b.get(key, region, blocks, timeout_s))
+        nbytes: int = await self._call(self._b.get(key, region, blocks, timeout_s, share, into))
         return nbytes
 
     async def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
@@ -414,9 +415,10 @@ class AsyncKvdClient:
         return self._start(self._b.lend(key, region, blocks, ttl_s, timeout_s))
 
     async def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-                        timeout_s: float | None = None) -> AsyncTransfer:
+                        timeout_s: float | None = None, share: Share = ALL,
+                        into: Part = WHOLE) -> AsyncTransfer:
         """``get`` without waiting: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.get(key, region, blocks, timeout_s))
+        return self._start(self._b.get(key, region, blocks, timeout_s, share, into))
 
     async def start_pull(self, key: str, src: str, region: Region | int,
                          blocks: Iterable[int], *, timeout_s: float | None = None,

@@ -327,10 +327,10 @@ class RequestBuilder:
         return Call(msg, self._t(timeout_s), "nbytes")
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int],
-            timeout_s: float | None) -> Call:
+            timeout_s: float | None, share: Share = ALL, into: Part = WHOLE) -> Call:
         wait_s = self._t(timeout_s)
         msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
-                  blocks=_blocks(blocks), timeout_s=wait_s)
+                  blocks=_blocks(blocks), timeout_s=wait_s, share=share, into=into)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,

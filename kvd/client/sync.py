@@ -268,9 +268,10 @@ class KvdClient:
         return nbytes
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-            timeout_s: float | None = None) -> int:
+            timeout_s: float | None = None, share: Share = ALL,
+            into: Part = WHOLE) -> int:
         """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``."""
-        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s))
+        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s, share, into))
         return nbytes
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
@@ -287,9 +288,10 @@ class KvdClient:
         return self._start(self._b.lend(key, region, blocks, ttl_s, timeout_s))
 
     def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-                  timeout_s: float | None = None) -> Transfer:
+                  timeout_s: float | None = None, share: Share = ALL,
+                  into: Part = WHOLE) -> Transfer:
         """``get`` without blocking: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.get(key, region, blocks, timeout_s))
+        return self._start(self._b.get(key, region, blocks, timeout_s, share, into))
 
     def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
                    timeout_s: float | None = None, wait_for_key_s: float = 0.0,

@@ -355,7 +355,8 @@ class LocalServer:
                     self.start_close(s, "client said bye", reply_to=msg.req_id)
                 case Get():
                     self._spawn(s, msg.req_id, op, e.get(
-                        s.sid, msg.req_id, msg.key, msg.region_id, msg.ids, msg.timeout_s))
+                        s.sid, msg.req_id, msg.key, msg.region_id, msg.ids, msg.timeout_s,
+                        share=msg.share, into=msg.into))
                 case Put():
                     self._spawn(s, msg.req_id, op, e.put(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.to, msg.ttl_s,

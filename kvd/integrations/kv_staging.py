@@ -15,6 +15,7 @@ import torch
 
 from kvd.client.shm import shared_empty
 from kvd.errors import BadRequest
+from kvd.protocol import Part
 
 
 def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -59,6 +60,25 @@ def wide_pair(layer: torch.Tensor, stage: torch.Tensor) -> tuple[torch.Tensor, t
     if wide_layer.dtype == wide_stage.dtype and wide_layer.dim() == wide_stage.dim() == 2:
         return wide_layer, wide_stage
     return layer, stage
+
+
+def part_pair(layer: torch.Tensor, stage: torch.Tensor, part: Part,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``part`` of each block of a layer and of its staging (as the daemon cuts a block:
+    ``kvd.memory.regions.part_of_blocks``), for copying only that part."""
+    views = []
+    for t in (layer, stage):
+        try:
+            flat = t.view(t.shape[0], -1)
+        except RuntimeError:
+            raise BadRequest(f"KV blocks of shape {tuple(t.shape[1:])} are not one "
+                             "contiguous run each: they cannot be cut in parts") from None
+        size, rest = divmod(flat.shape[1], part.count)
+        if rest:
+            raise BadRequest(f"KV blocks of {flat.shape[1]} elements do not cut in "
+                             f"{part.count} parts")
+        views.append(flat[:, part.index * size:(part.index + 1) * size])
+    return views[0], views[1]
 
 
 def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int],

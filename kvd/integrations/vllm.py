@@ -56,6 +56,7 @@ from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import DiscardOrder, LoadOrder, SendOrder
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
+from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_params import RemotePrefill, key_param
 from kvd.integrations.vllm_settings import Settings
@@ -107,6 +108,11 @@ class _Pushing:
     key: str
     push_to: str
     sent: int = 0  # parts sent so far
+
+
+def _rank_key(key: str, rank: int, tp: int) -> str:
+    """The key tensor-parallel rank ``rank`` of ``tp`` sends its KV heads under."""
+    return f"{key}#tp{rank}" if tp > 1 else key
 
 
 def _client(settings: Settings, name: str) -> KvdClient:
@@ -161,7 +167,10 @@ if _VLLM_ERROR is None:
             self._client: Any = None
             self._mover: KvMover | None = None
             self._load_errors: set[int] = set()
-            self._key_suffix = ""
+            self._tp_rank, self._tp = 0, self.compat.tensor_parallel_size
+            # KV heads as kv_ranks counts them: an MLA latent cache is one that every
+            # rank holds.
+            self._heads = 1 if self.compat.use_mla else self.compat.num_kv_heads
             self._reported: dict[str, Any] = {}
             if role == KVConnectorRole.SCHEDULER and self.is_producer and not self.address:
                 self.address = self._daemon_address()
@@ -240,15 +249,17 @@ if _VLLM_ERROR is None:
                     remote_blocks=n, first=first, block_ids=list(ids[first:n]),
                     timeout_s=self.settings.load_timeout_s, refusal=why))
                 return
+            their_tp = remote.compat.tensor_parallel_size if remote.compat else 0
             # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
-            self._drop_pushed(remote, [p for p in parts if p[2] <= first])
+            self._drop_pushed(remote, [p for p in parts if p[2] <= first], their_tp)
             wanted = [p for p in parts if p[2] > first]
             for key, lo, hi in wanted:
                 self._loads.append(LoadOrder(
                     req_id=request.request_id, key=key, source=remote.source,
                     remote_blocks=hi - lo, first=max(first - lo, 0),
                     block_ids=list(ids[max(lo, first):hi]),
-                    timeout_s=self.settings.load_timeout_s, parts=len(wanted)))
+                    timeout_s=self.settings.load_timeout_s, parts=len(wanted),
+                    their_tp=their_tp))
 
         def _parts(self, remote: RemotePrefill, n: int) -> list[tuple[str, int, int]]:
             """The keys a request's ``n`` blocks come under, with the blocks each holds."""
@@ -261,7 +272,7 @@ if _VLLM_ERROR is None:
                     for j, (lo, hi) in enumerate(ranges)]
 
         def _drop_pushed(self, remote: RemotePrefill, parts: list[tuple[str, int, int]],
-                         ) -> None:
+                         their_tp: int = 0) -> None:
             """Parts that decode will not load. Pushed ones are taken and dropped by the
             worker, whether they came before this or come later: left alone, each would
             hold the daemon's pool until prefill's lease ends. (A pull-flow key stays at
@@ -269,7 +280,8 @@ if _VLLM_ERROR is None:
             if remote.source is not None:
                 return
             for key, lo, hi in parts:
-                self._discards.append(DiscardOrder(key, hi - lo, self.settings.load_timeout_s))
+                self._discards.append(DiscardOrder(key, hi - lo, self.settings.load_timeout_s,
+                                                   their_tp=their_tp))
 
         def _track_push(self, request: Any) -> None:
             """Prefill, push flow: remember the request so that its parts can go as soon
@@ -385,6 +397,17 @@ if _VLLM_ERROR is None:
                 self._drop_pushed(remote, self._parts(remote, n))
 
         @classmethod
+        def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+            """A block's KV heads outermost (vLLM's ``LBHNC``: layer, block, head, token,
+            content), so that a tensor-parallel rank's heads are one equal byte range of
+            each block, which the daemon reads and writes in place when prefill and decode
+            split the heads over different numbers of ranks (``kv_ranks``). The CPU
+            backend has only this layout; NixlConnector asks for the same. An MLA cache
+            has no heads to split: any layout."""
+            model = getattr(vllm_config, "model_config", None)
+            return None if model is None or model.use_mla else "LBHNC"
+
+        @classmethod
         def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
             """No: vLLM (0.33 on) then refuses ``enable_sleep_mode`` with this connector at
             start. The daemon maps GPU KV in place (CUDA IPC), and sleep frees or remaps
@@ -400,8 +423,8 @@ if _VLLM_ERROR is None:
                 get_tensor_model_parallel_world_size,
             )
 
-            if get_tensor_model_parallel_world_size() > 1:
-                self._key_suffix = f"#tp{get_tensor_model_parallel_rank()}"
+            self._tp_rank = get_tensor_model_parallel_rank()
+            self._tp = get_tensor_model_parallel_world_size()
             layers = list(kv_caches.values())
             self._mover = KvMover(self._client, layers, self.num_blocks,
                                   self.settings.staging_blocks,
@@ -416,14 +439,41 @@ if _VLLM_ERROR is None:
                 return
             meta = self._get_connector_metadata()
             assert isinstance(meta, KvdConnectorMetadata)
-            # With tensor parallelism each worker moves its own shard under its own key;
-            # decode's rank r reads prefill's rank r.
+            # With tensor parallelism each rank that holds heads no lower rank holds sends
+            # them under its own key; each rank of decode reads its heads from the ranks
+            # of prefill that lend them (kv_ranks).
             for order in meta.sends:
-                self._mover.send(replace(order, key=order.key + self._key_suffix))
+                if lends(self._tp_rank, self._tp, self._heads):
+                    self._mover.send(replace(order, key=_rank_key(order.key, self._tp_rank,
+                                                                  self._tp)))
+                else:
+                    self._mover.skip(order)
             for load in meta.loads:
-                self._mover.load(replace(load, key=load.key + self._key_suffix))
+                try:
+                    taken = self._reads(load.their_tp)
+                except BadRequest as err:  # (the scheduler refuses such pairs first)
+                    self._mover.load(replace(load, refusal=err.message))
+                    continue
+                for read in taken:
+                    self._mover.load(replace(
+                        load, key=_rank_key(load.key, read.rank, load.their_tp or self._tp),
+                        part=read.part, readers=read.readers, into=read.into,
+                        parts=load.parts * len(taken)))
             for discard in meta.discards:
-                self._mover.discard(replace(discard, key=discard.key + self._key_suffix))
+                try:
+                    taken = self._reads(discard.their_tp)
+                except BadRequest:
+                    continue  # (as above; what was pushed ends with its lease)
+                for read in taken:
+                    self._mover.discard(replace(
+                        discard,
+                        key=_rank_key(discard.key, read.rank, discard.their_tp or self._tp),
+                        part=read.part, readers=read.readers, into=read.into))
+
+        def _reads(self, their_tp: int) -> list[Read]:
+            """What this rank reads of prefill's ranks (``their_tp`` 0: prefill did not say
+            how many it has, and is taken to have as many as this engine)."""
+            return reads(self._tp_rank, self._tp, their_tp or self._tp, self._heads)
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             return  # loads are asynchronous: the scheduler runs a request once it is in
