@@ -23,6 +23,8 @@ from kvd import KvdClient
 from tests.conftest import ProcessDaemon, start_daemons
 from tests.test_vllm_engines import engine, greedy
 
+# The first test starts four engines (two of TP=2) on two CPUs: a minute or more.
+pytestmark = pytest.mark.timeout(480)
 BLOCK_BYTES = 32 * 1024  # the tiny model's KV per block: 2 layers x 2 heads x 32 x 2 x 32 fp32
 
 
