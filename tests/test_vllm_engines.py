@@ -235,3 +235,31 @@ def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> 
     assert time.monotonic() - started < 15  # the pull's bound, not a hang
     assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
     assert decode_mover_stats().load_failures == failures + 1
+
+
+def test_fp8_kv_cache(pair: Pair) -> None:
+    """Both engines with an FP8 KV cache (``--kv-cache-dtype fp8``): the blocks move as
+    their bytes, and decode's tokens are those of an FP8 engine alone."""
+    engines = []
+    try:
+        for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+            engines.append(pair._started(engine(
+                role, pair.daemons[name].socket_path, multiprocess=True, policy="fail",
+                llm_args={"kv_cache_dtype": "fp8"}, load_timeout_s=5)))
+        prefill, decode = engines
+        prompt = list(range(500, 570))  # 3 blocks
+        want = prefill.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+        handed = prefill.generate([{"prompt_token_ids": prompt + [7]}],
+                                  greedy(1, {"do_remote_decode": True}))[0]
+        assert handed.kv_transfer_params["kvd_compat"]["cache_dtype"] == "fp8"
+        out = decode.generate([{"prompt_token_ids": prompt + [7]}],
+                              greedy(8, handed.kv_transfer_params))[0].outputs[0]
+        alone = prefill.generate([{"prompt_token_ids": prompt + [7]}], greedy(8))[0]
+        assert out.token_ids == alone.outputs[0].token_ids and want.token_ids
+        # 3 blocks of one byte per element: a quarter of the fp32 cache's bytes
+        with KvdClient(pair.daemons["decode"].socket_path) as c:
+            assert c.stats()["keys"] == 0
+    finally:
+        for llm in engines:
+            llm.llm_engine.engine_core.shutdown()
+            pair.engines.remove(llm)

@@ -44,19 +44,26 @@ class Engines:
             raise
 
     @staticmethod
-    def _engine(role: str, daemon: ProcessDaemon, tp: int) -> LLM:
+    def _engine(role: str, daemon: ProcessDaemon, tp: int, **extra: str) -> LLM:
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if tp == 2:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one CPU per worker
         try:
             args = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
             return engine(role, daemon.socket_path, multiprocess=True, policy="fail",
-                          llm_args=args if tp > 1 else None, load_timeout_s=5)
+                          llm_args=args if tp > 1 else None, load_timeout_s=5, **extra)
         finally:
             if bind is None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
             else:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+
+    def pushing(self, tp: int) -> LLM:
+        """A prefill engine of ``tp`` ranks in push flow, made when first asked for."""
+        if ("push", tp) not in self.llms:
+            self.llms["push", tp] = self._engine("kv_producer", self.daemons[0], tp,
+                                                 flow="push")
+        return self.llms["push", tp]
 
     def close(self) -> None:
         try:
@@ -103,3 +110,28 @@ def test_decode_reads_its_heads_from_prefill_ranks(engines: Engines, prefill_tp:
     # Two reads of half the heads each: rank by rank (2, 2), both halves into one rank
     # (2, 1), or each rank its half of the one lender's blocks (1, 2).
     assert (done - before[0], nbytes - before[1]) == (2, 2 * 3 * BLOCK_BYTES // 2)
+
+
+@pytest.mark.extra
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_pushed_heads_are_read_in_parts(engines: Engines, prefill_tp: int,
+                                        decode_tp: int) -> None:
+    """Push flow: prefill's lending ranks put their heads to decode's daemon; decode, told
+    prefill's TP size by its answer (``kvd_compat``), takes its heads of each key there."""
+    prefill = engines.pushing(prefill_tp)
+    decode = engines.llms["kv_consumer", decode_tp]
+    prompt = list(range(300 + prefill_tp, 370 + decode_tp))
+    alone = engines.llms["kv_producer", decode_tp]
+    want = alone.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+    before = engines.received()
+    push_to = engines.daemons[1].peer_address()
+    handed = prefill.generate([{"prompt_token_ids": prompt}], greedy(1, {
+        "do_remote_decode": True, "kvd_push_to": push_to,
+        "kvd_key": f"push-{prefill_tp}-{decode_tp}"}))[0]
+    assert handed.kv_transfer_params["kvd_flow"] == "push"
+    out = decode.generate([{"prompt_token_ids": prompt}],
+                          greedy(8, handed.kv_transfer_params))[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == want.token_ids
+    done, nbytes = engines.received()
+    # Prefill's ranks put their halves (2 into 1), or its one rank all of it (1 into 2).
+    assert (done - before[0], nbytes - before[1]) == (prefill_tp, 3 * BLOCK_BYTES)

@@ -15,6 +15,7 @@ import torch
 
 from kvd.client.shm import shared_empty
 from kvd.errors import BadRequest
+from kvd.memory.regions import bits
 from kvd.protocol import Part
 
 
@@ -88,7 +89,7 @@ def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: S
     device = pairs[0][0].device
     blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
     staged = torch.tensor(list(slots), dtype=torch.long, device=device)
-    for layer, stage in pairs:
+    for layer, stage in ((bits(x), bits(y)) for x, y in pairs):
         if inward:
             stage.index_copy_(0, staged, layer.index_select(0, blocks))
         else:

@@ -65,6 +65,16 @@ _DTYPES: dict[DType, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, DType] = {v: k for k, v in _DTYPES.items()}
 
 
+# torch has no CPU index_copy_ for its one-byte floats (FP8 KV caches): copies move their
+# bits as bytes.
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as what a block copy may move: its bytes for an FP8 tensor, else itself."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]  # type: ignore[index]
