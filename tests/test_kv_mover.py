@@ -150,6 +150,29 @@ def test_decode_asks_before_prefill_lends_and_push_flow(sides: tuple[Side, Side]
     assert p.mover.stats.send_failures == 0 and p.mover.stats.sends_unread == 0
 
 
+def test_two_engines_on_one_daemon_name_it_by_its_own_address(sock_dir: str) -> None:
+    """Prefill and decode share one daemon (two vLLM instances on one node): each gives
+    the other that daemon's peer address, as between nodes. A pull from it and a put to
+    it stay within the daemon."""
+    (proc,) = start_daemons(sock_dir, "node")
+    p, d = Side(proc, "prefill", 1), Side(proc, "decode", 2)
+    try:
+        assert p.address == d.address
+        p.mover.send(SendOrder("r1", "key-r1", [3, 7], lease_s=10))
+        d.mover.load(LoadOrder("r1", "key-r1", p.address, 2, 0, [2, 5], timeout_s=10))
+        drive(p, d, until=lambda: "r1" in d.seen.loaded)
+        assert same(d.block(2), p.block(3)) and same(d.block(5), p.block(7))
+
+        d.mover.load(LoadOrder("r2", "key-r2", None, 2, 0, [8, 9], timeout_s=10))
+        p.mover.send(SendOrder("r2", "key-r2", [10, 11], lease_s=10, push_to=d.address))
+        drive(p, d, until=lambda: "r2" in d.seen.loaded and p.mover.stats.sends == 2)
+        assert same(d.block(8), p.block(10)) and same(d.block(9), p.block(11))
+        assert p.mover.stats.send_failures == 0 and d.mover.stats.load_failures == 0
+    finally:
+        d.mover.close()
+        p.close()
+
+
 def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> None:
     p, d = sides
     d.mover.load(LoadOrder("never", "key-never", p.address, 2, 0, [3, 4], timeout_s=0.5))

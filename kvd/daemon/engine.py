@@ -154,6 +154,13 @@ class Engine:
 
     # ------------------------------------------------------------ helpers
 
+    def here(self, address: str) -> bool:
+        """Whether a put's destination or a pull's source names this daemon: ``local``,
+        its node id, or its own peer address (what two engines that share this daemon
+        give each other, as each gives the other node's address between nodes)."""
+        return address in self.self_names or (self.remote is not None
+                                              and address == self.remote.address)
+
     def check_accepting(self) -> None:
         if self.draining:
             raise Draining("daemon is draining: no new work accepted")
@@ -457,7 +464,7 @@ class Engine:
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
         self._check_wait(timeout_s)
-        if to not in self.self_names:
+        if not self.here(to):
             if self.remote is None:
                 raise BadRequest(f"unknown destination {to!r}: this daemon has no peer plane")
             return await self.remote.push_blocks(key, region, idx, to, ttl_s, timeout_s)
@@ -503,7 +510,7 @@ class Engine:
         region, idx = self._destination(session, region_id, blocks, timeout_s)
         region = region.part(into)
         wait_for_key_s = min(wait_for_key_s, timeout_s)
-        if src in self.self_names or (self.remote is not None and src == self.remote.address):
+        if self.here(src):
             if self.store.find(key) is None and self.store.gone(key):
                 raise self.store.missing(key)  # KeyGone: it will not come back, no wait
             return await self.get(session, 0, key, region_id, blocks, wait_for_key_s,
