@@ -133,4 +133,18 @@ def test_shares_that_do_not_fit_are_refused_and_nothing_is_taken(nodes: Nodes) -
     assert not lent.done()  # none of those took a read
     b.client.pull("k", a.address, r_dst, [2, 3], timeout_s=5)
     assert lent.wait(10) == 2 * block_bytes(HEADS)
-    shared_zeros((1,), torch.uint8)  # (the client library still serves after the errors)
+
+    # Blocks that are not one run each (K and V apart, blocks on dim 1) cannot be cut.
+    apart = shared_empty((2, BLOCKS, 64), torch.float32)
+    r_apart = a.client.register("apart", [apart], block_dim=1)
+    halves = [(c, c.register("half", [shared_zeros((BLOCKS, 64), torch.float32)]))
+              for c in (b.client, a.client)]  # served to a peer, and within its daemon
+    lent = a.client.lend("apart", r_apart, [0], ttl_s=30)
+    for client, region in halves:
+        with pytest.raises(kvd.BadRequest, match="cannot be cut into 2 parts"):
+            client.pull("apart", a.address, region, [0], timeout_s=5, share=Share(Part(1, 2)))
+    assert not lent.done()
+    whole = b.client.register("whole", [shared_zeros((2, BLOCKS, 64), torch.float32)],
+                              block_dim=1)
+    assert b.client.pull("apart", a.address, whole, [3], timeout_s=5) == 512
+    assert lent.wait(10) == 512

@@ -107,6 +107,18 @@ def unfit(
     return None
 
 
+def uncut(item: Item, share: Share) -> KvdError | None:
+    """Why a published item's blocks cannot be read in ``share``'s parts (each block not
+    one run), found before a read is counted; None if they can."""
+    if item.region is None or share.part == WHOLE:
+        return None
+    try:
+        item.region.part(share.part)
+    except BadRequest as err:
+        return err
+    return None
+
+
 class Remote(Protocol):
     """Transfers to and from other daemons (``transfers.PeerTransfers``): what the engine
     hands a put to another daemon, and a pull from one."""
@@ -270,8 +282,8 @@ class Engine:
             waiter = self.store.next_waiter(item.key)
             if waiter is None:
                 return
-            problem = unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx,
-                            waiter.share)
+            problem = (unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx,
+                             waiter.share) or uncut(item, waiter.share))
             if problem is not None:
                 waiter.settle(problem)
                 continue
@@ -393,7 +405,8 @@ class Engine:
         region = region.part(into)
         item = self.store.find(key)
         if item is not None:
-            problem = unfit(key, item.layout, item.num_blocks, region, idx, share)
+            problem = unfit(key, item.layout, item.num_blocks, region, idx, share) or uncut(
+                item, share)
             if problem is not None:
                 raise problem  # the item stays for a get that fits
             self.claim(item, share)

@@ -11,7 +11,8 @@ Extra config (all optional): ``kvd_socket`` (the local daemon; default ``KVD_SOC
 or kvd's default), ``kvd_address`` (this daemon's peer address as other nodes reach it;
 default: asked from the daemon), ``flow`` ("pull", default, or "push"), ``lease_s`` (30:
 how long prefill keeps a request's blocks for decode), ``load_timeout_s`` (30: how long
-decode waits for them), ``staging_blocks`` (256: shared-memory blocks for CPU engines).
+decode waits for them), ``staging_blocks`` (CPU engines: the shared-memory blocks their KV
+goes through; by default the longest request's, or 256 if more).
 
 The request-level protocol (``kv_transfer_params``, set by a proxy, see
 ``examples/vllm/``):
@@ -152,6 +153,10 @@ if _VLLM_ERROR is None:
             self.block_size = vllm_config.cache_config.block_size
             self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
                                else vllm_config.cache_config.num_gpu_blocks)
+            # CPU engines' staging: room for the longest request a transfer may carry (a
+            # larger one fails), or 256 blocks, whichever is more, unless set.
+            longest = blocks_for(vllm_config.model_config.max_model_len, self.block_size)
+            self.staging_blocks = self.settings.staging_blocks or max(256, longest)
             # What this engine's KV is: prefill tells decode (kvd_compat), decode refuses
             # KV that does not fit it.
             self.compat = Compat.of(vllm_config)
@@ -426,13 +431,13 @@ if _VLLM_ERROR is None:
             self._tp_rank = get_tensor_model_parallel_rank()
             self._tp = get_tensor_model_parallel_world_size()
             layers = list(kv_caches.values())
-            self._mover = KvMover(self._client, layers, self.num_blocks,
-                                  self.settings.staging_blocks,
+            self._mover = KvMover(self._client, layers, self.num_blocks, self.staging_blocks,
                                   name=f"vllm-{self.engine_id}", logger=log)
             log.info("kvd: registered %d KV tensors (%d blocks, %s, %s)", len(layers),
                      self.num_blocks, layers[0].device,
                      "in place" if self._mover.direct else
-                     f"{self.settings.staging_blocks} staging blocks")
+                     f"{self.staging_blocks} staging blocks of shared memory, "
+                     f"{self.staging_blocks * self._mover.block_bytes / 2**20:.0f} MiB")
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._mover is None or not self.has_connector_metadata():

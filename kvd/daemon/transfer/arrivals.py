@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.daemon.engine import Delivered, Engine, unfit
+from kvd.daemon.engine import Delivered, Engine, uncut, unfit
 from kvd.daemon.store import Item, Waiter
 from kvd.errors import (
     BadRequest,
@@ -168,6 +168,8 @@ class Arrivals:
         if item.num_blocks - share.skip != num_blocks:
             raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks, "
                              f"{num_blocks} asked for (after {share.skip} skipped)")
+        if problem := uncut(item, share):
+            raise problem
         self.engine.claim(item, share)
         return item
 
