@@ -167,7 +167,7 @@ def test_push_flow_decode_matches_one_instance(pair: Pair) -> None:
 
 
 def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
-    """What examples/vllm/proxy.py does in the push flow: decode gets the request first,
+    """What `kvd vllm-proxy` does in the push flow: decode gets the request first,
     under a key the proxy chose and without prefill's counts, and waits; prefill puts to
     it when it finishes. The same prompt a second time: decode has its first 4 blocks
     cached, loads only the last part and takes the two it has as they come, so its

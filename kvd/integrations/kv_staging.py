@@ -15,7 +15,6 @@ import torch
 
 from kvd.client.shm import shared_empty
 from kvd.errors import BadRequest
-from kvd.memory.regions import bits
 from kvd.protocol import Part
 
 
@@ -82,6 +81,11 @@ def part_pair(layer: torch.Tensor, stage: torch.Tensor, part: Part,
     return views[0], views[1]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes (torch has no CPU index_copy_ for one-byte floats)."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int],
                 slots: Sequence[int], inward: bool) -> None:
     """Engine blocks into staging slots (``inward``), or staging slots into blocks, in every
@@ -89,7 +93,7 @@ def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: S
     device = pairs[0][0].device
     blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
     staged = torch.tensor(list(slots), dtype=torch.long, device=device)
-    for layer, stage in ((bits(x), bits(y)) for x, y in pairs):
+    for layer, stage in ((_bits(x), _bits(y)) for x, y in pairs):
         if inward:
             stage.index_copy_(0, staged, layer.index_select(0, blocks))
         else:
