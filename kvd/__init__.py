@@ -36,6 +36,7 @@ from kvd.errors import (
     TransferFailed,
     UnknownKey,
 )
+from kvd.protocol import Part, Share
 
 __all__ = [
     "AsyncKvdClient",
@@ -50,10 +51,12 @@ __all__ = [
     "KvdError",
     "KvdTimeout",
     "LayoutMismatch",
+    "Part",
     "PeerUnreachable",
     "PoolExhausted",
     "ProtocolError",
     "Region",
+    "Share",
     "Transfer",
     "TransferFailed",
     "UnknownKey",

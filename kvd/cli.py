@@ -399,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "line); an error too")
     keygen.set_defaults(func=_cmd_keygen)
 
+    # Listed here; its own parser reads its flags (main hands them over untouched).
+    sub.add_parser("vllm-proxy", add_help=False,
+                   help="the proxy in front of disaggregated vLLM prefill and decode "
+                        "instances (kvd vllm-proxy --help)")
+
     common = _client_options()
     for name, func, help_text in (
         ("status", _cmd_status, "what the daemon is doing, as a table"),
@@ -446,6 +451,11 @@ def _fail(as_json: bool, code: str, message: str, exit_code: int, label: str) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vllm-proxy"]:
+        from kvd.integrations.vllm_proxy import main as proxy_main
+
+        proxy_main(argv[1:])
+        return 0
     as_json = _wants_json(argv)
     parser = build_parser()
     try:

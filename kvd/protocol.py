@@ -45,10 +45,12 @@ from kvd.errors import ProtocolError
 #        daemon's ROUTER connects to it with the lifeline's token as routing id;
 #        ``Hello.lifeline`` is gone (the routing id is the token); ``Taken`` answers both
 #        handoffs; ``Welcome.max_message_bytes``.
-#  14 — 2026-12: leases: ``Renew`` and ``Release`` of a key lent at another daemon (or
+#  14 — 2026-12: a pull or get takes a share of a key (``Share``: a part of each block,
+#        from a block on, for a number of readers) into a part of its blocks (``into``).
+#  15 — 2026-12: leases: ``Renew`` and ``Release`` of a key lent at another daemon (or
 #        this one), ``LeaseRenew`` / ``LeaseRelease`` / ``LeaseAnswer`` between daemons;
 #        ``Get.sender`` (the daemon whose link the get watches).
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
 # round through the data connection's threads costs more than the bytes' copy on the loops.
@@ -64,6 +66,7 @@ MAX_NAME_CHARS = 256
 MAX_TENSORS_PER_REGION = 4096
 MAX_DIMS = 8
 MAX_BLOCKS_PER_OP = 1 << 20
+MAX_PARTS = 64  # a block is read in at most this many parts (tensor-parallel ranks)
 
 # Shared-memory segments the client library creates for CPU tensors are memfds with this
 # name prefix (seen in /proc/<pid>/fd and /proc/<pid>/maps), sealed against shrinking, and
@@ -169,6 +172,37 @@ class LayoutEntry(Struct, frozen=True, array_like=True):
     dtype: DType
 
 
+class Part(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Part ``index`` of ``count`` equal byte ranges of each block, in every tensor: with a
+    KV layout that keeps a block's heads outermost, one tensor-parallel rank's heads.
+    ``Part(0, 1)`` is the whole block."""
+
+    index: Annotated[int, Meta(ge=0, lt=MAX_PARTS)] = 0
+    count: Annotated[int, Meta(ge=1, le=MAX_PARTS)] = 1
+
+    def __post_init__(self) -> None:
+        if self.index >= self.count:
+            raise ValueError(f"part {self.index} of {self.count}")
+
+
+WHOLE = Part()
+
+
+class Share(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What one read takes of a key: ``part`` of each block, of the blocks from ``skip``
+    on (the reader holds the ones before: a prefix it has cached). ``readers``: how many
+    reads take each part. A lent key is done once every part of that cut has been read
+    that many times (several tensor-parallel ranks read one lender, each its heads, or
+    each all of a latent cache that every rank holds)."""
+
+    part: Part = WHOLE
+    skip: Annotated[int, Meta(ge=0, lt=MAX_BLOCKS_PER_OP)] = 0
+    readers: Annotated[int, Meta(ge=1, le=MAX_PARTS)] = 1
+
+
+ALL = Share()
+
+
 # ---------------------------------------------------------------- requests
 
 
@@ -217,6 +251,8 @@ class Get(_WithBlocks, tag="get", frozen=True):
     region_id: NonNeg
     blocks: BlockIds
     timeout_s: Seconds
+    share: Share = ALL  # as in Pull
+    into: Part = WHOLE  # as in Pull
     # The daemon that puts ``key`` here (its peer address), when the caller knows it: the
     # get then fails at once (PeerUnreachable) if that daemon cannot be reached, or its
     # link is lost, while nothing has come. Empty: no such watch.
@@ -247,6 +283,8 @@ class Pull(_WithBlocks, tag="pull", frozen=True):
     # How long ``src`` may wait for ``key`` to appear (be published, lent or stored) before
     # it answers that it has no such key; 0: answer at once. At most ``timeout_s``.
     wait_for_key_s: Seconds = 0.0
+    share: Share = ALL  # what of the key this pull takes
+    into: Part = WHOLE  # which part of each of ``blocks`` it lands in
 
 
 class Publish(_WithBlocks, tag="publish", frozen=True):
@@ -553,6 +591,7 @@ class PullRequest(_PeerMsg, tag="pull_request", frozen=True):
     num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
     layout: Annotated[list[LayoutEntry], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
     wait_for_key_s: Seconds = 0.0  # as in Pull: the owner holds the request until then
+    share: Share = ALL  # as in Pull
 
 
 class ChannelDown(_PeerMsg, tag="channel_down", frozen=True):

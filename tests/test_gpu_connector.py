@@ -16,6 +16,7 @@ import torch
 
 import kvd
 from kvd.integrations.kv_mover import KvMover, LoadOrder, Polled, SendOrder
+from kvd.integrations.kv_ranks import heads_of, lender_of, lends, reads
 from kvd.transport.nccl import nccl_available
 from tests.gpu_nodes import Node, node_gpus, start_node, stop_node
 
@@ -108,3 +109,65 @@ def test_connector_data_path_over_nccl() -> None:
         until([p, d], lambda s: "push" in s.loaded and "push" in s.released)
         assert same(p, src[:8], d, [240 + i for i in range(8)])
         assert p.stats.send_failures == 0 and d.stats.load_failures == 0
+
+
+def rank_kv(device: str, heads: int, seed: int) -> list[torch.Tensor]:
+    """One rank's share of the heads (8 in all; 1: an MLA latent cache), vLLM's layout."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (LAYERS, NUM_BLOCKS, heads, *PAGE[1:]) if heads else (LAYERS, NUM_BLOCKS, 16, 576)
+    whole = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+    return [whole[i] for i in range(LAYERS)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "heads"), [(2, 1, 8), (1, 2, 8),
+                                                                 (1, 2, 1)])
+def test_mixed_tensor_parallel_over_nccl(prefill_tp: int, decode_tp: int, heads: int) -> None:
+    """Prefill and decode ranks of other counts (a mover per rank, as the connector orders
+    it: kv_ranks): each decode rank reads its heads of the lending prefill ranks' blocks,
+    a part of each block into a part of its own, in place, past a 4-block prefix it has
+    cached. One head: MLA, the one lender read whole by both decode ranks."""
+    a, b = start_node(GPU_A), start_node(GPU_B)
+    made: list[kvd.KvdClient] = []
+    prefill: list[KvMover] = []
+    decode: list[KvMover] = []
+    try:
+        for node, gpu, tp, seed, side in ((a, GPU_A, prefill_tp, 10, prefill),
+                                          (b, GPU_B, decode_tp, 20, decode)):
+            for r in range(tp):
+                client = kvd.KvdClient(node.sock, name=f"rank-{seed}-{r}")
+                client.connect()
+                made.append(client)
+                kv = rank_kv(f"cuda:{gpu}", heads // tp if heads > 1 else 0, seed + r)
+                side.append(KvMover(client, kv, NUM_BLOCKS, staging_blocks=8))
+        src, dst = list(range(10, 42)), list(range(100, 132))
+        for r, mover in enumerate(prefill):
+            order = SendOrder("tp", f"tp#tp{r}", src, lease_s=30)
+            (mover.send if lends(r, prefill_tp, heads) else mover.skip)(order)
+        for r, mover in enumerate(decode):
+            taken = reads(r, decode_tp, prefill_tp, heads)
+            for read in taken:
+                mover.load(LoadOrder("tp", f"tp#tp{read.rank}", a.address, len(src), 4,
+                                     dst[4:], timeout_s=30, parts=len(taken), part=read.part,
+                                     readers=read.readers, into=read.into))
+        seen = until([*prefill, *decode], lambda s: "tp" in s.loaded and "tp" in s.released)
+        assert not seen.failed
+        torch.cuda.synchronize()
+        for r, mover in enumerate(decode):
+            first, count = heads_of(r, decode_tp, heads)
+            for layer in range(LAYERS):
+                got = mover.layers[layer][dst[4:]]
+                if heads == 1:
+                    assert torch.equal(got, prefill[0].layers[layer][src[4:]])
+                    continue
+                for h in range(first, first + count):
+                    lender = lender_of(h, prefill_tp, heads)
+                    theirs = h - heads_of(lender, prefill_tp, heads)[0]
+                    assert torch.equal(got[:, h - first],
+                                       prefill[lender].layers[layer][src[4:], theirs])
+        for client in made:
+            assert client.stats()["keys"] == 0
+    finally:
+        for mover in (*prefill, *decode):
+            mover.close()
+        for node in (b, a):
+            assert stop_node(node) == 0

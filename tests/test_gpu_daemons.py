@@ -700,15 +700,28 @@ def test_receiving_client_killed_mid_transfer() -> None:
 
 
 def test_same_gpu_local_copy() -> None:
+    """Within one daemon and GPU, between two clients: a put stored then got; a lent key
+    pulled from the daemon's own address, as two engines sharing it pull; and such a pull
+    that waits for its key."""
     node = start_node(GPU_A)
     try:
-        with kvd.KvdClient(node.sock, timeout_s=60) as c:
+        with kvd.KvdClient(node.sock, timeout_s=60) as c, \
+                kvd.KvdClient(node.sock, timeout_s=60) as other:
             src, dst = kv_layers(DEV_A, 5), zeros(DEV_A)
             torch.cuda.synchronize()
-            r_src, r_dst = c.register("src", src), c.register("dst", dst)
+            r_src, r_dst = c.register("src", src), other.register("dst", dst)
             c.put("k", r_src, [1, 2, 3, 50], ttl_s=60).wait(60)
-            c.get("k", r_dst, [4, 5, 6, 7], timeout_s=60)
-            assert_moved(src, [1, 2, 3, 50], dst, [4, 5, 6, 7])
+            other.get("k", r_dst, [4, 5, 6, 7], timeout_s=60)
+            lent = c.lend("lent", r_src, [9, 60, 8], ttl_s=60)
+            assert other.pull("lent", node.address, r_dst, [70, 20, 90], timeout_s=60) > 0
+            early = other.start_pull("early", node.address, r_dst, [100, 101], timeout_s=60,
+                                     wait_for_key_s=30)
+            time.sleep(0.2)
+            assert not early.done()
+            lent_late = c.lend("early", r_src, [127, 0], ttl_s=60)
+            assert early.wait(60) == lent_late.wait(60) > 0 and lent.wait(60) > 0
+            assert_moved(src, [1, 2, 3, 50, 9, 60, 8, 127, 0], dst,
+                         [4, 5, 6, 7, 70, 20, 90, 100, 101])
     finally:
         stop_node(node)
 

@@ -24,6 +24,7 @@ from kvd.integrations.kv_mover import (
     SendOrder,
     block_dim_of,
 )
+from kvd.integrations.kv_ranks import heads_of, lender_of, lends, reads
 from tests.conftest import ProcessDaemon, start_daemons
 
 NUM_BLOCKS, LAYERS = 24, 3
@@ -149,6 +150,29 @@ def test_decode_asks_before_prefill_lends_and_push_flow(sides: tuple[Side, Side]
     assert same(d.block(6), p.block(8)) and same(d.block(7), p.block(9))
     drive(p, d, until=lambda: p.mover.stats.sends == 2)
     assert p.mover.stats.send_failures == 0 and p.mover.stats.sends_unread == 0
+
+
+def test_two_engines_on_one_daemon_name_it_by_its_own_address(sock_dir: str) -> None:
+    """Prefill and decode share one daemon (two vLLM instances on one node): each gives
+    the other that daemon's peer address, as between nodes. A pull from it and a put to
+    it stay within the daemon."""
+    (proc,) = start_daemons(sock_dir, "node")
+    p, d = Side(proc, "prefill", 1), Side(proc, "decode", 2)
+    try:
+        assert p.address == d.address
+        p.mover.send(SendOrder("r1", "key-r1", [3, 7], lease_s=10))
+        d.mover.load(LoadOrder("r1", "key-r1", p.address, 2, 0, [2, 5], timeout_s=10))
+        drive(p, d, until=lambda: "r1" in d.seen.loaded)
+        assert same(d.block(2), p.block(3)) and same(d.block(5), p.block(7))
+
+        d.mover.load(LoadOrder("r2", "key-r2", None, 2, 0, [8, 9], timeout_s=10))
+        p.mover.send(SendOrder("r2", "key-r2", [10, 11], lease_s=10, push_to=d.address))
+        drive(p, d, until=lambda: "r2" in d.seen.loaded and p.mover.stats.sends == 2)
+        assert same(d.block(8), p.block(10)) and same(d.block(9), p.block(11))
+        assert p.mover.stats.send_failures == 0 and d.mover.stats.load_failures == 0
+    finally:
+        d.mover.close()
+        p.close()
 
 
 def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> None:
@@ -404,3 +428,76 @@ def test_mla_shaped_caches_move_whole(sides: tuple[Side, Side]) -> None:
     finally:
         mp.close()
         md.close()
+
+
+def rank_kv(heads: int, seed: int) -> list[torch.Tensor]:
+    """One rank's KV: ``heads`` of the model's 4, [N, heads, block, 2 x head] per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.randn((LAYERS, NUM_BLOCKS, heads, 4, 16), generator=gen)
+    return [storage[i] for i in range(LAYERS)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "heads"),
+                         [(2, 1, 4), (1, 2, 4), (4, 2, 4), (1, 2, 1)])
+def test_mixed_tensor_parallel_ranks(sides: tuple[Side, Side], prefill_tp: int,
+                                     decode_tp: int, heads: int) -> None:
+    """Prefill and decode with their KV heads split over other numbers of ranks (one mover
+    per rank, prefill's on one daemon, decode's on the other), as the connector orders it
+    (``kv_ranks``): prefill's lending ranks lend their blocks, each decode rank reads its
+    heads of them into its blocks, past a prefix it has cached, in pull and push flow. With
+    one head (an MLA latent cache), prefill's one lender is read whole by both decode
+    ranks. Each lend ends once all of it is read."""
+    p, d = sides
+    made: list[KvdClient] = []
+
+    def ranks(side: Side, tp: int, seed: int) -> list[KvMover]:
+        out = []
+        for r in range(tp):
+            client = KvdClient(side.proc.socket_path, name=f"rank-{seed}-{r}")
+            client.connect()
+            made.append(client)
+            out.append(KvMover(client, rank_kv(max(1, heads // tp), seed + r), NUM_BLOCKS, 8))
+        return out
+
+    prefill, decode = ranks(p, prefill_tp, 10), ranks(d, decode_tp, 20)
+    try:
+        lenders = [r for r in range(prefill_tp) if lends(r, prefill_tp, heads)]
+        assert len(lenders) == (1 if heads == 1 else prefill_tp)
+        src, dst = [3, 8, 5, 1], [2, 4, 6, 7]
+        for flow, key in (("pull", "tp-pull"), ("push", "tp-push")):
+            for r in range(prefill_tp):
+                order = SendOrder(flow, f"{key}#tp{r}", src, lease_s=10,
+                                  push_to=d.address if flow == "push" else None)
+                (prefill[r].send if r in lenders else prefill[r].skip)(order)
+            for r, mover in enumerate(decode):
+                taken = reads(r, decode_tp, prefill_tp, heads)
+                for read in taken:
+                    mover.load(LoadOrder(
+                        flow, f"{key}#tp{read.rank}", p.address if flow == "pull" else None,
+                        4, 1, dst[1:], timeout_s=10, parts=len(taken), part=read.part,
+                        readers=read.readers, into=read.into))
+            loaded, released = [False] * decode_tp, [False] * prefill_tp
+            deadline = time.monotonic() + 10
+            while not (all(loaded) and all(released)):
+                assert time.monotonic() < deadline, (flow, loaded, released)
+                for r, mover in enumerate(prefill):
+                    released[r] |= flow in mover.poll().released
+                for r, mover in enumerate(decode):
+                    got = mover.poll()
+                    assert not got.failed, got.causes
+                    loaded[r] |= flow in got.loaded
+                time.sleep(0.002)
+            # Each decode rank holds its heads of prefill's blocks past the first one.
+            for r, mover in enumerate(decode):
+                first, count = heads_of(r, decode_tp, heads)
+                for layer in range(LAYERS):
+                    want = torch.cat([prefill[lender_of(h, prefill_tp, heads)].layers[layer][
+                        src[1:], h - heads_of(lender_of(h, prefill_tp, heads), prefill_tp,
+                                              heads)[0]].unsqueeze(1)
+                        for h in range(first, first + count)], dim=1)
+                    assert torch.equal(mover.layers[layer][dst[1:]], want), (flow, r, layer)
+        for c in made:
+            assert c.stats()["keys"] == 0
+    finally:
+        for mover in (*prefill, *decode):
+            mover.close()

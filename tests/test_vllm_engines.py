@@ -167,7 +167,7 @@ def test_push_flow_decode_matches_one_instance(pair: Pair) -> None:
 
 
 def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
-    """What examples/vllm/proxy.py does in the push flow: decode gets the request first,
+    """What `kvd vllm-proxy` does in the push flow: decode gets the request first,
     under a key the proxy chose and without prefill's counts, and waits; prefill puts to
     it when it finishes. The same prompt a second time: decode has its first 4 blocks
     cached, loads only the last part and takes the two it has as they come, so its
@@ -261,3 +261,31 @@ def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> 
     assert time.monotonic() - started < 15  # the pull's bound, not a hang
     assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
     assert decode_mover_stats().load_failures == failures + 1
+
+
+def test_fp8_kv_cache(pair: Pair) -> None:
+    """Both engines with an FP8 KV cache (``--kv-cache-dtype fp8``): the blocks move as
+    their bytes, and decode's tokens are those of an FP8 engine alone."""
+    engines = []
+    try:
+        for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+            engines.append(pair._started(engine(
+                role, pair.daemons[name].socket_path, multiprocess=True, policy="fail",
+                llm_args={"kv_cache_dtype": "fp8"}, load_timeout_s=5)))
+        prefill, decode = engines
+        prompt = list(range(441, 511))  # 3 blocks
+        want = prefill.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+        handed = prefill.generate([{"prompt_token_ids": prompt}],
+                                  greedy(1, {"do_remote_decode": True}))[0]
+        assert handed.kv_transfer_params["kvd_compat"]["cache_dtype"] == "fp8"
+        with KvdClient(pair.daemons["decode"].socket_path) as c:
+            before = c.stats()["transfers"]["bytes_received"]
+            out = decode.generate([{"prompt_token_ids": prompt}],
+                                  greedy(8, handed.kv_transfer_params))[0].outputs[0]
+            assert out.token_ids == want.token_ids
+            # 3 blocks of one byte per element: a quarter of the fp32 cache's 32 KiB each
+            assert c.stats()["transfers"]["bytes_received"] - before == 3 * 8 * 1024
+    finally:
+        for llm in engines:
+            llm.llm_engine.engine_core.shutdown()
+            pair.engines.remove(llm)

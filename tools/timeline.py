@@ -1,7 +1,7 @@
 """Where a transfer's time goes: timeline marks from two daemons and this client.
 
 Run: ``python tools/timeline.py [--device cpu|cuda] [--tensors N] [--blocks N]
-[--block-bytes N] [--repeat N] [--contiguous] [--local | --pull] [--dev KEY=VALUE]...
+[--block-bytes N] [--repeat N] [--contiguous] [--local] [--pull] [--dev KEY=VALUE]...
 [--daemon-flag F]... [--json]``
 
 Starts two ``kvd serve`` daemons recording timeline marks (``KVD_TIMELINE_DIR`` in their
@@ -10,7 +10,8 @@ kvd/config.py; with ``--device cuda`` one per GPU, ``CUDA_VISIBLE_DEVICES`` 0 an
 on GPU 0 of a one-GPU host, each told it is a host of its own (``NCCL_HOSTID``) so that NCCL
 joins them over its socket transport on loopback: the hand-offs are the daemons', the wire
 is not NVLink's), or with ``--local`` one daemon, the local transport: case (d) between
-two GPUs, or within GPU 0 of a one-GPU host),
+two GPUs, or within GPU 0 of a one-GPU host; with ``--pull``, a pull of the daemon's own
+address, as two engines that share one daemon pull),
 registers a region of ``--tensors`` tensors of blocks on each (shared memory, or CUDA),
 and times ``--repeat`` puts from A into a get already waiting on B, to the get's return
 (``Flow.once`` of benchmarks/gpu_transfer.py, which marks ``put.start``, ``get.returned``
@@ -138,7 +139,8 @@ def main() -> int:
                     "(d)) or within GPU 0 of a one-GPU host; needs --device cuda")
     ap.add_argument("--pull", action="store_true",
                     help="time a pull from B of blocks A lent (the vLLM connector's flow) "
-                    "instead of a put into a waiting get")
+                    "instead of a put into a waiting get (with --local: A pulls from "
+                    "itself)")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     ap.add_argument("--dev", action="append", default=[], metavar="KEY=VALUE",
                     help="a development setting for both daemons (added to KVD_DEV), "
@@ -158,15 +160,13 @@ def main() -> int:
     one_gpu = cuda and torch.cuda.device_count() < 2
     if args.local and not cuda:
         ap.error("--local copies between two GPUs of one daemon: it needs --device cuda")
-    if args.local and args.pull:
-        ap.error("--pull moves blocks between two daemons: not with --local")
     if not cuda:
         EXTRA_FLAGS.extend(["--gpu-staging-bytes", "0"])
     timeline.start(tdir)
     procs = []
     try:
         if args.local:
-            a, a_sock, _ = start_daemon(root, "a", "0" if one_gpu else "0,1")
+            a, a_sock, a_addr = start_daemon(root, "a", "0" if one_gpu else "0,1")
             procs.append(a)
             flow = Flow(a_sock, a_sock, None)
         else:
@@ -207,7 +207,8 @@ def main() -> int:
                   "pull.start" if args.pull else "put.start")
     rows = sorted(((statistics.median(v), name, len(v)) for name, v in per.items()
                    if len(v) > args.repeat // 2))
-    what = ("lend on A, pull from B" if args.pull
+    what = (("lend, then pull from the same daemon" if args.local else "lend on A, pull from B")
+            if args.pull
             else "put -> waiting get" + (" (one daemon)" if args.local else ""))
     print(f"{what}, {args.device}, {args.tensors} tensor(s) x {args.blocks} "
           f"blocks of {args.block_bytes} B: median {statistics.median(totals):.0f} us over "

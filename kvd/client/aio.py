@@ -36,7 +36,7 @@ from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline, handoff_batches
 from kvd.client.shm import Segment
 from kvd.errors import Cancelled, DaemonUnavailable, KvdError
 from kvd.loop_socket import LoopSocket
-from kvd.protocol import Bye, Done, Reply
+from kvd.protocol import ALL, WHOLE, Bye, Done, Part, Reply, Share
 
 log = logging.getLogger(__name__)
 
@@ -395,11 +395,13 @@ class AsyncKvdClient:
         return nbytes
 
     async def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-                  timeout_s: float | None = None, sender: str | None = None) -> int:
+                  timeout_s: float | None = None, share: Share = ALL,
+                  into: Part = WHOLE, sender: str | None = None) -> int:
         """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``. ``sender``:
         the daemon that puts the key here (host:port), if known: the get fails at once
         (``PeerUnreachable``) if that daemon cannot be reached or goes while it waits."""
-        nbytes: int = await self._call(self._b.get(key, region, blocks, timeout_s, sender))
+        nbytes: int = await self._call(self._b.get(key, region, blocks, timeout_s, share,
+                                                   into, sender))
         return nbytes
 
     async def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
@@ -416,10 +418,10 @@ class AsyncKvdClient:
         return self._start(self._b.lend(key, region, blocks, ttl_s, timeout_s))
 
     async def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-                        timeout_s: float | None = None,
-                        sender: str | None = None) -> AsyncTransfer:
+                        timeout_s: float | None = None, share: Share = ALL,
+                        into: Part = WHOLE, sender: str | None = None) -> AsyncTransfer:
         """``get`` without waiting: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.get(key, region, blocks, timeout_s, sender))
+        return self._start(self._b.get(key, region, blocks, timeout_s, share, into, sender))
 
     async def renew(self, key: str, src: str, *, ttl_s: float,
                     timeout_s: float | None = None) -> AsyncTransfer:
@@ -436,9 +438,11 @@ class AsyncKvdClient:
 
     async def start_pull(self, key: str, src: str, region: Region | int,
                          blocks: Iterable[int], *, timeout_s: float | None = None,
-                         wait_for_key_s: float = 0.0) -> AsyncTransfer:
+                         wait_for_key_s: float = 0.0, share: Share = ALL,
+                         into: Part = WHOLE) -> AsyncTransfer:
         """``pull`` without waiting: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s,
+                                        share, into))
 
     def _start(self, call: Call) -> AsyncTransfer:
         """Send ``call``; its transfer. (No await between the send and the transfer: a
@@ -447,12 +451,16 @@ class AsyncKvdClient:
         return AsyncTransfer(self, call, self._queue(call), started)
 
     async def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-                   timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
+                   timeout_s: float | None = None, wait_for_key_s: float = 0.0,
+                   share: Share = ALL, into: Part = WHOLE) -> int:
         """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
         ``blocks``. If ``src`` does not hold the key it fails (``UnknownKey``) at once, or,
-        with ``wait_for_key_s``, once the key has not appeared there for that long."""
+        with ``wait_for_key_s``, once the key has not appeared there for that long.
+        ``share``: what of the key this pull takes (a part of each block, from a block
+        on, for how many readers; ``kvd.Share``); ``into``: the part of each of
+        ``blocks`` it lands in (``kvd.Part``)."""
         nbytes: int = await self._call(self._b.pull(key, src, region, blocks, timeout_s,
-                                                    wait_for_key_s))
+                                                    wait_for_key_s, share, into))
         return nbytes
 
     async def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,

@@ -32,7 +32,9 @@ from kvd.errors import (
 )
 from kvd.loop_socket import monitor_event
 from kvd.protocol import (
+    ALL,
     PROTOCOL_VERSION,
+    WHOLE,
     Bye,
     Cancel,
     Delete,
@@ -44,6 +46,7 @@ from kvd.protocol import (
     LayoutEntry,
     Lend,
     Offload,
+    Part,
     Ping,
     Pong,
     Publish,
@@ -54,6 +57,7 @@ from kvd.protocol import (
     Release,
     Renew,
     Reply,
+    Share,
     ShmTensor,
     Stats,
     StatsReply,
@@ -325,10 +329,12 @@ class RequestBuilder:
         return Call(msg, self._t(timeout_s), "nbytes")
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int],
-            timeout_s: float | None, sender: str | None = None) -> Call:
+            timeout_s: float | None, share: Share = ALL, into: Part = WHOLE,
+            sender: str | None = None) -> Call:
         wait_s = self._t(timeout_s)
         msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
-                  blocks=_blocks(blocks), timeout_s=wait_s, sender=sender or "")
+                  blocks=_blocks(blocks), timeout_s=wait_s, share=share, into=into,
+                  sender=sender or "")
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def renew(self, key: str, src: str, ttl_s: float, timeout_s: float | None) -> Call:
@@ -349,13 +355,15 @@ class RequestBuilder:
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int],
-             timeout_s: float | None, wait_for_key_s: float = 0.0) -> Call:
+             timeout_s: float | None, wait_for_key_s: float = 0.0, share: Share = ALL,
+             into: Part = WHOLE) -> Call:
         wait_s = self._t(timeout_s)
         if not 0.0 <= wait_for_key_s <= wait_s:
             raise BadRequest(f"wait_for_key_s must be between 0 and the timeout "
                              f"({wait_s:g}s), not {wait_for_key_s!r}")
         msg = Pull(req_id=self.next_id(), key=key, src=src, region_id=_region_id(region),
-                   blocks=_blocks(blocks), timeout_s=wait_s, wait_for_key_s=wait_for_key_s)
+                   blocks=_blocks(blocks), timeout_s=wait_s, wait_for_key_s=wait_for_key_s,
+                   share=share, into=into)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int],

@@ -24,7 +24,7 @@ from typing import Any
 from kvd.client.base import Call, Region, RequestBuilder, result_of, stoppable
 from kvd.client.shared_dealer import SharedDealer
 from kvd.errors import DaemonUnavailable, KvdError
-from kvd.protocol import Done, Reply
+from kvd.protocol import ALL, WHOLE, Done, Part, Reply, Share
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +268,13 @@ class KvdClient:
         return nbytes
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-            timeout_s: float | None = None, sender: str | None = None) -> int:
+            timeout_s: float | None = None, share: Share = ALL,
+            into: Part = WHOLE, sender: str | None = None) -> int:
         """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``. ``sender``:
         the daemon that puts the key here (host:port), if known: the get fails at once
         (``PeerUnreachable``) if that daemon cannot be reached or goes while it waits."""
-        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s, sender))
+        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s, share, into,
+                                             sender))
         return nbytes
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
@@ -289,9 +291,10 @@ class KvdClient:
         return self._start(self._b.lend(key, region, blocks, ttl_s, timeout_s))
 
     def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
-                  timeout_s: float | None = None, sender: str | None = None) -> Transfer:
+                  timeout_s: float | None = None, share: Share = ALL,
+                  into: Part = WHOLE, sender: str | None = None) -> Transfer:
         """``get`` without blocking: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.get(key, region, blocks, timeout_s, sender))
+        return self._start(self._b.get(key, region, blocks, timeout_s, share, into, sender))
 
     def renew(self, key: str, src: str, *, ttl_s: float,
               timeout_s: float | None = None) -> Transfer:
@@ -306,9 +309,11 @@ class KvdClient:
         return self._start(self._b.release(key, src, timeout_s))
 
     def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-                   timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> Transfer:
+                   timeout_s: float | None = None, wait_for_key_s: float = 0.0,
+                   share: Share = ALL, into: Part = WHOLE) -> Transfer:
         """``pull`` without blocking: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s))
+        return self._start(self._b.pull(key, src, region, blocks, timeout_s, wait_for_key_s,
+                                        share, into))
 
     def _start(self, call: Call) -> Transfer:
         started = time.perf_counter()
@@ -322,12 +327,16 @@ class KvdClient:
         return Transfer(self, call, started)
 
     def pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
-             timeout_s: float | None = None, wait_for_key_s: float = 0.0) -> int:
+             timeout_s: float | None = None, wait_for_key_s: float = 0.0,
+                   share: Share = ALL, into: Part = WHOLE) -> int:
         """Fetch ``key`` published (or offloaded) on daemon ``src`` (host:port) into
         ``blocks``. If ``src`` does not hold the key it fails (``UnknownKey``) at once, or,
-        with ``wait_for_key_s``, once the key has not appeared there for that long."""
+        with ``wait_for_key_s``, once the key has not appeared there for that long.
+        ``share``: what of the key this pull takes (a part of each block, from a block
+        on, for how many readers; ``kvd.Share``); ``into``: the part of each of
+        ``blocks`` it lands in (``kvd.Part``)."""
         nbytes: int = self._call(self._b.pull(key, src, region, blocks, timeout_s,
-                                              wait_for_key_s))
+                                              wait_for_key_s, share, into))
         return nbytes
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,

@@ -49,8 +49,11 @@ from kvd.memory.regions import (
     build_region_tensors,
     describe_layout,
     packed_offsets,
+    part_layout,
+    part_of_blocks,
+    torch_dtype,
 )
-from kvd.protocol import CudaIpcTensor, TensorSpec
+from kvd.protocol import ALL, WHOLE, CudaIpcTensor, Part, Share, TensorSpec
 from kvd.transport import local
 from kvd.transport.chunks import BlockSet, plan_chunks
 
@@ -80,9 +83,19 @@ def _sum_by(table: dict[tuple[str, str], int], part: int) -> dict[str, int]:
 
 
 def unfit(
-    key: str, layout: Layout, num_blocks: int, region: Region, idx: torch.Tensor
+    key: str, layout: Layout, num_blocks: int, region: Region, idx: torch.Tensor,
+    share: Share = ALL,
 ) -> KvdError | None:
-    """Why data of ``layout`` x ``num_blocks`` cannot be written to ``idx`` of ``region``."""
+    """Why ``share`` of data of ``layout`` x ``num_blocks`` cannot be written to ``idx``
+    of ``region``."""
+    if share.skip >= num_blocks:
+        return BadRequest(f"key {key!r} holds {num_blocks} blocks: a read cannot skip "
+                          f"{share.skip} of them")
+    num_blocks -= share.skip
+    whole, layout = layout, part_layout(layout, share.part)
+    if not layout:
+        return BadRequest(f"key {key!r} (layout {describe_layout(whole)}) cannot be cut "
+                          f"into {share.part.count} parts")
     if layout != region.layout:
         return LayoutMismatch(
             f"key {key!r} has layout {describe_layout(layout)} but region "
@@ -92,6 +105,18 @@ def unfit(
         return BadRequest(
             f"key {key!r} holds {num_blocks} blocks, {len(idx)} destination blocks given"
         )
+    return None
+
+
+def uncut(item: Item, share: Share) -> KvdError | None:
+    """Why a published item's blocks cannot be read in ``share``'s parts (each block not
+    one run), found before a read is counted; None if they can."""
+    if item.region is None or share.part == WHOLE:
+        return None
+    try:
+        item.region.part(share.part)
+    except BadRequest as err:
+        return err
     return None
 
 
@@ -106,7 +131,8 @@ class Remote(Protocol):
                           ttl_s: float | None, timeout_s: float) -> int: ...
 
     async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
-                   timeout_s: float, wait_for_key_s: float = 0.0) -> int: ...
+                   timeout_s: float, wait_for_key_s: float = 0.0, share: Share = ALL,
+                   ) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -141,6 +167,13 @@ class Engine:
         self.leases = Leases(self)  # lent keys renewed and released by their readers
 
     # ------------------------------------------------------------ helpers
+
+    def here(self, address: str) -> bool:
+        """Whether a put's destination or a pull's source names this daemon: ``local``,
+        its node id, or its own peer address (what two engines that share this daemon
+        give each other, as each gives the other node's address between nodes)."""
+        return address in self.self_names or (self.remote is not None
+                                              and address == self.remote.address)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -261,34 +294,49 @@ class Engine:
             waiter = self.store.next_waiter(item.key)
             if waiter is None:
                 return
-            problem = unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx)
+            problem = (unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx,
+                             waiter.share) or uncut(item, waiter.share))
             if problem is not None:
                 waiter.settle(problem)
                 continue
-            self.claim(item)
+            self.claim(item, waiter.share)
             waiter.settle(item)
-            if item.consume_once:
-                return
 
-    def claim(self, item: Item) -> None:
-        """Take a reader's share of ``item``; a consumed item leaves the store now."""
+    def claim(self, item: Item, share: Share = ALL) -> None:
+        """Take a read of ``share`` of ``item``; a consumed item leaves the store once all
+        of it is read (by as many readers as its share says)."""
         item.readers += 1
-        if item.consume_once:
+        if item.consume_once and item.count_read(share):
             self.store.pop(item.key, "taken by its reader")
             item.removed = True
             if item.timer is not None:
                 item.timer.cancel()
                 item.timer = None
 
-    async def _read_item_into(self, item: Item, region: Region, idx: torch.Tensor) -> int:
-        """Copy a claimed (and fitting) item into blocks; the claim is released whatever
-        happens."""
+    async def _read_item_into(self, item: Item, region: Region, idx: torch.Tensor,
+                              share: Share = ALL) -> int:
+        """Copy ``share`` of a claimed (and fitting) item into blocks; the claim is
+        released whatever happens."""
         try:
+            nbytes = region.bytes_per_block * len(idx)
             if item.region is not None:
                 assert item.region_idx is not None
                 nbytes = await self.copies.copy_blocks(
-                    [item.region, region], item.nbytes, item.region, item.region_idx,
-                    region.tensors, idx)
+                    [item.region, region], nbytes, item.region.part(share.part),
+                    item.region_idx[share.skip:], region.tensors, idx)
+            elif share != ALL:
+                assert item.pool_block is not None
+                pool = item.pool or self.pool
+                packed = BlockSet.packed(pool.view(item.pool_block), item.layout,
+                                         item.num_blocks)
+                typed = [t.view(torch_dtype(e.dtype))
+                         for t, e in zip(packed.tensors, item.layout, strict=True)]
+                tensors, _ = part_of_blocks(typed, item.layout, share.part,
+                                            f"key {item.key!r}")
+                src_idx = torch.arange(share.skip, item.num_blocks)
+                nbytes = await self.copies.copy(
+                    [region], nbytes, local.copy_blocks, tensors, src_idx, region.tensors,
+                    idx, gpu=tensors[0].is_cuda)
             else:
                 assert item.pool_block is not None
                 pool = item.pool or self.pool
@@ -333,7 +381,7 @@ class Engine:
         # Fail the gets parked on this region, drop keys published from it, then wait
         # for copies touching it before its memory mapping goes away.
         for waiter in self.store.all_waiters():
-            if waiter.region is region and not waiter.future.done():
+            if waiter.region.region_id == region.region_id and not waiter.future.done():
                 waiter.settle(Cancelled(reason))
         for item in self.store.items():
             if item.region is region:
@@ -359,22 +407,27 @@ class Engine:
 
     async def get(
         self, session: int, req_id: int, key: str, region_id: int, blocks: IdArray,
-        timeout_s: float, missing: type[KvdError] = KvdTimeout,
+        timeout_s: float, missing: type[KvdError] = KvdTimeout, share: Share = ALL,
+        into: Part = WHOLE,
     ) -> int:
-        """Read ``key`` into the blocks, waiting up to ``timeout_s`` for it to appear; when
-        it does not, ``missing`` (a pull of a key of this daemon says ``UnknownKey``)."""
+        """Read ``share`` of ``key`` into part ``into`` of the blocks, waiting up to
+        ``timeout_s`` for it to appear; when it does not, ``missing`` (a pull of a key of
+        this daemon says ``UnknownKey``)."""
         region, idx = self._destination(session, region_id, blocks, timeout_s)
+        region = region.part(into)
         item = self.store.find(key)
         if item is not None:
-            problem = unfit(key, item.layout, item.num_blocks, region, idx)
+            problem = unfit(key, item.layout, item.num_blocks, region, idx, share) or uncut(
+                item, share)
             if problem is not None:
                 raise problem  # the item stays for a get that fits
-            self.claim(item)
-            return await self._read_item_into(item, region, idx)
+            self.claim(item, share)
+            return await self._read_item_into(item, region, idx, share)
         if timeout_s == 0:
             raise UnknownKey(f"no key {key!r}")
         ours = BlockSet(region.tensors, idx.numpy())
-        waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours)
+        waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours,
+                        share)
         self.store.add_waiter(key, waiter)
         # Made while we wait rather than after the bytes' offer came, or the put on this
         # daemon whose one-launch copy writes through the map.
@@ -397,7 +450,7 @@ class Engine:
             self.store.drop_waiter(key, waiter)
         if isinstance(result, Delivered):
             return result.nbytes
-        return await self._read_item_into(result, region, idx)
+        return await self._read_item_into(result, region, idx, share)
 
     async def _settle_abandoned(self, waiter: Waiter) -> Delivered | None:
         """A get is leaving (timeout or cancel). If a put is writing into its blocks, wait
@@ -414,13 +467,15 @@ class Engine:
             if isinstance(result, Delivered):
                 late = result
             else:
-                self._unclaim(result)
+                self._unclaim(result, waiter.share)
         if cancelled:
             raise asyncio.CancelledError
         return late
 
-    def _unclaim(self, item: Item) -> None:
+    def _unclaim(self, item: Item, share: Share) -> None:
         item.readers -= 1
+        if item.consume_once:
+            item.count_read(share, by=-1)
         if item.consume_once and self.store.find(item.key) is None and item.removed:
             # Nobody read it: put it back for the next get rather than lose it.
             item.removed = False
@@ -434,14 +489,14 @@ class Engine:
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
         self._check_wait(timeout_s)
-        if to not in self.self_names:
+        if not self.here(to):
             if self.remote is None:
                 raise BadRequest(f"unknown destination {to!r}: this daemon has no peer plane")
             return await self.remote.push_blocks(key, region, idx, to, ttl_s, timeout_s)
         expires_at = self.ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
         if self.store.exists(key):
             raise BadRequest(f"key {key!r} already exists")
-        while (waiter := self.store.next_waiter(key)) is not None:
+        while (waiter := self.store.next_waiter(key, whole=True)) is not None:
             problem = unfit(key, region.layout, len(idx), waiter.region, waiter.idx)
             if problem is None:
                 return await self._deliver(key, region, idx, waiter)
@@ -473,18 +528,22 @@ class Engine:
 
     async def pull(
         self, session: int, key: str, src: str, region_id: int, blocks: IdArray,
-        timeout_s: float, wait_for_key_s: float = 0.0,
+        timeout_s: float, wait_for_key_s: float = 0.0, share: Share = ALL,
+        into: Part = WHOLE,
     ) -> int:
+        """Read ``share`` of ``key`` from daemon ``src`` into part ``into`` of the blocks."""
         region, idx = self._destination(session, region_id, blocks, timeout_s)
+        region = region.part(into)
         wait_for_key_s = min(wait_for_key_s, timeout_s)
-        if src in self.self_names or (self.remote is not None and src == self.remote.address):
+        if self.here(src):
             if self.store.find(key) is None and self.store.gone(key):
                 raise self.store.missing(key)  # KeyGone: it will not come back, no wait
             return await self.get(session, 0, key, region_id, blocks, wait_for_key_s,
-                                  missing=UnknownKey)
+                                  missing=UnknownKey, share=share, into=into)
         if self.remote is None:
             raise BadRequest(f"unknown source {src!r}: this daemon has no peer plane")
-        return await self.remote.pull(key, src, region, idx, timeout_s, wait_for_key_s)
+        return await self.remote.pull(key, src, region, idx, timeout_s, wait_for_key_s,
+                                      share)
 
     def publish(
         self, session: int, key: str, region_id: int, blocks: IdArray,

@@ -116,11 +116,6 @@ class Leases:
 
     # ------------------------------------------------------------ a client's requests
 
-    def _here(self, src: str) -> bool:
-        engine = self._engine
-        return src in engine.self_names or (engine.remote is not None
-                                            and src == engine.remote.address)
-
     def _peers(self, what: str, timeout_s: float) -> LeaseRemote:
         if timeout_s > self._engine.config.max_wait_s:
             raise BadRequest(f"timeout_s must be <= {self._engine.config.max_wait_s}, "
@@ -131,7 +126,7 @@ class Leases:
 
     async def renew_at(self, key: str, src: str, ttl_s: float, timeout_s: float) -> None:
         """A client's ``Renew``: here, or at daemon ``src``."""
-        if self._here(src):
+        if self._engine.here(src):
             self.renew(key, ttl_s)
             return
         self._engine.ttl_deadline(ttl_s)  # (refused here rather than by the peer)
@@ -139,7 +134,7 @@ class Leases:
 
     async def release_at(self, key: str, src: str, timeout_s: float) -> None:
         """A client's ``Release``: here, or at daemon ``src``."""
-        if self._here(src):
+        if self._engine.here(src):
             self.release(key)
             return
         await self._peers(f"source {src!r}", timeout_s).release(key, src, timeout_s)
@@ -149,7 +144,7 @@ class Leases:
         """A client's ``Get`` with a ``sender``: the get, failed at once if ``sender``
         cannot be reached or its link is lost while the get still waits for ``key``
         (bytes already coming, from there or elsewhere, are let in)."""
-        if self._here(sender) or self.remote is None:  # (no peer plane: nobody sends)
+        if self._engine.here(sender) or self.remote is None:  # (no peer plane: nobody sends)
             return await get
 
         def still_waiting() -> bool:

@@ -357,7 +357,7 @@ class LocalServer:
                     self.start_close(s, "client said bye", reply_to=msg.req_id)
                 case Get():
                     got = e.get(s.sid, msg.req_id, msg.key, msg.region_id, msg.ids,
-                                msg.timeout_s)
+                                msg.timeout_s, share=msg.share, into=msg.into)
                     self._spawn(s, msg.req_id, op, got if not msg.sender else
                                 e.leases.get_watching(got, s.sid, msg.req_id, msg.key,
                                                       msg.sender, msg.timeout_s))
@@ -368,7 +368,7 @@ class LocalServer:
                 case Pull():
                     self._spawn(s, msg.req_id, op, e.pull(
                         s.sid, msg.key, msg.src, msg.region_id, msg.ids, msg.timeout_s,
-                        msg.wait_for_key_s))
+                        msg.wait_for_key_s, msg.share, msg.into))
                 case Renew():
                     self._spawn(s, msg.req_id, op, e.leases.renew_at(
                         msg.key, msg.src, msg.ttl_s, msg.timeout_s))

@@ -29,6 +29,7 @@ from kvd.daemon.futures import settle_awaited
 from kvd.errors import BadRequest, KeyGone, UnknownKey
 from kvd.memory.pool import HostPool, PoolBlock
 from kvd.memory.regions import Layout, Region
+from kvd.protocol import ALL, Part, Share
 from kvd.transport.chunks import BlockSet
 
 
@@ -51,10 +52,19 @@ class Item:
     bytes_read: int = 0  # by reads that completed (a lent item reports it to its owner)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     on_free: Callable[[Item], None] | None = field(default=None, repr=False)
+    # A consumed item's reads so far, by the part each took (at most MAX_PARTS per cut).
+    reads: dict[Part, int] = field(default_factory=dict, repr=False)
 
     @property
     def published(self) -> bool:
         return self.region is not None
+
+    def count_read(self, share: Share, by: int = 1) -> bool:
+        """Count a read of ``share`` (``by`` -1: one handed back unread); True once every
+        part of its cut has been read by as many readers as it says."""
+        part, count = share.part, share.part.count
+        self.reads[part] = self.reads.get(part, 0) + by
+        return all(self.reads.get(Part(i, count), 0) >= share.readers for i in range(count))
 
     def release(self) -> None:
         """Free the item's memory once no copy reads it."""
@@ -78,10 +88,11 @@ class Waiter:
 
     session: int
     req_id: int
-    region: Region
+    region: Region  # (seen as the part of its blocks the get writes into)
     idx: torch.Tensor
     future: asyncio.Future[Any]
     blocks: BlockSet  # region's blocks idx in wire order, made (and mapped) ahead
+    share: Share = ALL  # what of the key it takes: only a whole one is delivered to it
     delivering: bool = False  # a put is copying straight into our blocks
     # Set while a peer's bytes come straight into our blocks: a cancelled get calls it
     # to have the rest dropped (it still waits for a chunk being written).
@@ -196,21 +207,33 @@ class KeyStore:
         if not queue:
             del self._waiters[key]
 
-    def waiters(self, key: str) -> list[Waiter]:
-        """The gets still waiting for ``key``, oldest first (they stay in the queue)."""
-        return [w for w in self._waiters.get(key, ()) if not w.future.done()]
+    def waiters(self, key: str, whole: bool = False) -> list[Waiter]:
+        """The gets still waiting for ``key``, oldest first (they stay in the queue);
+        ``whole``: only those that take all of it (bytes may be delivered to them)."""
+        return [w for w in self._waiters.get(key, ())
+                if not w.future.done() and not (whole and w.share != ALL)]
 
-    def next_waiter(self, key: str) -> Waiter | None:
-        """The oldest waiter for ``key`` still waiting, removed from the queue."""
+    def next_waiter(self, key: str, whole: bool = False) -> Waiter | None:
+        """The oldest waiter for ``key`` still waiting (``whole``: of those that take all
+        of it), removed from the queue."""
         queue = self._waiters.get(key)
+        if not queue:
+            return None
+        kept: list[Waiter] = []
+        found = None
         while queue:
             waiter = queue.popleft()
-            if not waiter.future.done():
-                if not queue:
-                    del self._waiters[key]
-                return waiter
-        self._waiters.pop(key, None)
-        return None
+            if waiter.future.done():
+                continue
+            if whole and waiter.share != ALL:
+                kept.append(waiter)
+                continue
+            found = waiter
+            break
+        queue.extendleft(reversed(kept))
+        if not queue:
+            del self._waiters[key]
+        return found
 
     def waiting_count(self) -> int:
         return sum(len(q) for q in self._waiters.values())

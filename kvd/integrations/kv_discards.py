@@ -25,6 +25,7 @@ from kvd.client.base import Region
 from kvd.client.sync import KvdClient, Transfer
 from kvd.errors import KvdError
 from kvd.integrations.kv_orders import DiscardOrder, MoverStats
+from kvd.protocol import Share
 
 
 @dataclass(eq=False)
@@ -92,7 +93,8 @@ class Discards:
                 sink = discard.sink = self._sink_for(client, order.num_blocks)
                 sink.users += 1
                 discard.transfer = client.start_get(
-                    order.key, sink.region, range(order.num_blocks), timeout_s=left)
+                    order.key, sink.region, range(order.num_blocks), timeout_s=left,
+                    share=Share(order.part, readers=order.readers), into=order.into)
                 return
             if not discard.transfer.done():
                 return

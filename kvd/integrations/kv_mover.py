@@ -27,8 +27,11 @@ GPU tensors are registered in place (CUDA IPC) and move without copies. CPU tens
 engine are private memory the daemon cannot map, so they go through a *staging* region in
 shared memory: a send copies the blocks into staging slots (the engine's blocks are free
 at once), a load lands in staging and is copied into the blocks. A load whose first blocks
-are already cached locally (a prefix hit) also goes through staging, so that only the
-missing blocks are written. A discarded key is taken by a get into a *sink*: blocks
+are already cached locally (a prefix hit) takes only the others: the daemon skips the
+cached ones at the source (``Share.skip``). When prefill splits its KV heads over another
+number of ranks than decode (``kv_ranks``), a load is one read per prefill rank it takes
+heads from: a part of each of that rank's blocks into a part of each of its own, in place
+on GPU. A discarded key is taken by a get into a *sink*: blocks
 shaped like the engine's, as many as the largest key discarded, in memory like staging's,
 which all discards share (nobody reads what lands there). Every wait has a deadline: a
 send is withdrawn when its lease ends, a load fails when its timeout passes, a discard is
@@ -81,7 +84,15 @@ from kvd.integrations.kv_orders import (
 )
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
 from kvd.integrations.kv_requests import RequestParts
-from kvd.integrations.kv_staging import Slots, block_dim_of, blocks_like, copy_blocks, wide_pair
+from kvd.integrations.kv_staging import (
+    Slots,
+    block_dim_of,
+    blocks_like,
+    copy_blocks,
+    part_pair,
+    wide_pair,
+)
+from kvd.protocol import WHOLE, Part, Share
 
 __all__ = [  # the mover's surface; callers import all of it from here
     "DiscardOrder", "KvMover", "LoadOrder", "MoverStats", "Polled", "ReleaseOrder",
@@ -147,6 +158,7 @@ class KvMover:
         self._staging: list[torch.Tensor] | None = None
         self._staging_region: Any = None
         self._wide_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (layer, staging)
+        self._part_pairs: dict[Part, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._slots = Slots(0)
         self.stats = MoverStats()
         self.connected = True  # False from when the daemon goes away until one is back
@@ -226,6 +238,7 @@ class KvMover:
         tensors = self._blocks_like_layers(n)
         self._staging = tensors
         self._staging_region = self.client.register("kv-staging", tensors)
+        self._part_pairs = {}
         self._wide_pairs = [wide_pair(t, st) for t, st in zip(self.layers, tensors,
                                                               strict=True)]
         self._slots = Slots(n)
@@ -238,9 +251,18 @@ class KvMover:
                              "(raise staging_blocks)")
         return self._slots.take(n)
 
-    def _stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool) -> None:
-        """Engine blocks into staging slots (``inward``), or staging slots into blocks."""
-        copy_blocks(self._wide_pairs, block_ids, slots, inward)
+    def _stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool,
+               part: Part = WHOLE) -> None:
+        """Engine blocks into staging slots (``inward``), or staging slots into blocks
+        (only ``part`` of each)."""
+        pairs = self._wide_pairs
+        if part != WHOLE:
+            if part not in self._part_pairs:
+                assert self._staging is not None
+                self._part_pairs[part] = [part_pair(t, st, part) for t, st in
+                                          zip(self.layers, self._staging, strict=True)]
+            pairs = self._part_pairs[part]
+        copy_blocks(pairs, block_ids, slots, inward)
 
     # ------------------------------------------------------------ orders
 
@@ -261,6 +283,11 @@ class KvMover:
             self._end_send(send)
             return
         self._advance_send(send)
+
+    def skip(self, order: SendOrder) -> None:
+        """A send this engine need not make (another tensor-parallel rank sends the same
+        KV heads): its blocks are released as if it had been made."""
+        self._requests.send_ordered(order, holds=False)
 
     def _valid(self, block_ids: Sequence[int]) -> bool:
         return all(0 <= b < self.num_blocks for b in block_ids)
@@ -308,7 +335,7 @@ class KvMover:
         """A pull-flow load that will not happen: its key is freed at prefill."""
         if order.source is not None and self.connected:
             self._leases.release(self.client, ReleaseOrder(order.req_id, order.key,
-                                                           order.source))
+                                                           order.source, order.their_tp))
 
     def poll(self) -> Polled:
         if not self.connected:
@@ -410,7 +437,7 @@ class KvMover:
                 self.stats.pull_retries += 1
                 return
             if load.slots is not None:
-                self._stage(order.block_ids, load.slots[order.first:], inward=False)
+                self._stage(order.block_ids, load.slots, inward=False, part=order.into)
             self.stats.bytes_received += nbytes
             self._end_load(load)
             self._requests.load_ended(order, ok=True, nbytes=nbytes)
@@ -430,23 +457,27 @@ class KvMover:
         left = load.deadline - now
         if left <= 0:
             raise KvdError(f"key {order.key!r} did not come within {order.timeout_s:g}s")
-        if self.direct and order.first == 0:
+        if self.direct:
             region, blocks = self.region, order.block_ids
         else:
             if load.slots is None:
-                load.slots = self._take_slots(order.remote_blocks)
+                load.slots = self._take_slots(len(order.block_ids))
                 if load.slots is None:
                     return  # staging is full: try again at the next poll
             region, blocks = self._staging_region, load.slots
+        # Only the blocks not cached here cross the wire (a prefix hit skips the others).
+        share = Share(order.part, skip=order.first, readers=order.readers)
         if order.source is None:
             load.transfer = self.client.start_get(order.key, region, blocks, timeout_s=left,
+                                                  share=share, into=order.into,
                                                   sender=order.sender)
         else:
             # Prefill lends one engine step after it answered, so the pull often comes
             # first: it waits there for the key and is served the moment it is lent.
             load.transfer = self.client.start_pull(
                 order.key, order.source, region, blocks, timeout_s=left,
-                wait_for_key_s=max(0.0, left - PULL_KEY_MARGIN_S))
+                wait_for_key_s=max(0.0, left - PULL_KEY_MARGIN_S), share=share,
+                into=order.into)
 
     def _end_load(self, load: _Load) -> None:
         self._loads.pop(load.order.key, None)

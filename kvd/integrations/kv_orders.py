@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvd.protocol import WHOLE, Part
+
 
 @dataclass
 class SendOrder:
@@ -33,8 +35,11 @@ class SendOrder:
 @dataclass
 class LoadOrder:
     """Bring ``key`` (``remote_blocks`` blocks) into this engine: its blocks from
-    ``first`` on go into ``block_ids`` (the ones before are cached here already). From
-    daemon ``source`` (pull), or, with ``source`` None, pushed to this daemon."""
+    ``first`` on go into ``block_ids`` (the ones before are cached here already, and do
+    not cross the wire). From daemon ``source`` (pull), or, with ``source`` None, pushed
+    to this daemon. With tensor parallelism of other sizes on the two sides
+    (``kv_ranks``): ``part`` of each of the key's blocks goes into part ``into`` of each
+    of ``block_ids``, and ``readers`` ranks read each part of the key."""
 
     req_id: str
     key: str
@@ -47,6 +52,10 @@ class LoadOrder:
     # Not '': the load is refused before it starts (prefill's KV does not fit this engine,
     # said once by the scheduler): it fails at once, and vLLM's failure policy applies.
     refusal: str = ""
+    part: Part = WHOLE
+    readers: int = 1
+    into: Part = WHOLE
+    their_tp: int = 0  # prefill's tensor-parallel size, when told (0: not told)
     # Pushed (``source`` None): the daemon that pushes it, when known. The load fails at
     # once if that daemon cannot be reached or goes while the key has not come.
     sender: str | None = None
@@ -61,6 +70,10 @@ class DiscardOrder:
     key: str
     num_blocks: int
     timeout_s: float
+    part: Part = WHOLE  # as in LoadOrder: what of the key this rank takes
+    readers: int = 1
+    into: Part = WHOLE
+    their_tp: int = 0
 
 
 @dataclass
@@ -72,6 +85,7 @@ class RenewOrder:
     key: str
     source: str
     ttl_s: float
+    their_tp: int = 0  # as in LoadOrder: which of prefill's keys this rank reads
 
 
 @dataclass
@@ -82,6 +96,7 @@ class ReleaseOrder:
     req_id: str
     key: str
     source: str
+    their_tp: int = 0
 
 
 @dataclass

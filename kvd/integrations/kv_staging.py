@@ -15,6 +15,7 @@ import torch
 
 from kvd.client.shm import shared_empty
 from kvd.errors import BadRequest
+from kvd.protocol import Part
 
 
 def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -61,6 +62,30 @@ def wide_pair(layer: torch.Tensor, stage: torch.Tensor) -> tuple[torch.Tensor, t
     return layer, stage
 
 
+def part_pair(layer: torch.Tensor, stage: torch.Tensor, part: Part,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``part`` of each block of a layer and of its staging (as the daemon cuts a block:
+    ``kvd.memory.regions.part_of_blocks``), for copying only that part."""
+    views = []
+    for t in (layer, stage):
+        try:
+            flat = t.view(t.shape[0], -1)
+        except RuntimeError:
+            raise BadRequest(f"KV blocks of shape {tuple(t.shape[1:])} are not one "
+                             "contiguous run each: they cannot be cut in parts") from None
+        size, rest = divmod(flat.shape[1], part.count)
+        if rest:
+            raise BadRequest(f"KV blocks of {flat.shape[1]} elements do not cut in "
+                             f"{part.count} parts")
+        views.append(flat[:, part.index * size:(part.index + 1) * size])
+    return views[0], views[1]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes (torch has no CPU index_copy_ for one-byte floats)."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int],
                 slots: Sequence[int], inward: bool) -> None:
     """Engine blocks into staging slots (``inward``), or staging slots into blocks, in every
@@ -68,7 +93,7 @@ def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: S
     device = pairs[0][0].device
     blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
     staged = torch.tensor(list(slots), dtype=torch.long, device=device)
-    for layer, stage in pairs:
+    for layer, stage in ((_bits(x), _bits(y)) for x, y in pairs):
         if inward:
             stage.index_copy_(0, staged, layer.index_select(0, blocks))
         else:

@@ -11,7 +11,8 @@ Extra config (all optional): ``kvd_socket`` (the local daemon; default ``KVD_SOC
 or kvd's default), ``kvd_address`` (this daemon's peer address as other nodes reach it;
 default: asked from the daemon), ``flow`` ("pull", default, or "push"), ``lease_s`` (30:
 how long prefill keeps a request's blocks for decode), ``load_timeout_s`` (30: how long
-decode waits for them), ``staging_blocks`` (256: shared-memory blocks for CPU engines).
+decode waits for them), ``staging_blocks`` (CPU engines: the shared-memory blocks their KV
+goes through; by default the longest request's, or 256 if more).
 
 The request-level protocol (``kv_transfer_params``, set by a proxy, see
 ``examples/vllm/``):
@@ -68,6 +69,7 @@ from kvd.integrations.kv_orders import (
     SendOrder,
 )
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
+from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_params import RemotePrefill, key_param
 from kvd.integrations.vllm_settings import Settings
@@ -130,6 +132,17 @@ class _Held:
     source: str
     lease_s: float
     renew_at: float  # time.monotonic()
+    their_tp: int = 0  # prefill's tensor-parallel size, when told
+
+
+def _their_tp(remote: RemotePrefill) -> int:
+    """Prefill's tensor-parallel size, when it said (0: not said)."""
+    return remote.compat.tensor_parallel_size if remote.compat else 0
+
+
+def _rank_key(key: str, rank: int, tp: int) -> str:
+    """The key tensor-parallel rank ``rank`` of ``tp`` sends its KV heads under."""
+    return f"{key}#tp{rank}" if tp > 1 else key
 
 
 def _client(settings: Settings, name: str) -> KvdClient:
@@ -171,6 +184,10 @@ if _VLLM_ERROR is None:
             self.block_size = vllm_config.cache_config.block_size
             self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
                                else vllm_config.cache_config.num_gpu_blocks)
+            # CPU engines' staging: room for the longest request a transfer may carry (a
+            # larger one fails), or 256 blocks, whichever is more, unless set.
+            longest = blocks_for(vllm_config.model_config.max_model_len, self.block_size)
+            self.staging_blocks = self.settings.staging_blocks or max(256, longest)
             # What this engine's KV is: prefill tells decode (kvd_compat), decode refuses
             # KV that does not fit it.
             self.compat = Compat.of(vllm_config)
@@ -190,7 +207,10 @@ if _VLLM_ERROR is None:
             self._client: Any = None
             self._mover: KvMover | None = None
             self._load_errors: set[int] = set()
-            self._key_suffix = ""
+            self._tp_rank, self._tp = 0, self.compat.tensor_parallel_size
+            # KV heads as kv_ranks counts them: an MLA latent cache is one that every
+            # rank holds.
+            self._heads = 1 if self.compat.use_mla else self.compat.num_kv_heads
             self._reported: dict[str, Any] = {}
             if role == KVConnectorRole.SCHEDULER and self.is_producer and not self.address:
                 self.address = self._daemon_address()
@@ -225,14 +245,18 @@ if _VLLM_ERROR is None:
                 return
             lease_s = remote.lease_s or self.settings.lease_s
             renew_at = time.monotonic() + lease_s / 2
-            self._held[req_id] = _Held(remote.key, remote.source, lease_s, renew_at)
+            self._held[req_id] = _Held(remote.key, remote.source, lease_s, renew_at,
+                                       _their_tp(remote))
             self._next_renewal = min(self._next_renewal, renew_at)
 
         def _release(self, req_id: str, remote: RemotePrefill | _Held | None) -> None:
             """Prefill may free what it lent for this request: it will not be loaded."""
             self._held.pop(req_id, None)
             if remote is not None and remote.source is not None:
-                self._releases.append(ReleaseOrder(req_id, remote.key, remote.source))
+                their_tp = (remote.their_tp if isinstance(remote, _Held)
+                            else _their_tp(remote))
+                self._releases.append(ReleaseOrder(req_id, remote.key, remote.source,
+                                                   their_tp))
 
         def _renewals(self) -> None:
             """Renew the leases of the requests still waiting, every half lease each."""
@@ -244,7 +268,7 @@ if _VLLM_ERROR is None:
                 if now >= held.renew_at:
                     held.renew_at = now + held.lease_s / 2
                     self._renews.append(RenewOrder(req_id, held.key, held.source,
-                                                   held.lease_s))
+                                                   held.lease_s, held.their_tp))
                 self._next_renewal = min(self._next_renewal, held.renew_at)
 
         def update_connector_output(self, connector_output: Any) -> None:
@@ -310,11 +334,13 @@ if _VLLM_ERROR is None:
                 self._loads.append(LoadOrder(
                     req_id=request.request_id, key=remote.key, source=remote.source,
                     remote_blocks=n, first=first, block_ids=list(ids[first:n]),
-                    timeout_s=self.settings.load_timeout_s, refusal=why))
+                    timeout_s=self.settings.load_timeout_s, refusal=why,
+                    their_tp=_their_tp(remote)))
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
+            their_tp = _their_tp(remote)
             # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
-            self._drop_pushed(remote, [p for p in parts if p[2] <= first])
+            self._drop_pushed(remote, [p for p in parts if p[2] <= first], their_tp)
             wanted = [p for p in parts if p[2] > first]
             for key, lo, hi in wanted:
                 self._loads.append(LoadOrder(
@@ -322,7 +348,7 @@ if _VLLM_ERROR is None:
                     remote_blocks=hi - lo, first=max(first - lo, 0),
                     block_ids=list(ids[max(lo, first):hi]),
                     timeout_s=self.settings.load_timeout_s, parts=len(wanted),
-                    sender=remote.sender))
+                    their_tp=their_tp, sender=remote.sender))
 
         def _parts(self, remote: RemotePrefill, n: int) -> list[tuple[str, int, int]]:
             """The keys a request's ``n`` blocks come under, with the blocks each holds."""
@@ -335,7 +361,7 @@ if _VLLM_ERROR is None:
                     for j, (lo, hi) in enumerate(ranges)]
 
         def _drop_pushed(self, remote: RemotePrefill, parts: list[tuple[str, int, int]],
-                         ) -> None:
+                         their_tp: int = 0) -> None:
             """Parts that decode will not load. Pushed ones are taken and dropped by the
             worker, whether they came before this or come later: left alone, each would
             hold the daemon's pool until prefill's lease ends. (A pull-flow key stays at
@@ -343,7 +369,8 @@ if _VLLM_ERROR is None:
             if remote.source is not None:
                 return
             for key, lo, hi in parts:
-                self._discards.append(DiscardOrder(key, hi - lo, self.settings.load_timeout_s))
+                self._discards.append(DiscardOrder(key, hi - lo, self.settings.load_timeout_s,
+                                                   their_tp=their_tp))
 
         def _track_push(self, request: Any) -> None:
             """Prefill, push flow: remember the request so that its parts can go as soon
@@ -475,6 +502,17 @@ if _VLLM_ERROR is None:
             return True
 
         @classmethod
+        def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+            """A block's KV heads outermost (vLLM's ``LBHNC``: layer, block, head, token,
+            content), so that a tensor-parallel rank's heads are one equal byte range of
+            each block, which the daemon reads and writes in place when prefill and decode
+            split the heads over different numbers of ranks (``kv_ranks``). The CPU
+            backend has only this layout; NixlConnector asks for the same. An MLA cache
+            has no heads to split: any layout."""
+            model = getattr(vllm_config, "model_config", None)
+            return None if model is None or model.use_mla else "LBHNC"
+
+        @classmethod
         def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
             """No: vLLM (0.33 on) then refuses ``enable_sleep_mode`` with this connector at
             start. The daemon maps GPU KV in place (CUDA IPC), and sleep frees or remaps
@@ -490,34 +528,70 @@ if _VLLM_ERROR is None:
                 get_tensor_model_parallel_world_size,
             )
 
-            if get_tensor_model_parallel_world_size() > 1:
-                self._key_suffix = f"#tp{get_tensor_model_parallel_rank()}"
+            self._tp_rank = get_tensor_model_parallel_rank()
+            self._tp = get_tensor_model_parallel_world_size()
             layers = list(kv_caches.values())
-            self._mover = KvMover(self._client, layers, self.num_blocks,
-                                  self.settings.staging_blocks,
+            self._mover = KvMover(self._client, layers, self.num_blocks, self.staging_blocks,
                                   name=f"vllm-{self.engine_id}", logger=log)
             log.info("kvd: registered %d KV tensors (%d blocks, %s, %s)", len(layers),
                      self.num_blocks, layers[0].device,
                      "in place" if self._mover.direct else
-                     f"{self.settings.staging_blocks} staging blocks")
+                     f"{self.staging_blocks} staging blocks of shared memory, "
+                     f"{self.staging_blocks * self._mover.block_bytes / 2**20:.0f} MiB")
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._mover is None or not self.has_connector_metadata():
                 return
             meta = self._get_connector_metadata()
             assert isinstance(meta, KvdConnectorMetadata)
-            # With tensor parallelism each worker moves its own shard under its own key;
-            # decode's rank r reads prefill's rank r.
+            # With tensor parallelism each rank that holds heads no lower rank holds sends
+            # them under its own key; each rank of decode reads its heads from the ranks
+            # of prefill that lend them (kv_ranks).
             for order in meta.sends:
-                self._mover.send(replace(order, key=order.key + self._key_suffix))
+                if lends(self._tp_rank, self._tp, self._heads):
+                    self._mover.send(replace(order, key=_rank_key(order.key, self._tp_rank,
+                                                                  self._tp)))
+                else:
+                    self._mover.skip(order)
             for load in meta.loads:
-                self._mover.load(replace(load, key=load.key + self._key_suffix))
+                try:
+                    taken = self._reads(load.their_tp)
+                except BadRequest as err:  # (the scheduler refuses such pairs first)
+                    self._mover.load(replace(load, refusal=err.message))
+                    continue
+                for read in taken:
+                    self._mover.load(replace(
+                        load, key=_rank_key(load.key, read.rank, load.their_tp or self._tp),
+                        part=read.part, readers=read.readers, into=read.into,
+                        parts=load.parts * len(taken)))
             for discard in meta.discards:
-                self._mover.discard(replace(discard, key=discard.key + self._key_suffix))
-            for renew in meta.renews:
-                self._mover.renew(replace(renew, key=renew.key + self._key_suffix))
-            for release in meta.releases:
-                self._mover.release(replace(release, key=release.key + self._key_suffix))
+                try:
+                    taken = self._reads(discard.their_tp)
+                except BadRequest:
+                    continue  # (as above; what was pushed ends with its lease)
+                for read in taken:
+                    self._mover.discard(replace(
+                        discard,
+                        key=_rank_key(discard.key, read.rank, discard.their_tp or self._tp),
+                        part=read.part, readers=read.readers, into=read.into))
+            # Renewals and releases: of each key of prefill's that this rank reads.
+            leases: list[RenewOrder | ReleaseOrder] = [*meta.renews, *meta.releases]
+            for lease in leases:
+                try:
+                    taken = self._reads(lease.their_tp)
+                except BadRequest:
+                    continue
+                for rank in sorted({read.rank for read in taken}):
+                    key = _rank_key(lease.key, rank, lease.their_tp or self._tp)
+                    if isinstance(lease, RenewOrder):
+                        self._mover.renew(replace(lease, key=key))
+                    else:
+                        self._mover.release(replace(lease, key=key))
+
+        def _reads(self, their_tp: int) -> list[Read]:
+            """What this rank reads of prefill's ranks (``their_tp`` 0: prefill did not say
+            how many it has, and is taken to have as many as this engine)."""
+            return reads(self._tp_rank, self._tp, their_tp or self._tp, self._heads)
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             return  # loads are asynchronous: the scheduler runs a request once it is in

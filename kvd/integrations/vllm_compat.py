@@ -17,11 +17,15 @@ from typing import Any
 import msgspec
 
 from kvd.errors import BadRequest
+from kvd.integrations.kv_ranks import check_split
 from kvd.protocol import PROTOCOL_VERSION
 
 # What the connector's own wire (the params, the keys, the layout it registers) means:
 # bumped on any change that an older connector would misread.
-CONNECTOR_VERSION = 1
+#   2: KV heads outermost in a block (LBHNC); a rank's key is read in parts (kv_ranks).
+CONNECTOR_VERSION = 2
+# May differ between prefill and decode: decode reads its heads from prefill's ranks.
+_MAY_DIFFER = ("tensor_parallel_size",)
 
 
 class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -80,7 +84,21 @@ class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def refusal(self, theirs: Compat) -> str:
         """Why a prefill engine's KV (``theirs``) does not fit this engine: each field that
-        differs, as ``name: prefill …, this engine …``; '' if none does."""
-        return "; ".join(f"{name}: prefill {getattr(theirs, name)!r}, this engine "
-                         f"{getattr(self, name)!r}" for name in self.__struct_fields__
-                         if getattr(self, name) != getattr(theirs, name))
+        differs and must not, as ``name: prefill …, this engine …``; '' if none does.
+        Tensor-parallel sizes may differ where one divides the other (and both split the
+        KV heads evenly: vLLM starts no engine that does not)."""
+        why = [f"{name}: prefill {getattr(theirs, name)!r}, this engine "
+               f"{getattr(self, name)!r}" for name in self.__struct_fields__
+               if name not in _MAY_DIFFER and getattr(self, name) != getattr(theirs, name)]
+        ours, other = self.tensor_parallel_size, theirs.tensor_parallel_size
+        if not why and ours != other:
+            try:
+                if max(ours, other) % min(ours, other):
+                    raise BadRequest("neither divides the other")
+                heads = 1 if self.use_mla else self.num_kv_heads
+                check_split(other, heads, "prefill")
+                check_split(ours, heads, "decode")
+            except BadRequest as err:
+                why.append(f"tensor_parallel_size: prefill {other}, this engine {ours} "
+                           f"({err.message})")
+        return "; ".join(why)

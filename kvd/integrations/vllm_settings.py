@@ -22,7 +22,9 @@ class Settings:
     flow: str = "pull"
     lease_s: float = 30.0
     load_timeout_s: float = 30.0
-    staging_blocks: int = 256
+    # CPU engines: shared-memory blocks their KV goes through (None: the longest request's
+    # blocks or 256, whichever is more; see KvdConnector)
+    staging_blocks: int | None = None
     push_part_blocks: int = 64  # push flow: send a long prompt in parts as they are written
 
     @classmethod
@@ -46,6 +48,8 @@ class Settings:
                 raise BadRequest(f"{name} must be a positive number, got {value!r}")
         for name, least in (("staging_blocks", 1), ("push_part_blocks", 0)):
             value = getattr(settings, name)
+            if value is None and name == "staging_blocks":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise BadRequest(f"{name} must be an integer >= {least}, got {value!r}")
         return settings

@@ -29,9 +29,11 @@ import torch
 from kvd.errors import BadRequest, LayoutMismatch
 from kvd.memory.segments import check_segment
 from kvd.protocol import (
+    WHOLE,
     CudaIpcTensor,
     DType,
     LayoutEntry,
+    Part,
     ShmTensor,
     TensorSpec,
 )
@@ -63,6 +65,16 @@ _DTYPES: dict[DType, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, DType] = {v: k for k, v in _DTYPES.items()}
 
 
+# torch has no CPU index_copy_ for its one-byte floats (FP8 KV caches): copies move their
+# bits as bytes.
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as what a block copy may move: its bytes for an FP8 tensor, else itself."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]  # type: ignore[index]
@@ -89,6 +101,46 @@ def packed_offsets(layout: Layout, num_blocks: int) -> tuple[list[int], int]:
         pos += entry.bytes_per_block * num_blocks
         pos = -(-pos // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
     return offsets, pos
+
+
+def part_layout(layout: Layout, part: Part) -> Layout:
+    """The layout of ``part`` of each block; empty when some block does not divide."""
+    if part == WHOLE:
+        return layout
+    if any(e.bytes_per_block % (part.count * torch_dtype(e.dtype).itemsize) for e in layout):
+        return ()  # (a part is whole elements of its dtype)
+    return tuple(LayoutEntry(e.bytes_per_block // part.count, e.dtype) for e in layout)
+
+
+def part_of_blocks(tensors: Sequence[torch.Tensor], layout: Layout, part: Part,
+                   what: str) -> tuple[list[torch.Tensor], Layout]:
+    """``part`` of every block of each tensor (block dimension first): views, and their
+    layout. Each block must be one contiguous run that the part's count divides into whole
+    elements; ``what`` names the memory in the error if not."""
+    if part == WHOLE:
+        return list(tensors), layout
+    views = []
+    for i, (t, entry) in enumerate(zip(tensors, layout, strict=True)):
+        per_block = t[0].numel() if len(t) else 0
+        if not block_contiguous(t) or per_block % part.count:
+            raise BadRequest(f"{what}: tensor {i}'s blocks cannot be cut into {part.count} "
+                             f"parts ({per_block} {entry.dtype} elements each, "
+                             f"{'' if block_contiguous(t) else 'not '}contiguous)")
+        size = per_block // part.count
+        flat = t.as_strided((t.shape[0], per_block), (t.stride(0), 1))
+        views.append(flat[:, part.index * size:(part.index + 1) * size])
+    return views, part_layout(layout, part)
+
+
+def block_contiguous(t: torch.Tensor) -> bool:
+    """Each block (``t[i]``) is one contiguous range: checked on the strides, without
+    making a view (a view costs microseconds, per tensor, per transfer)."""
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] != 1 and t.stride(dim) != expected:
+            return False
+        expected *= t.shape[dim]
+    return True
 
 
 def _extent_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
@@ -147,6 +199,21 @@ class Region:
     mappings: list[Any] = field(default_factory=list, repr=False)
     # (device, event): the client's interprocess events; reads of the region wait for them
     ready_events: list[Any] = field(default_factory=list, repr=False)
+    _parts: dict[Part, Region] = field(default_factory=dict, repr=False)
+
+    def part(self, part: Part) -> Region:
+        """The region seen as ``part`` of each of its blocks: the same region (its id, its
+        holds and its events) with views of its tensors. Made once per part."""
+        if part == WHOLE:
+            return self
+        found = self._parts.get(part)
+        if found is None:
+            tensors, layout = part_of_blocks(self.tensors, self.layout, part,
+                                             f"region {self.name!r}")
+            found = Region(self.region_id, self.name, self.owner, tensors, self.num_blocks,
+                           layout, self.mappings, self.ready_events)
+            self._parts[part] = found
+        return found
 
     @property
     def on_gpu(self) -> bool:

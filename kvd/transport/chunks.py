@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvd.errors import TransferFailed
-from kvd.memory.regions import FEW_IDS, IdArray, Layout, packed_offsets
+from kvd.memory.regions import FEW_IDS, IdArray, Layout, bits, packed_offsets
 from kvd.transport import gpu_copy
 from kvd.transport.gpu_copy import BlockMap
 from kvd.transport.views import block_views, packed_views
@@ -237,8 +237,7 @@ class BlockSet:
             gpu_copy.copy(first, last, src=packed, dst=found)
         return True
 
-    def _section(self, staging: torch.Tensor, seg: Segment) -> torch.Tensor:
-        t = self.tensors[seg.tensor]
+    def _section(self, staging: torch.Tensor, seg: Segment, t: torch.Tensor) -> torch.Tensor:
         raw = staging[seg.offset : seg.offset + seg.nbytes]
         return raw.view(t.dtype).view(seg.stop - seg.start, *t.shape[1:])
 
@@ -252,8 +251,8 @@ class BlockSet:
         if on is not None and on != staging.device:
             raise TransferFailed(f"no gather kernel on {on} for these blocks")
         for seg in chunk.segments:
-            t = self.tensors[seg.tensor]
-            out = self._section(staging, seg)
+            t = bits(self.tensors[seg.tensor])
+            out = self._section(staging, seg, t)
             first = self._run(seg)
             if first is not None:
                 out.copy_(t[first : first + seg.stop - seg.start], non_blocking=True)
@@ -268,8 +267,8 @@ class BlockSet:
         if self._one_launch(chunk, staging, gather=False):
             return
         for seg in chunk.segments:
-            t = self.tensors[seg.tensor]
-            src = self._section(staging, seg)
+            t = bits(self.tensors[seg.tensor])
+            src = self._section(staging, seg, t)
             first = self._run(seg)
             if first is not None:
                 t[first : first + seg.stop - seg.start].copy_(src, non_blocking=True)

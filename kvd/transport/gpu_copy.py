@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvd.memory.regions import IdArray
+from kvd.memory.regions import IdArray, block_contiguous
 from kvd.memory.streams import current_stream
 from kvd.memory.tensor_lists import PerTensorList
 
@@ -249,17 +249,6 @@ def _geometry(t: torch.Tensor) -> tuple[int, int, int]:
     """(address, bytes per block, bytes between blocks) of a block-first tensor."""
     size = t.element_size()
     return t.data_ptr(), math.prod(t.shape[1:]) * size, t.stride(0) * size
-
-
-def block_contiguous(t: torch.Tensor) -> bool:
-    """Each block (``t[i]``) is one contiguous range: checked on the strides, without
-    making a view (a view costs microseconds, per tensor, per transfer)."""
-    expected = 1
-    for dim in range(t.dim() - 1, 0, -1):
-        if t.shape[dim] != 1 and t.stride(dim) != expected:
-            return False
-        expected *= t.shape[dim]
-    return True
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvd import timeline
-from kvd.memory.regions import IdArray, Layout, packed_offsets
+from kvd.memory.regions import IdArray, Layout, bits, packed_offsets
 from kvd.memory.streams import current_stream
 from kvd.protocol import LayoutEntry
 from kvd.transport import gpu_copy
@@ -68,7 +68,7 @@ def gather(
     """Blocks ``idx`` of every tensor into the packed uint8 buffer ``out``."""
     offsets, total = packed_offsets(layout, len(idx))
     found = runs(idx.tolist())
-    for t, off in zip(tensors, offsets, strict=True):
+    for t, off in zip(map(bits, tensors), offsets, strict=True):
         section = _section(out, off, t, len(idx))
         if _few_runs(found):
             for s, p, n in found:
@@ -87,7 +87,7 @@ def scatter(
     """The packed uint8 buffer ``buf`` into blocks ``idx`` of every tensor."""
     offsets, total = packed_offsets(layout, len(idx))
     found = runs(idx.tolist())
-    for t, off in zip(tensors, offsets, strict=True):
+    for t, off in zip(map(bits, tensors), offsets, strict=True):
         section = _section(buf, off, t, len(idx))
         if _few_runs(found):
             for d, p, n in found:
@@ -136,7 +136,7 @@ def copy_blocks(
     the copy kernel cannot describe), so it does not try that again."""
     nbytes = 0
     found = runs(src_idx.tolist(), dst_idx.tolist())
-    for s, d in zip(src, dst, strict=True):
+    for s, d in zip(map(bits, src), map(bits, dst), strict=True):
         block_shape = d.shape[1:]
         if _few_runs(found):
             for a, b, n in found:

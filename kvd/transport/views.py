@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.memory.regions import Layout, packed_offsets
+from kvd.memory.regions import Layout, block_contiguous, packed_offsets
 from kvd.memory.tensor_lists import PerTensorList
-from kvd.transport.gpu_copy import block_contiguous
 
 
 def _pieces(view: torch.Tensor) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.daemon.engine import Delivered, Engine, unfit
+from kvd.daemon.engine import Delivered, Engine, uncut, unfit
 from kvd.daemon.store import Item, Waiter
 from kvd.errors import (
     BadRequest,
@@ -23,7 +23,15 @@ from kvd.errors import (
     PoolExhausted,
 )
 from kvd.memory.pool import HostPool, PoolBlock
-from kvd.memory.regions import Layout, Region, describe_layout, packed_offsets
+from kvd.memory.regions import (
+    Layout,
+    Region,
+    describe_layout,
+    packed_offsets,
+    part_layout,
+    part_of_blocks,
+)
+from kvd.protocol import ALL, Share
 from kvd.transport.chunks import BlockSet
 
 
@@ -67,7 +75,7 @@ class Arrivals:
             raise BadRequest(f"key {key!r} already exists on {self.engine.config.node_id}")
         config = self.engine.config
         expires_at = self.engine.ttl_deadline(ttl_s if ttl_s is not None else config.put_ttl_s)
-        while (waiter := self.engine.store.next_waiter(key)) is not None:
+        while (waiter := self.engine.store.next_waiter(key, whole=True)) is not None:
             problem = unfit(key, layout, num_blocks, waiter.region, waiter.idx)
             if problem is None:
                 waiter.delivering = True
@@ -85,7 +93,7 @@ class Arrivals:
         """Whether a get waits for ``key`` in blocks that fit ``num_blocks`` of ``layout``:
         ``arrival`` puts such bytes there, whatever room the pools have."""
         return any(unfit(key, layout, num_blocks, w.region, w.idx) is None
-                   for w in self.engine.store.waiters(key))
+                   for w in self.engine.store.waiters(key, whole=True))
 
     def _staging_for(self, nbytes: int, gpu: str | None) -> tuple[HostPool, PoolBlock]:
         """GPU staging on ``gpu`` if it has room, else the host pool (spill)."""
@@ -123,26 +131,45 @@ class Arrivals:
             (arrival.pool or self.engine.pool).free(arrival.pool_block)
             arrival.pool_block = None
 
-    def source_blocks(self, item: Item) -> BlockSet:
-        """The bytes of a stored or published item, wire order (the caller holds a read)."""
-        if item.blocks is not None:
+    def source_blocks(self, item: Item, share: Share = ALL) -> BlockSet:
+        """``share`` of the bytes of a stored or published item, wire order (the caller
+        holds a read)."""
+        if share == ALL and item.blocks is not None:
             return item.blocks
+        if item.region is not None:
+            assert item.region_idx is not None
+            return BlockSet(item.region.part(share.part).tensors,
+                            item.region_idx[share.skip:].numpy())
         assert item.pool_block is not None
         pool = item.pool or self.engine.pool
-        return BlockSet.packed(pool.view(item.pool_block), item.layout, item.num_blocks)
+        packed = BlockSet.packed(pool.view(item.pool_block), item.layout, item.num_blocks)
+        if share == ALL:
+            return packed
+        tensors, _ = part_of_blocks(packed.tensors, item.layout, share.part,
+                                    f"key {item.key!r}")
+        return BlockSet(tensors, packed.ids[share.skip:])
 
-    def readable(self, key: str, layout: Layout, num_blocks: int) -> Item:
-        """Claim a read of ``key`` for a peer that pulls it into blocks of ``layout``."""
+    def readable(self, key: str, layout: Layout, num_blocks: int, share: Share = ALL,
+                 ) -> Item:
+        """Claim a read of ``share`` of ``key`` for a peer that pulls it into blocks of
+        ``layout``."""
         item = self.engine.store.find(key)
         if item is None:
             raise self.engine.store.missing(key, f" on {self.engine.config.node_id}")
-        if item.layout != layout:
+        if share.skip >= item.num_blocks:
+            raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks: a read cannot "
+                             f"skip {share.skip} of them")
+        taken = part_layout(item.layout, share.part)
+        if taken != layout:
+            cut = f", cut in {share.part.count}," if share.part.count > 1 else ""
             raise LayoutMismatch(
-                f"key {key!r} has layout {describe_layout(item.layout)}, the puller's "
-                f"region has {describe_layout(layout)}")
-        if item.num_blocks != num_blocks:
+                f"key {key!r}{cut} has layout {describe_layout(taken or item.layout)}, the "
+                f"puller's region has {describe_layout(layout)}")
+        if item.num_blocks - share.skip != num_blocks:
             raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks, "
-                             f"{num_blocks} asked for")
-        self.engine.claim(item)
+                             f"{num_blocks} asked for (after {share.skip} skipped)")
+        if problem := uncut(item, share):
+            raise problem
+        self.engine.claim(item, share)
         return item
 

@@ -41,7 +41,8 @@ class PullServer(TransferPart):
             self._refuse_pull_over_limit(link, req, why_not)
             return
         try:
-            item = self.arrivals.readable(req.key, tuple(req.layout), req.num_blocks)
+            item = self.arrivals.readable(req.key, tuple(req.layout), req.num_blocks,
+                                          req.share)
         except UnknownKey as err:
             if isinstance(err, KeyGone):  # it will not come back: no wait
                 self._refuse(link, tid, err)
@@ -56,8 +57,13 @@ class PullServer(TransferPart):
             self._refuse(link, tid, err)
             return
         regions = [item.region] if item.region is not None else []
-        source = Source(self.arrivals.source_blocks(item), item.layout, item.num_blocks,
-                        regions)
+        try:
+            source = Source(self.arrivals.source_blocks(item, req.share), tuple(req.layout),
+                            req.num_blocks, regions)
+        except KvdError as err:  # (blocks that cannot be cut so: BadRequest)
+            item.end_read()
+            self._refuse(link, tid, err)
+            return
         try:  # GPU bytes for a puller without NCCL: tell it now, not at its timeout
             self._check_gpu_route(link, source)
         except KvdError as err:

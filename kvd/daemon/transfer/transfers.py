@@ -76,6 +76,7 @@ from kvd.daemon.transfer.serving import PullServer
 from kvd.errors import KvdError, KvdTimeout
 from kvd.memory.regions import Region
 from kvd.protocol import (
+    ALL,
     Accept,
     Busy,
     ChannelDown,
@@ -87,6 +88,7 @@ from kvd.protocol import (
     PeerMessage,
     PullRequest,
     Refuse,
+    Share,
     XferCancel,
     XferDone,
     XferFailed,
@@ -157,7 +159,8 @@ class PeerTransfers(TransferPart):
     # ------------------------------------------------------------ pulling
 
     async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
-                   timeout_s: float, wait_for_key_s: float = 0.0) -> int:
+                   timeout_s: float, wait_for_key_s: float = 0.0, share: Share = ALL,
+                   ) -> int:
         link = await self.plane.link_to(src, timeout_s)
         if self.engine.draining:  # (it may have begun while we linked) nothing waits
             wait_for_key_s = 0.0
@@ -169,7 +172,7 @@ class PeerTransfers(TransferPart):
         try:
             self.plane.send(link, PullRequest(transfer_id=tid, key=key, dst_dev=CPU_DEVICE,
                                               num_blocks=len(idx), layout=list(region.layout),
-                                              wait_for_key_s=wait_for_key_s))
+                                              wait_for_key_s=wait_for_key_s, share=share))
             # While the request is out (a round trip, and the owner's work): what the
             # receive needs of the destination, so that it is not made once bytes come.
             self.engine.prepare_gpu_blocks(pull.blocks, region.layout)

@@ -20,17 +20,17 @@ Errors: an upstream that cannot be reached -> 502, one that does not answer with
 to the client as it came (decode is not called); decode's answer, error or not, is passed
 as it came; a body that is not a JSON object -> 400.
 
-Run it (see README.md beside it for the whole setup)::
+Run it (examples/vllm/README.md has the whole setup)::
 
-    python examples/vllm/proxy.py --port 8000 \\
+    kvd vllm-proxy --port 8000 \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
     # push flow: each decode also needs its kvd daemon's peer address; each prefill's
     # (optional) lets decode fail at once, not at its timeout, if that daemon is gone
-    python examples/vllm/proxy.py --port 8000 --flow push \\
+    kvd vllm-proxy --port 8000 --flow push \\
         --prefill http://127.0.0.1:8100 --prefill-kvd 127.0.0.1:14579 \\
         --decode http://127.0.0.1:8200 --decode-kvd 127.0.0.1:14589
 
-Only aiohttp and the standard library are needed.
+It ships with kvd (aiohttp is one of kvd's own dependencies) and imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -315,6 +315,7 @@ def peer_address(text: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog="kvd vllm-proxy",
         description="Proxy for disaggregated prefill/decode vLLM instances using kvd.")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (8000)")
