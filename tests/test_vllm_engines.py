@@ -34,6 +34,9 @@ def engine(role: str, socket_path: str, multiprocess: bool, policy: str = "recom
            llm_args: dict[str, Any] | None = None, **extra: Any) -> LLM:
     """A vLLM engine with KvdConnector; ``extra`` goes to kv_connector_extra_config."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    # An in-process engine core freezes vLLM's view of the environment in this process
+    # (envs cache): without this, every later engine would be in-process too.
+    vllm.envs.disable_envs_cache()
     return LLM(model=MODEL, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
                block_size=BLOCK, enforce_eager=True, max_model_len=256, seed=0,
                kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False, **(llm_args or {}),
@@ -237,6 +240,7 @@ def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> 
     assert decode_mover_stats().load_failures == failures + 1
 
 
+@pytest.mark.timeout(300)  # two more engines
 def test_fp8_kv_cache(pair: Pair) -> None:
     """Both engines with an FP8 KV cache (``--kv-cache-dtype fp8``): the blocks move as
     their bytes, and decode's tokens are those of an FP8 engine alone."""
