@@ -2,7 +2,8 @@
 
 Prefill runs in vLLM's multiprocess mode (its engine core keeps stepping after a request
 finishes, which is when the connector lends the blocks); decode runs in-process. A tiny
-random-weight Llama (``tests/fixtures/tiny_llama``, weights from the seed) is enough: the
+Llama (``tests/fixtures/tiny_llama``) with real random weights (``vllm_models.tiny_llama``:
+vLLM's dummy weights make the tokens depend on the last prompt token alone) is enough: the
 check is that decode's greedy tokens, computed on KV that prefill made and kvd moved, equal
 what one instance computes alone. Runs only where vLLM imports (``.ci/run`` builds a
 separate virtualenv for it with ``.ci/vllm-venv``).
@@ -25,8 +26,8 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 from kvd import KvdClient  # noqa: E402
 from tests.conftest import start_daemons  # noqa: E402
+from tests.vllm_models import assert_context_matters, tiny_llama  # noqa: E402
 
-MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 BLOCK = 32
 
 
@@ -37,7 +38,7 @@ def engine(role: str, socket_path: str, multiprocess: bool, policy: str = "recom
     # An in-process engine core freezes vLLM's view of the environment in this process
     # (envs cache): without this, every later engine would be in-process too.
     vllm.envs.disable_envs_cache()
-    return LLM(model=MODEL, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
+    return LLM(model=tiny_llama(), skip_tokenizer_init=True, dtype="float32",
                block_size=BLOCK, enforce_eager=True, max_model_len=256, seed=0,
                kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False, **(llm_args or {}),
                kv_transfer_config=KVTransferConfig(
@@ -133,6 +134,7 @@ def decode_mover_stats() -> Any:
 def test_pull_flow_decode_matches_one_instance(pair: Pair) -> None:
     prompts = [list(range(10 + 70 * i, 80 + 70 * i)) for i in range(3)]  # 70 tokens each
     prompts.append(list(range(300, 340)))  # 40 tokens: a partly filled last block
+    assert_context_matters(lambda ps: pair.alone(ps, 8))  # (wrong KV would show)
     want = pair.alone(prompts, 8)
     handed = pair.prefill.generate(
         [{"prompt_token_ids": p} for p in prompts], greedy(1, {"do_remote_decode": True}))
