@@ -17,8 +17,8 @@ import contextlib
 import functools
 import os
 import shutil
-import tempfile
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
