@@ -207,39 +207,24 @@ def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
     assert decode_mover_stats().parts_dropped == dropped + 2
 
 
+@pytest.mark.timeout(300)  # one more engine
 def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:
     prompt = list(range(40, 110))
+    strict = pair.decode_strict  # started before prefill lends: it takes a while
     want = pair.alone([prompt], 5)
     handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
                                    greedy(1, {"do_remote_decode": True}))[0]
-    out = pair.decode_strict.generate([{"prompt_token_ids": prompt}],
-                                      greedy(5, handed.kv_transfer_params))[0]
+    out = strict.generate([{"prompt_token_ids": prompt}],
+                          greedy(5, handed.kv_transfer_params))[0]
     assert [list(out.outputs[0].token_ids)] == want
 
     # KV that never comes (no such key): with kv_load_failure_policy=fail the request ends
     # with an error after load_timeout_s instead of decoding on uninitialised blocks.
     lost = {**handed.kv_transfer_params, "kvd_key": "no-such-key"}
     started = time.monotonic()
-    out = pair.decode_strict.generate([{"prompt_token_ids": prompt}], greedy(5, lost))[0]
+    out = strict.generate([{"prompt_token_ids": prompt}], greedy(5, lost))[0]
     assert time.monotonic() - started < 15
     assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) == 0
-
-
-def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> None:
-    prompt = list(range(400, 470))
-    want = pair.alone([prompt], 6)
-    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
-                                   greedy(1, {"do_remote_decode": True}))[0]
-    failures = decode_mover_stats().load_failures
-    daemon = pair.daemons["prefill"]
-    daemon.proc.kill()
-    daemon.proc.wait(10)
-    started = time.monotonic()
-    out = pair.decode.generate([{"prompt_token_ids": prompt}],
-                               greedy(6, handed.kv_transfer_params))[0]
-    assert time.monotonic() - started < 15  # the pull's bound, not a hang
-    assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
-    assert decode_mover_stats().load_failures == failures + 1
 
 
 @pytest.mark.timeout(300)  # two more engines
@@ -269,3 +254,20 @@ def test_fp8_kv_cache(pair: Pair) -> None:
         for llm in engines:
             llm.llm_engine.engine_core.shutdown()
             pair.engines.remove(llm)
+
+
+def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> None:
+    prompt = list(range(400, 470))
+    want = pair.alone([prompt], 6)
+    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
+                                   greedy(1, {"do_remote_decode": True}))[0]
+    failures = decode_mover_stats().load_failures
+    daemon = pair.daemons["prefill"]
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    started = time.monotonic()
+    out = pair.decode.generate([{"prompt_token_ids": prompt}],
+                               greedy(6, handed.kv_transfer_params))[0]
+    assert time.monotonic() - started < 15  # the pull's bound, not a hang
+    assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
+    assert decode_mover_stats().load_failures == failures + 1
