@@ -2,7 +2,8 @@
 
 Prefill runs in vLLM's multiprocess mode (its engine core keeps stepping after a request
 finishes, which is when the connector lends the blocks); decode runs in-process. A tiny
-random-weight Llama (``tests/fixtures/tiny_llama``, weights from the seed) is enough: the
+Llama (``tests/fixtures/tiny_llama``) with real random weights (``vllm_models.tiny_llama``:
+vLLM's dummy weights make the tokens depend on the last prompt token alone) is enough: the
 check is that decode's greedy tokens, computed on KV that prefill made and kvd moved, equal
 what one instance computes alone. Runs only where vLLM imports (``.ci/run`` builds a
 separate virtualenv for it with ``.ci/vllm-venv``).
@@ -25,8 +26,8 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 from kvd import KvdClient  # noqa: E402
 from tests.conftest import start_daemons  # noqa: E402
+from tests.vllm_models import assert_context_matters, tiny_llama  # noqa: E402
 
-MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 BLOCK = 32
 
 
@@ -34,7 +35,10 @@ def engine(role: str, socket_path: str, multiprocess: bool, policy: str = "recom
            llm_args: dict[str, Any] | None = None, **extra: Any) -> LLM:
     """A vLLM engine with KvdConnector; ``extra`` goes to kv_connector_extra_config."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    return LLM(model=MODEL, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
+    # An in-process engine core freezes vLLM's view of the environment in this process
+    # (envs cache): without this, every later engine would be in-process too.
+    vllm.envs.disable_envs_cache()
+    return LLM(model=tiny_llama(), skip_tokenizer_init=True, dtype="float32",
                block_size=BLOCK, enforce_eager=True, max_model_len=256, seed=0,
                kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False, **(llm_args or {}),
                kv_transfer_config=KVTransferConfig(
@@ -130,6 +134,7 @@ def decode_mover_stats() -> Any:
 def test_pull_flow_decode_matches_one_instance(pair: Pair) -> None:
     prompts = [list(range(10 + 70 * i, 80 + 70 * i)) for i in range(3)]  # 70 tokens each
     prompts.append(list(range(300, 340)))  # 40 tokens: a partly filled last block
+    assert_context_matters(lambda ps: pair.alone(ps, 8))  # (wrong KV would show)
     want = pair.alone(prompts, 8)
     handed = pair.prefill.generate(
         [{"prompt_token_ids": p} for p in prompts], greedy(1, {"do_remote_decode": True}))
@@ -228,41 +233,27 @@ def test_a_decode_abort_frees_prefills_blocks_within_a_second(pair: Pair) -> Non
     print(f"decode aborted: prefill's daemon empty in {took * 1000:.0f} ms")
 
 
+@pytest.mark.timeout(300)  # one more engine
 def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:
     prompt = list(range(40, 110))
+    strict = pair.decode_strict  # started before prefill lends: it takes a while
     want = pair.alone([prompt], 5)
     handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
                                    greedy(1, {"do_remote_decode": True}))[0]
-    out = pair.decode_strict.generate([{"prompt_token_ids": prompt}],
-                                      greedy(5, handed.kv_transfer_params))[0]
+    out = strict.generate([{"prompt_token_ids": prompt}],
+                          greedy(5, handed.kv_transfer_params))[0]
     assert [list(out.outputs[0].token_ids)] == want
 
     # KV that never comes (no such key): with kv_load_failure_policy=fail the request ends
     # with an error after load_timeout_s instead of decoding on uninitialised blocks.
     lost = {**handed.kv_transfer_params, "kvd_key": "no-such-key"}
     started = time.monotonic()
-    out = pair.decode_strict.generate([{"prompt_token_ids": prompt}], greedy(5, lost))[0]
+    out = strict.generate([{"prompt_token_ids": prompt}], greedy(5, lost))[0]
     assert time.monotonic() - started < 15
     assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) == 0
 
 
-def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> None:
-    prompt = list(range(400, 470))
-    want = pair.alone([prompt], 6)
-    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
-                                   greedy(1, {"do_remote_decode": True}))[0]
-    failures = decode_mover_stats().load_failures
-    daemon = pair.daemons["prefill"]
-    daemon.proc.kill()
-    daemon.proc.wait(10)
-    started = time.monotonic()
-    out = pair.decode.generate([{"prompt_token_ids": prompt}],
-                               greedy(6, handed.kv_transfer_params))[0]
-    assert time.monotonic() - started < 15  # the pull's bound, not a hang
-    assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
-    assert decode_mover_stats().load_failures == failures + 1
-
-
+@pytest.mark.timeout(300)  # two more engines
 def test_fp8_kv_cache(pair: Pair) -> None:
     """Both engines with an FP8 KV cache (``--kv-cache-dtype fp8``): the blocks move as
     their bytes, and decode's tokens are those of an FP8 engine alone."""
@@ -289,3 +280,20 @@ def test_fp8_kv_cache(pair: Pair) -> None:
         for llm in engines:
             llm.llm_engine.engine_core.shutdown()
             pair.engines.remove(llm)
+
+
+def test_prefill_daemon_killed_decode_recomputes_without_hanging(pair: Pair) -> None:
+    prompt = list(range(400, 470))
+    want = pair.alone([prompt], 6)
+    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
+                                   greedy(1, {"do_remote_decode": True}))[0]
+    failures = decode_mover_stats().load_failures
+    daemon = pair.daemons["prefill"]
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    started = time.monotonic()
+    out = pair.decode.generate([{"prompt_token_ids": prompt}],
+                               greedy(6, handed.kv_transfer_params))[0]
+    assert time.monotonic() - started < 15  # the pull's bound, not a hang
+    assert [list(out.outputs[0].token_ids)] == want  # kv_load_failure_policy=recompute
+    assert decode_mover_stats().load_failures == failures + 1
