@@ -299,7 +299,6 @@ class KvMover:
         if order.refusal:
             self.stats.loads_refused += 1
             self._requests.load_ended(order, ok=False, cause=order.refusal, refused=True)
-            self._release_lent(order)
             return
         load = _Load(order, now + order.timeout_s)
         if (order.key in self._loads

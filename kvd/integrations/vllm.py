@@ -328,14 +328,13 @@ if _VLLM_ERROR is None:
             ids = blocks.get_block_ids()[0]
             first = n - blocks_for(num_external_tokens, self.block_size)
             why = self._refused.pop(request.request_id, "")
-            if why:  # nothing of it is loaded: pushed parts are dropped, the load refused
-                self._drop_pushed(remote, parts)  # (and the lent key released, by the worker)
-                self._held.pop(request.request_id, None)
+            if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
+                self._drop_pushed(remote, parts)
+                self._release(request.request_id, remote)
                 self._loads.append(LoadOrder(
                     req_id=request.request_id, key=remote.key, source=remote.source,
                     remote_blocks=n, first=first, block_ids=list(ids[first:n]),
-                    timeout_s=self.settings.load_timeout_s, refusal=why,
-                    their_tp=_their_tp(remote)))
+                    timeout_s=self.settings.load_timeout_s, refusal=why))
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
             their_tp = _their_tp(remote)
