@@ -236,8 +236,12 @@ def test_leases_renewed_while_queued_and_released_when_not_loaded(
     drive(d, until=lambda: p.mover.client.stats()["transfers"]["pulls_waiting_for_key"])
     d.mover.release(ReleaseOrder("gone", "key-gone", p.address))
     aborted: set[str] = set()
-    drive(d, until=lambda: aborted.update(d.poll().aborted) or "gone" in aborted,
-          timeout_s=1.0)
+
+    def heard() -> bool:
+        aborted.update(d.poll().aborted)
+        return "gone" in aborted
+
+    drive(d, until=heard, timeout_s=1.0)
     p.mover.send(SendOrder("gone", "key-gone", [6], lease_s=30))  # lent late: answered now
     drive(p, until=lambda: p.mover.stats.sends_released == 2, timeout_s=1.0)
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import kvd
-from kvd import shared_zeros
+from kvd import Region, Transfer, shared_zeros
 from kvd.protocol import PROTOCOL_VERSION, LeaseAnswer, PeerError, PeerWelcome
 from tests.conftest import wait_until
-from tests.test_peers import BLOCK, Nodes, RawPeer, random_region
+from tests.test_peers import BLOCK, Node, Nodes, RawPeer, random_region
 
 
 @pytest.fixture
@@ -26,15 +26,16 @@ def nodes(sock_dir: str) -> Iterator[Nodes]:
     started.stop_all()
 
 
-def leases(node: object) -> dict[str, int]:
-    return node.client.stats()["leases"]  # type: ignore[attr-defined, no-any-return]
+def leases(node: Node) -> dict[str, int]:
+    found: dict[str, int] = node.client.stats()["leases"]
+    return found
 
 
-def lend(node: object, key: str, region: object, blocks: list[int], ttl_s: float) -> object:
+def lend(node: Node, key: str, region: Region, blocks: list[int], ttl_s: float) -> Transfer:
     """A lend, once the daemon holds the key (a lend's reply comes only when it ends)."""
-    keys = node.client.stats()["keys"]  # type: ignore[attr-defined]
-    lent = node.client.lend(key, region, blocks, ttl_s=ttl_s)  # type: ignore[attr-defined]
-    wait_until(lambda: node.client.stats()["keys"] == keys + 1)  # type: ignore[attr-defined]
+    keys = node.client.stats()["keys"]
+    lent = node.client.lend(key, region, blocks, ttl_s=ttl_s)
+    wait_until(lambda: node.client.stats()["keys"] == keys + 1)
     return lent
 
 
