@@ -30,6 +30,7 @@ class SendOrder:
     push_to: str | None = None
     final: bool = True
     stage: bool = False
+    group: int = 0  # the KV cache group whose blocks these are (kv_groups)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class LoadOrder:
     readers: int = 1
     into: Part = WHOLE
     their_tp: int = 0  # prefill's tensor-parallel size, when told (0: not told)
+    group: int = 0  # the KV cache group whose blocks these are (kv_groups)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class DiscardOrder:
     readers: int = 1
     into: Part = WHOLE
     their_tp: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Polled:
     failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
     causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
     refused: set[str] = field(default_factory=set)  # failed ones that were refused: said
+    nbytes: dict[str, int] = field(default_factory=dict)  # loaded ones: the bytes they took
 
 
 @dataclass
