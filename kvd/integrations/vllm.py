@@ -43,6 +43,10 @@ vLLM's log. The data path is ``kvd.integrations.kv_mover``, which knows nothing 
 vLLM. Beside this module: ``vllm_settings`` (the extra config), ``vllm_params`` (the
 request-level params above, checked) and ``vllm_stats`` (counters for vLLM's stats and
 Prometheus registry).
+
+Hybrid models (``SupportsHMA``): ``vllm_groups`` reads vLLM's KV cache groups, each group
+of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks; ``kv_group_orders``:
+the orders), and the worker has a mover per group (``kv_group_movers``).
 """
 
 from __future__ import annotations
