@@ -99,7 +99,7 @@ def test_groups_over_one_allocation_over_nccl() -> None:
     with engines() as (a, p, b, d):
         src = [[*range(10, 42)], [50]]
         for flow, dst in (("pull", [[*range(60, 92)], [100]]),
-                          ("push", [[*range(101, 127)] + [1, 2, 3, 4, 5, 6], [127]])):
+                          ("push", [[*range(101, 127), 1, 2, 3, 4, 5, 6], [127]])):
             push_to = b.address if flow == "push" else None
             source = None if flow == "push" else a.address
             untouched = pages(d, 0, dst[1])  # the attention page under the state block

@@ -381,7 +381,7 @@ def check_groups(model: Model, p: Sched, d: Sched, p_ids: tuple[list[int], ...],
             assert all(p_ids[gid][first:n]) and all(d_ids[gid][first:n])
             pairs = list(zip(p_ids[gid][first:n], d_ids[gid][first:n], strict=True))
             if isinstance(spec, SlidingWindowSpec):
-                assert 0 < first and len(pairs) < n  # the window: fewer blocks than all
+                assert first > 0 and len(pairs) < n  # the window: fewer blocks than all
         for layer in group.layer_names:
             for a, b in pairs:
                 assert torch.equal(page(p_kv, layer, a), page(d_kv, layer, b)), (layer, a, b)
