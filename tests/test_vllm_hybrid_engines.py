@@ -9,8 +9,8 @@ weights (``tests/vllm_models.build_model``). Qwen3-Next runs in bfloat16 (vllm-c
 kernel takes nothing else), in blocks of 128 tokens (vLLM sizes an attention page to hold
 a GDN state); Gemma 3 in float32, in blocks of 32 tokens, so that its window of 64 leaves
 blocks out. All marked ``extra`` (run them with ``-m extra``): the one case CI could take
-(Qwen3-Next, pull flow, two engines) takes 73 s on 2 CPUs, 50 of them starting the
-engines; CI runs the connector with vLLM's own scheduler, KV cache config and tensors for
+(Qwen3-Next, pull flow, two engines) took 20 to 73 s on 2 CPUs (shared with other runs),
+most of it starting the engines; CI runs the connector with vLLM's own scheduler, KV cache config and tensors for
 both models instead (``tests/test_vllm_hybrid.py``).
 """
 
