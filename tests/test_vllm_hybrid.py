@@ -443,3 +443,22 @@ def test_pairs_that_cannot_move_a_hybrid_models_kv_are_refused() -> None:
     why = qwen.refusal(msgspec.structs.replace(qwen, tensor_parallel_size=2))
     assert why.startswith("tensor_parallel_size: prefill 2, this engine 1 (a hybrid model's "
                           "recurrent (Mamba) state")
+
+
+def test_a_state_moves_only_with_a_token_left_out(daemons: list[ProcessDaemon]) -> None:
+    """A one-token prompt of a model with a recurrent state: prefill has no token to
+    leave out, so its state holds the whole prompt and decode could not compute the last
+    token on it. Prefill offers nothing; decode computes the prompt itself."""
+    model = MODELS["qwen3_next"]
+    p = Sched(model, "kv_producer", {"kvd_socket": daemons[0].socket_path})
+    p.add("one", [5], params={"do_remote_decode": True})
+    p.add("many", [5, 6, 7], params={"do_remote_decode": True})
+    so, _, _ = p.step()
+    assert so.num_scheduled_tokens == {"one": 1, "many": 2}  # (the last token left out)
+    assert p.finished["one"].kv_transfer_params is None
+    params = p.finished["many"].kv_transfer_params
+    assert params["kvd_num_tokens"] == 2
+    d = Sched(model, "kv_consumer", {})
+    d.add("one", [5], params={**params, "kvd_num_tokens": 1, "kvd_num_blocks": 1})
+    so, meta, _ = d.step()
+    assert so.num_scheduled_tokens == {"one": 1} and not meta.loads

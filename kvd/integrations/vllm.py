@@ -184,6 +184,7 @@ if _VLLM_ERROR is None:
             self._loads: list[LoadOrder] = []
             self._discards: list[DiscardOrder] = []
             self._pushing: dict[str, _Pushing] = {}
+            self._backed_off: set[str] = set()  # prefill: prompts that lost their last token
             self._refused: dict[str, str] = {}  # decode: requests refused, and why
             self._said: set[Compat] = set()  # decode: prefill configurations refused
             self.address = self.settings.kvd_address or ""
@@ -220,6 +221,8 @@ if _VLLM_ERROR is None:
             if remote is None:
                 return 0, False
             prompt = self._tokens(request)
+            if self._backoff and prompt == len(request.prompt_token_ids):
+                return 0, False  # no token to leave out: a loaded state would hold them all
             expected = (prompt, blocks_for(prompt, self.block_size), self.block_size)
             offered = (remote.num_tokens, remote.num_blocks, remote.block_size)
             if any(o is not None and o != e for o, e in zip(offered, expected, strict=True)):
@@ -337,6 +340,7 @@ if _VLLM_ERROR is None:
             del request._all_token_ids[-self._backoff:]
             request.num_prompt_tokens -= self._backoff
             request.max_tokens = 1
+            self._backed_off.add(request.request_id)
 
         def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
             """A load writes every group the connector moves (vLLM then does not zero the
@@ -402,6 +406,8 @@ if _VLLM_ERROR is None:
                                         ) -> tuple[bool, dict[str, Any] | None]:
             """``SupportsHMA``: a finished request's block ids in each KV cache group."""
             pushing = self._pushing.pop(request.request_id, None)
+            backed_off = request.request_id in self._backed_off
+            self._backed_off.discard(request.request_id)
             self._drop_unloaded(request)
             params = request.kv_transfer_params
             if not (self.is_producer and isinstance(params, dict)
@@ -410,6 +416,8 @@ if _VLLM_ERROR is None:
             if request.status not in (RequestStatus.FINISHED_STOPPED,
                                       RequestStatus.FINISHED_LENGTH_CAPPED):
                 return False, None  # aborted or failed: nothing worth sending
+            if self._backoff and not backed_off:
+                return False, None  # its state holds the last prompt token: decode computes
             prompt = len(request.prompt_token_ids)
             n = blocks_for(prompt, self.block_size)
             if n == 0 or request.num_computed_tokens < prompt:
