@@ -30,6 +30,7 @@ class SendOrder:
     push_to: str | None = None
     final: bool = True
     stage: bool = False
+    group: int = 0  # the KV cache group whose blocks these are (kv_groups)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class LoadOrder:
     # Pushed (``source`` None): the daemon that pushes it, when known. The load fails at
     # once if that daemon cannot be reached or goes while the key has not come.
     sender: str | None = None
+    group: int = 0  # the KV cache group whose blocks these are (kv_groups)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class DiscardOrder:
     readers: int = 1
     into: Part = WHOLE
     their_tp: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -86,6 +89,7 @@ class RenewOrder:
     source: str
     ttl_s: float
     their_tp: int = 0  # as in LoadOrder: which of prefill's keys this rank reads
+    group: int = 0  # as in LoadOrder
 
 
 @dataclass
@@ -97,6 +101,7 @@ class ReleaseOrder:
     key: str
     source: str
     their_tp: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -107,6 +112,7 @@ class Polled:
     causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
     refused: set[str] = field(default_factory=set)  # failed ones that were refused: said
     aborted: set[str] = field(default_factory=set)  # failed ones released first (aborted)
+    nbytes: dict[str, int] = field(default_factory=dict)  # loaded ones: the bytes they took
 
 
 @dataclass

@@ -127,3 +127,4 @@ class RequestParts:
             self._stats.load_seconds += took
             self._stats.load_samples.append([took, group.nbytes])
             self._done.loaded.add(order.req_id)
+            self._done.nbytes[order.req_id] = group.nbytes

@@ -48,10 +48,16 @@ vLLM's log. The data path is ``kvd.integrations.kv_mover``, which knows nothing 
 vLLM. Beside this module: ``vllm_settings`` (the extra config), ``vllm_params`` (the
 request-level params above, checked) and ``vllm_stats`` (counters for vLLM's stats and
 Prometheus registry).
+
+Hybrid models (``SupportsHMA``): ``vllm_groups`` reads vLLM's KV cache groups, each group
+of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks; ``kv_group_orders``:
+the orders), and the worker has a mover per group (``kv_group_movers``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -60,6 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
+from kvd.integrations import kv_group_orders as group_orders
+from kvd.integrations.kv_group_movers import GroupMovers
+from kvd.integrations.kv_groups import STATE, backoff, group_key
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import (
     DiscardOrder,
@@ -68,9 +77,10 @@ from kvd.integrations.kv_orders import (
     RenewOrder,
     SendOrder,
 )
-from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
+from kvd.integrations.kv_parts import blocks_for
 from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
+from kvd.integrations.vllm_groups import layout_of
 from kvd.integrations.vllm_params import RemotePrefill, key_param
 from kvd.integrations.vllm_settings import Settings
 
@@ -81,6 +91,8 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
     )
     from vllm.v1.request import RequestStatus
 
@@ -163,8 +175,11 @@ if _VLLM_ERROR is None:
         renews: list[RenewOrder] = field(default_factory=list)
         releases: list[ReleaseOrder] = field(default_factory=list)
 
-    class KvdConnector(KVConnectorBase_V1):
-        """Disaggregated prefill/decode through kvd: see the module docstring."""
+    class KvdConnector(KVConnectorBase_V1, SupportsHMA):
+        """Disaggregated prefill/decode through kvd: see the module docstring. Hybrid
+        models (``SupportsHMA``): each KV cache group moves under its own key
+        (``kv_groups``, ``kv_group_orders``), each with a mover of its own on the worker
+        side (``kv_group_movers``)."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -188,9 +203,13 @@ if _VLLM_ERROR is None:
             # larger one fails), or 256 blocks, whichever is more, unless set.
             longest = blocks_for(vllm_config.model_config.max_model_len, self.block_size)
             self.staging_blocks = self.settings.staging_blocks or max(256, longest)
+            # The KV cache groups it moves (one, full attention, unless the model is
+            # hybrid), and the prompt tokens decode computes itself (kv_groups.backoff).
+            self.layout = layout_of(kv_cache_config, self.block_size)
+            self._backoff = backoff(self.layout.groups)
             # What this engine's KV is: prefill tells decode (kvd_compat), decode refuses
             # KV that does not fit it.
-            self.compat = Compat.of(vllm_config)
+            self.compat = Compat.of(vllm_config, self.layout.names)
             # scheduler side
             self._sends: list[SendOrder] = []
             self._loads: list[LoadOrder] = []
@@ -200,12 +219,13 @@ if _VLLM_ERROR is None:
             self._held: dict[str, _Held] = {}  # decode: pull-flow requests until loaded
             self._next_renewal = float("inf")  # the earliest _Held.renew_at
             self._pushing: dict[str, _Pushing] = {}
+            self._backed_off: set[str] = set()  # prefill: prompts that lost their last token
             self._refused: dict[str, str] = {}  # decode: requests refused, and why
             self._said: set[Compat] = set()  # decode: prefill configurations refused
             self.address = self.settings.kvd_address or ""
             # worker side
             self._client: Any = None
-            self._mover: KvMover | None = None
+            self._mover: KvMover | GroupMovers | None = None
             self._load_errors: set[int] = set()
             self._tp_rank, self._tp = 0, self.compat.tensor_parallel_size
             # KV heads as kv_ranks counts them: an MLA latent cache is one that every
@@ -232,7 +252,11 @@ if _VLLM_ERROR is None:
 
         def on_new_request(self, request: Any) -> None:
             """Decode, pull flow: prefill keeps this request's blocks for it from now on
-            (renewed while it waits in the queue, released if it will not load them)."""
+            (renewed while it waits in the queue, released if it will not load them).
+            Prefill: a prompt may lose its last token (``_back_off``)."""
+            if self.is_producer:
+                self._back_off(request)
+                return
             try:
                 remote = RemotePrefill.of(request.kv_transfer_params)
             except BadRequest:
@@ -280,7 +304,9 @@ if _VLLM_ERROR is None:
             remote = _remote_prefill(request)
             if remote is None:
                 return 0, False
-            prompt = len(request.prompt_token_ids)
+            prompt = self._tokens(request)
+            if self._backoff and prompt == len(request.prompt_token_ids):
+                return 0, False  # no token to leave out: a loaded state would hold them all
             expected = (prompt, blocks_for(prompt, self.block_size), self.block_size)
             offered = (remote.num_tokens, remote.num_blocks, remote.block_size)
             if any(o is not None and o != e for o, e in zip(offered, expected, strict=True)):
@@ -308,6 +334,14 @@ if _VLLM_ERROR is None:
                       _POLICY_OUTCOME.get(self.failure_policy,
                                           f"kv_load_failure_policy={self.failure_policy}"))
 
+        def _tokens(self, request: Any) -> int:
+            """The prompt tokens that move: all but the ones decode computes itself
+            (``kv_groups.backoff``; prefill's prompt lost them already, ``on_new_request``)."""
+            prompt = len(request.prompt_token_ids)
+            if self.is_producer or prompt <= self._backoff:
+                return prompt
+            return prompt - self._backoff
+
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
             if self.is_producer and self.settings.flow == "push":
@@ -319,57 +353,86 @@ if _VLLM_ERROR is None:
             if remote is None:
                 return
             request.kv_transfer_params["do_remote_prefill"] = False  # load it once only
-            n = blocks_for(len(request.prompt_token_ids), self.block_size)
-            parts = self._parts(remote, n)
+            tokens = self._tokens(request)
+            keys = self._keys(remote, tokens)
             if num_external_tokens <= 0:  # decode computes the prompt itself
-                self._drop_pushed(remote, parts)
+                self._drop_pushed(remote, keys)
                 self._release(request.request_id, remote)
                 return
-            ids = blocks.get_block_ids()[0]
-            first = n - blocks_for(num_external_tokens, self.block_size)
+            n = blocks_for(tokens, self.block_size)
+            ids = self._group_ids(blocks.get_block_ids())
+            load = group_orders.Loading(
+                request.request_id, remote.key, remote.source, tokens,
+                n - blocks_for(num_external_tokens, self.block_size),
+                self.settings.load_timeout_s, self._push_parts(remote),
+                _their_tp(remote), remote.sender)
             why = self._refused.pop(request.request_id, "")
+            if not why:
+                try:
+                    loads, drops = group_orders.loads(self.layout.groups, load, ids)
+                except BadRequest as err:  # (not when both ends follow kv_groups' rules)
+                    why = f"its blocks do not fit this engine's: {err.message}"
+                    log.error("kvd: request %s: %s; %s", request.request_id, why,
+                              _POLICY_OUTCOME.get(self.failure_policy, self.failure_policy))
             if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
-                self._drop_pushed(remote, parts)
+                self._drop_pushed(remote, keys)
                 self._release(request.request_id, remote)
-                self._loads.append(LoadOrder(
-                    req_id=request.request_id, key=remote.key, source=remote.source,
-                    remote_blocks=n, first=first, block_ids=list(ids[first:n]),
-                    timeout_s=self.settings.load_timeout_s, refusal=why))
+                self._loads += group_orders.refused_loads(self.layout.groups, load, ids, why)
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
-            their_tp = _their_tp(remote)
             # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
-            self._drop_pushed(remote, [p for p in parts if p[2] <= first], their_tp)
-            wanted = [p for p in parts if p[2] > first]
-            for key, lo, hi in wanted:
-                self._loads.append(LoadOrder(
-                    req_id=request.request_id, key=key, source=remote.source,
-                    remote_blocks=hi - lo, first=max(first - lo, 0),
-                    block_ids=list(ids[max(lo, first):hi]),
-                    timeout_s=self.settings.load_timeout_s, parts=len(wanted),
-                    their_tp=their_tp, sender=remote.sender))
+            self._discards += drops
+            self._loads += loads
 
-        def _parts(self, remote: RemotePrefill, n: int) -> list[tuple[str, int, int]]:
-            """The keys a request's ``n`` blocks come under, with the blocks each holds."""
-            ranges = [(0, n)]
-            if remote.source is None:  # pushed: in the parts prefill sends them in
-                part_blocks = (self.settings.push_part_blocks if remote.push_parts is None
-                               else remote.push_parts)
-                ranges = part_ranges(n, part_blocks)
-            return [(part_key(remote.key, j, len(ranges)), lo, hi)
-                    for j, (lo, hi) in enumerate(ranges)]
+        def _group_ids(self, all_groups: Any) -> list[list[int]]:
+            """A request's block ids in each group the connector moves, of vLLM's lists
+            for all groups."""
+            return [list(all_groups[gid]) for gid in self.layout.ids]
 
-        def _drop_pushed(self, remote: RemotePrefill, parts: list[tuple[str, int, int]],
-                         their_tp: int = 0) -> None:
-            """Parts that decode will not load. Pushed ones are taken and dropped by the
+        def _push_parts(self, remote: RemotePrefill) -> int:
+            """The blocks per part prefill sends in (pulled: one part)."""
+            if remote.source is not None:
+                return 0
+            return (self.settings.push_part_blocks if remote.push_parts is None
+                    else remote.push_parts)
+
+        def _keys(self, remote: RemotePrefill, tokens: int) -> group_orders.Keys:
+            """The keys a request's blocks come under, per group, with the blocks each
+            holds."""
+            return group_orders.keys_of(self.layout.groups, remote.key, tokens,
+                                        self._push_parts(remote))
+
+        def _drop_pushed(self, remote: RemotePrefill, keys: group_orders.Keys) -> None:
+            """Keys that decode will not load. Pushed ones are taken and dropped by the
             worker, whether they came before this or come later: left alone, each would
             hold the daemon's pool until prefill's lease ends. (A pull-flow key stays at
             prefill, whose lease ends it.)"""
-            if remote.source is not None:
+            if remote.source is None:
+                self._discards += group_orders.discards(self.layout.groups, keys,
+                                                        self.settings.load_timeout_s)
+
+        def _back_off(self, request: Any) -> None:
+            """Prefill of a model with a recurrent state (``kv_groups.backoff``): the
+            prompt loses its last token, so that the state handed to decode is the one
+            before it (decode computes that token itself), and one token is sampled (it
+            goes nowhere: the proxy keeps decode's). As NixlConnector does; vLLM keeps a
+            request's tokens in ``_all_token_ids`` too."""
+            params = request.kv_transfer_params
+            prompt = request.prompt_token_ids
+            if not (self.is_producer and self._backoff and isinstance(params, dict)
+                    and params.get("do_remote_decode") and prompt is not None
+                    and len(prompt) > self._backoff):
                 return
-            for key, lo, hi in parts:
-                self._discards.append(DiscardOrder(key, hi - lo, self.settings.load_timeout_s,
-                                                   their_tp=their_tp))
+            request.prompt_token_ids = prompt[:-self._backoff]
+            del request._all_token_ids[-self._backoff:]
+            request.num_prompt_tokens -= self._backoff
+            request.max_tokens = 1
+            self._backed_off.add(request.request_id)
+
+        def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+            """A load writes every group the connector moves (vLLM then does not zero the
+            blocks allocated for it)."""
+            return tuple(self.layout.ids)
 
         def _track_push(self, request: Any) -> None:
             """Prefill, push flow: remember the request so that its parts can go as soon
@@ -400,20 +463,18 @@ if _VLLM_ERROR is None:
                     continue
                 # Tokens scheduled but not yet computed are "in flight" (async scheduling).
                 written = req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0)
-                n = blocks_for(len(req.prompt_token_ids), self.block_size)
-                ranges = part_ranges(n, self.settings.push_part_blocks)
-                ids: list[int] | None = None
-                while entry.sent < len(ranges) - 1:
-                    lo, hi = ranges[entry.sent]
-                    if written < hi * self.block_size:
-                        break
-                    if ids is None:
-                        ids = self._kv_cache_manager.get_block_ids(req.request_id)[0]
-                    self._sends.append(SendOrder(
-                        req_id=req.request_id, key=part_key(entry.key, entry.sent, len(ranges)),
-                        block_ids=list(ids[lo:hi]), lease_s=self.settings.lease_s,
-                        push_to=entry.push_to, final=False, stage=True))
-                    entry.sent += 1
+                sends, entry.sent = group_orders.written_sends(
+                    self.layout.groups, self._sending(req, entry.key, entry.push_to),
+                    written, entry.sent, functools.partial(self._running_ids, req))
+                self._sends += sends
+
+        def _running_ids(self, request: Any) -> list[list[int]]:
+            return self._group_ids(self._kv_cache_manager.get_block_ids(request.request_id))
+
+        def _sending(self, request: Any, key: str, push_to: str | None) -> group_orders.Sending:
+            return group_orders.Sending(
+                request.request_id, key, self._tokens(request), self.settings.lease_s,
+                push_to, self.settings.push_part_blocks if push_to is not None else 0)
 
         def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
             if self._pushing:
@@ -435,7 +496,15 @@ if _VLLM_ERROR is None:
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
+            """vLLM without its hybrid KV cache manager: one group."""
+            return self.request_finished_all_groups(request, (block_ids,))
+
+        def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...],
+                                        ) -> tuple[bool, dict[str, Any] | None]:
+            """``SupportsHMA``: a finished request's block ids in each KV cache group."""
             pushing = self._pushing.pop(request.request_id, None)
+            backed_off = request.request_id in self._backed_off
+            self._backed_off.discard(request.request_id)
             held = self._held.get(request.request_id)
             if not self._drop_unloaded(request) and held is not None:
                 self._release(request.request_id, held)  # aborted while its load runs
@@ -446,9 +515,11 @@ if _VLLM_ERROR is None:
             if request.status not in (RequestStatus.FINISHED_STOPPED,
                                       RequestStatus.FINISHED_LENGTH_CAPPED):
                 return False, None  # aborted or failed: nothing worth sending
+            if self._backoff and not backed_off:
+                return False, None  # its state holds the last prompt token: decode computes
             prompt = len(request.prompt_token_ids)
             n = blocks_for(prompt, self.block_size)
-            if n == 0 or len(block_ids) < n or request.num_computed_tokens < prompt:
+            if n == 0 or request.num_computed_tokens < prompt:
                 return False, None
             push_to, key = None, None
             if self.settings.flow == "push":
@@ -466,15 +537,16 @@ if _VLLM_ERROR is None:
             if pushing is not None:
                 key = pushing.key
             key = key or self._new_key(request)
-            part_blocks = self.settings.push_part_blocks if push_to is not None else 0
-            ranges = part_ranges(n, part_blocks)
-            sent = pushing.sent if pushing is not None else 0
-            for j in range(sent, len(ranges)):  # what is left: the blocks stay ours till then
-                lo, hi = ranges[j]
-                self._sends.append(SendOrder(
-                    req_id=request.request_id, key=part_key(key, j, len(ranges)),
-                    block_ids=list(block_ids[lo:hi]), lease_s=self.settings.lease_s,
-                    push_to=push_to, final=j == len(ranges) - 1))
+            sending = self._sending(request, key, push_to)
+            part_blocks = sending.part_blocks
+            try:  # what is left: the blocks stay ours till then
+                self._sends += group_orders.finished_sends(
+                    self.layout.groups, sending, self._group_ids(block_ids),
+                    pushing.sent if pushing is not None else 0)
+            except BadRequest as err:
+                log.error("request %s: %s; decode will recompute", request.request_id,
+                          err.message)
+                return False, None
             return True, {
                 "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": key,
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
@@ -495,8 +567,7 @@ if _VLLM_ERROR is None:
             if remote is None:
                 return False
             request.kv_transfer_params["do_remote_prefill"] = False
-            n = blocks_for(len(request.prompt_token_ids), self.block_size)
-            self._drop_pushed(remote, self._parts(remote, n))
+            self._drop_pushed(remote, self._keys(remote, self._tokens(request)))
             self._release(request.request_id, remote)
             return True
 
@@ -530,13 +601,44 @@ if _VLLM_ERROR is None:
             self._tp_rank = get_tensor_model_parallel_rank()
             self._tp = get_tensor_model_parallel_world_size()
             layers = list(kv_caches.values())
-            self._mover = KvMover(self._client, layers, self.num_blocks, self.staging_blocks,
-                                  name=f"vllm-{self.engine_id}", logger=log)
-            log.info("kvd: registered %d KV tensors (%d blocks, %s, %s)", len(layers),
-                     self.num_blocks, layers[0].device,
+            if len(self.layout.groups) > 1:
+                self._mover = self._group_movers(kv_caches)
+            else:
+                self._mover = KvMover(self._client, layers, self.num_blocks,
+                                      self.staging_blocks, name=f"vllm-{self.engine_id}",
+                                      logger=log)
+            log.info("kvd: registered %d KV tensors in %d group(s) (%d blocks, %s, %s)",
+                     len(layers), len(self.layout.groups), self.num_blocks, layers[0].device,
                      "in place" if self._mover.direct else
                      f"{self.staging_blocks} staging blocks of shared memory, "
                      f"{self.staging_blocks * self._mover.block_bytes / 2**20:.0f} MiB")
+
+        def _group_movers(self, kv_caches: dict[str, torch.Tensor]) -> GroupMovers:
+            """A hybrid model: a mover per KV cache group, with its layers and a client
+            of its own (the first one the connector's)."""
+            movers: list[KvMover] = []
+            try:
+                for g, names in enumerate(self.layout.layers):
+                    missing = [n for n in names if n not in kv_caches]
+                    if missing or not names:
+                        raise BadRequest(f"KV cache group {g}: no KV tensors for layers "
+                                         f"{missing or names}")
+                    client = self._client if g == 0 else _client(
+                        self.settings, f"vllm-worker-{self.engine_id}-g{g}")
+                    try:
+                        movers.append(KvMover(client, [kv_caches[n] for n in names],
+                                              self.num_blocks, self.staging_blocks,
+                                              name=f"vllm-{self.engine_id}-g{g}", logger=log))
+                    except BaseException:
+                        if client is not self._client:
+                            client.close()
+                        raise
+            except BaseException:
+                for mover in movers[1:]:  # (the first one's client is the connector's)
+                    with contextlib.suppress(KvdError):
+                        mover.close()
+                raise
+            return GroupMovers(movers)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._mover is None or not self.has_connector_metadata():
@@ -547,14 +649,14 @@ if _VLLM_ERROR is None:
             # them under its own key; each rank of decode reads its heads from the ranks
             # of prefill that lend them (kv_ranks).
             for order in meta.sends:
-                if lends(self._tp_rank, self._tp, self._heads):
+                if lends(self._tp_rank, self._tp, self._group_heads(order.group)):
                     self._mover.send(replace(order, key=_rank_key(order.key, self._tp_rank,
                                                                   self._tp)))
                 else:
                     self._mover.skip(order)
             for load in meta.loads:
                 try:
-                    taken = self._reads(load.their_tp)
+                    taken = self._reads(load.their_tp, load.group)
                 except BadRequest as err:  # (the scheduler refuses such pairs first)
                     self._mover.load(replace(load, refusal=err.message))
                     continue
@@ -565,7 +667,7 @@ if _VLLM_ERROR is None:
                         parts=load.parts * len(taken)))
             for discard in meta.discards:
                 try:
-                    taken = self._reads(discard.their_tp)
+                    taken = self._reads(discard.their_tp, discard.group)
                 except BadRequest:
                     continue  # (as above; what was pushed ends with its lease)
                 for read in taken:
@@ -576,21 +678,34 @@ if _VLLM_ERROR is None:
             # Renewals and releases: of each key of prefill's that this rank reads.
             leases: list[RenewOrder | ReleaseOrder] = [*meta.renews, *meta.releases]
             for lease in leases:
-                try:
-                    taken = self._reads(lease.their_tp)
-                except BadRequest:
-                    continue
-                for rank in sorted({read.rank for read in taken}):
-                    key = _rank_key(lease.key, rank, lease.their_tp or self._tp)
-                    if isinstance(lease, RenewOrder):
-                        self._mover.renew(replace(lease, key=key))
-                    else:
-                        self._mover.release(replace(lease, key=key))
+                for group in range(self.layout.count):  # (each group's key of it)
+                    try:
+                        taken = self._reads(lease.their_tp, group)
+                    except BadRequest:
+                        continue
+                    keyed = group_key(lease.key, group, self.layout.count)
+                    for rank in sorted({read.rank for read in taken}):
+                        ranked = replace(lease, group=group, key=_rank_key(
+                            keyed, rank, lease.their_tp or self._tp))
+                        if isinstance(ranked, RenewOrder):
+                            self._mover.renew(ranked)
+                        else:
+                            self._mover.release(ranked)
 
-        def _reads(self, their_tp: int) -> list[Read]:
+        def _reads(self, their_tp: int, group: int = 0) -> list[Read]:
             """What this rank reads of prefill's ranks (``their_tp`` 0: prefill did not say
             how many it has, and is taken to have as many as this engine)."""
-            return reads(self._tp_rank, self._tp, their_tp or self._tp, self._heads)
+            their_tp = their_tp or self._tp
+            if their_tp != self._tp and self.layout.groups[group].kind == STATE:
+                raise BadRequest(f"prefill's tensor_parallel_size={their_tp} and decode's "
+                                 f"{self._tp}: a recurrent state moves between equal sizes")
+            return reads(self._tp_rank, self._tp, their_tp, self._group_heads(group))
+
+        def _group_heads(self, group: int) -> int:
+            """The heads of a group as ``kv_ranks`` counts them: an attention group's KV
+            heads; a recurrent state is split over the ranks by the model's own heads, so
+            that every rank holds (and sends, and reads) a state of its own."""
+            return self._tp if self.layout.groups[group].kind == STATE else self._heads
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             return  # loads are asynchronous: the scheduler runs a request once it is in
@@ -604,11 +719,20 @@ if _VLLM_ERROR is None:
 
         def get_finished(self, finished_req_ids: set[str],
                          ) -> tuple[set[str] | None, set[str] | None]:
+            done = self.get_transfer_results(finished_req_ids)
+            return done.finished_sending or None, done.finished_recving or None
+
+        def get_transfer_results(self, finished_req_ids: set[str],
+                                 ) -> KVConnectorTransferResults:
+            """Sends done, loads ended, and of those the ones that failed: reported as
+            invalid blocks where vLLM has one KV cache group, as failed requests where it
+            has several (block ids then do not name a request's blocks)."""
             if self._mover is None:
-                return None, None
+                return KVConnectorTransferResults()
             polled = self._mover.poll()
             for req_id, blocks in polled.failed.items():
-                self._load_errors.update(blocks)
+                if self.layout.count == 1:
+                    self._load_errors.update(blocks)
                 if req_id in polled.refused or req_id in polled.aborted:
                     continue  # (the scheduler said why, once; or the request is gone)
                 # With policy "fail" the client sees only an error: the cause is here.
@@ -617,8 +741,10 @@ if _VLLM_ERROR is None:
                           _POLICY_OUTCOME.get(self.failure_policy,
                                               f"kv_load_failure_policy={self.failure_policy}"))
             # A failed load is finished too: its blocks are reported invalid.
-            recving = polled.loaded | set(polled.failed)
-            return polled.released or None, recving or None
+            return KVConnectorTransferResults(
+                finished_sending=polled.released,
+                finished_recving=polled.loaded | set(polled.failed),
+                failed_recving=set(polled.failed) if self.layout.count > 1 else set())
 
         def get_block_ids_with_load_errors(self) -> set[int]:
             errors, self._load_errors = self._load_errors, set()

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from kvd.errors import BadRequest
+from kvd.integrations.kv_groups import STATE
 from kvd.integrations.kv_ranks import check_split
 from kvd.protocol import PROTOCOL_VERSION
 
@@ -28,7 +29,7 @@ CONNECTOR_VERSION = 2
 _MAY_DIFFER = ("tensor_parallel_size",)
 
 
-class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """What both engines of a pair must agree on, one field each."""
 
     model: str  # the served model name: the same weights, not only the same shapes
@@ -44,9 +45,12 @@ class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pipeline_parallel_size: int
     kvd_protocol: int
     connector: int
+    # A hybrid model's KV cache groups (kv_groups.Group.name each); () for one group of
+    # full attention, and then left out of the params, as before groups were.
+    kv_groups: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, vllm_config: Any) -> Compat:
+    def of(cls, vllm_config: Any, kv_groups: tuple[str, ...] = ()) -> Compat:
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         cache = vllm_config.cache_config
@@ -65,7 +69,7 @@ class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             cache_dtype=str(cache.cache_dtype), block_size=int(cache.block_size),
             tensor_parallel_size=int(parallel.tensor_parallel_size),
             pipeline_parallel_size=int(parallel.pipeline_parallel_size),
-            kvd_protocol=PROTOCOL_VERSION, connector=CONNECTOR_VERSION)
+            kvd_protocol=PROTOCOL_VERSION, connector=CONNECTOR_VERSION, kv_groups=kv_groups)
 
     @classmethod
     def from_params(cls, value: Any) -> Compat | None:
@@ -93,6 +97,10 @@ class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ours, other = self.tensor_parallel_size, theirs.tensor_parallel_size
         if not why and ours != other:
             try:
+                if STATE in self.kv_groups:
+                    raise BadRequest("a hybrid model's recurrent (Mamba) state is cut over "
+                                     "the ranks by the model's own heads, which kvd does not "
+                                     "cut again: run both with the same size")
                 if max(ours, other) % min(ours, other):
                     raise BadRequest("neither divides the other")
                 heads = 1 if self.use_mla else self.num_kv_heads
