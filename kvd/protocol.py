@@ -47,7 +47,10 @@ from kvd.errors import ProtocolError
 #        handoffs; ``Welcome.max_message_bytes``.
 #  14 — 2026-12: a pull or get takes a share of a key (``Share``: a part of each block,
 #        from a block on, for a number of readers) into a part of its blocks (``into``).
-PROTOCOL_VERSION = 14
+#  15 — 2026-12: leases: ``Renew`` and ``Release`` of a key lent at another daemon (or
+#        this one), ``LeaseRenew`` / ``LeaseRelease`` / ``LeaseAnswer`` between daemons;
+#        ``Get.sender`` (the daemon whose link the get watches).
+PROTOCOL_VERSION = 15
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
 # round through the data connection's threads costs more than the bytes' copy on the loops.
@@ -250,6 +253,10 @@ class Get(_WithBlocks, tag="get", frozen=True):
     timeout_s: Seconds
     share: Share = ALL  # as in Pull
     into: Part = WHOLE  # as in Pull
+    # The daemon that puts ``key`` here (its peer address), when the caller knows it: the
+    # get then fails at once (PeerUnreachable) if that daemon cannot be reached, or its
+    # link is lost, while nothing has come. Empty: no such watch.
+    sender: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
 class Put(_WithBlocks, tag="put", frozen=True):
@@ -302,6 +309,29 @@ class Lend(_WithBlocks, tag="lend", frozen=True):
     ttl_s: Seconds
 
 
+class Renew(_Msg, tag="renew", frozen=True):
+    """The reader of ``key``, lent at daemon ``src`` (a peer address, or this daemon),
+    asks that it be kept at least ``ttl_s`` more (at most ``max_ttl_s``): its lender's
+    lease is extended, never shortened. Only a lent key is renewed."""
+
+    req_id: ReqId
+    key: Key
+    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    ttl_s: Seconds
+    timeout_s: Seconds = 10.0
+
+
+class Release(_Msg, tag="release", frozen=True):
+    """The reader of ``key``, lent at daemon ``src``, will not come: the key is dropped
+    there now (its lend answers 0 bytes), pulls waiting for it fail, and a lend of it
+    that comes later answers 0 at once. Only a lent key is released."""
+
+    req_id: ReqId
+    key: Key
+    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    timeout_s: Seconds = 10.0
+
+
 class Unpublish(_Msg, tag="unpublish", frozen=True):
     req_id: ReqId
     key: Key
@@ -335,7 +365,7 @@ class Drain(_Msg, tag="drain", frozen=True):
 
 Request = (
     Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Pull | Publish | Lend
-    | Unpublish | Delete | Cancel | Stats | Drain
+    | Unpublish | Delete | Cancel | Stats | Drain | Renew | Release
 )
 
 # ---------------------------------------------------------------- replies
@@ -582,6 +612,35 @@ class ChannelWarm(_PeerMsg, tag="channel_warm", frozen=True):
     dst_dev: Device
 
 
+CallId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+
+
+class LeaseRenew(_PeerMsg, tag="lease_renew", frozen=True):
+    """A reader asks the daemon that lent ``key`` to keep it ``ttl_s`` more (``Renew``);
+    answered by ``LeaseAnswer`` with the same ``call_id``."""
+
+    call_id: CallId
+    key: Key
+    ttl_s: Seconds
+
+
+class LeaseRelease(_PeerMsg, tag="lease_release", frozen=True):
+    """A reader tells the daemon that lent ``key`` that it will not come (``Release``);
+    answered by ``LeaseAnswer``."""
+
+    call_id: CallId
+    key: Key
+
+
+class LeaseAnswer(_PeerMsg, tag="lease_answer", frozen=True):
+    """The answer to a ``LeaseRenew`` or ``LeaseRelease``: ``code`` empty when done, else
+    the error's wire code and message."""
+
+    call_id: CallId
+    code: Annotated[str, Meta(max_length=64)] = ""
+    message: Annotated[str, Meta(max_length=4096)] = ""
+
+
 class PeerError(_PeerMsg, tag="peer_error", frozen=True):
     """Reply to a message the daemon could not take (not tied to a transfer)."""
 
@@ -592,6 +651,7 @@ class PeerError(_PeerMsg, tag="peer_error", frozen=True):
 PeerMessage = (
     PeerHello | PeerWelcome | Heartbeat | Offer | Accept | Busy | Refuse | XferDone
     | XferFailed | XferCancel | PullRequest | ChannelDown | ChannelWarm | PeerError
+    | LeaseRenew | LeaseRelease | LeaseAnswer
 )
 
 # ---------------------------------------------------------------- codec

@@ -19,6 +19,8 @@ from kvd.integrations.kv_mover import (
     KvMover,
     LoadOrder,
     Polled,
+    ReleaseOrder,
+    RenewOrder,
     SendOrder,
     block_dim_of,
 )
@@ -200,6 +202,54 @@ def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> No
     # More blocks than staging holds: a clear failure, and the engine's blocks come back.
     p.mover.send(SendOrder("huge", "key-huge", list(range(17)), lease_s=5))
     assert "huge" in p.poll().released and p.mover.stats.send_failures == 1
+
+
+def test_leases_renewed_while_queued_and_released_when_not_loaded(
+        sides: tuple[Side, Side]) -> None:
+    """Prefill lends for 0.6 s. Decode renews the loan every 0.3 s for 1.5 s (its request
+    waits in its queue), then loads it. A request decode will not load releases its key:
+    prefill's send ends at once, counted as released, and a pull that still waits for a
+    released key fails at once, quietly (the request is gone); a load that fails releases
+    its key by itself."""
+    p, d = sides
+    p.mover.send(SendOrder("queued", "key-queued", [3, 4], lease_s=0.6))
+    p.poll()
+    started = time.monotonic()
+    while time.monotonic() - started < 1.5:
+        d.mover.renew(RenewOrder("queued", "key-queued", p.address, 0.6))
+        pause = time.monotonic() + 0.3
+        drive(p, d, until=lambda pause=pause: time.monotonic() >= pause)
+    d.mover.load(LoadOrder("queued", "key-queued", p.address, 2, 0, [0, 1], timeout_s=10))
+    drive(p, d, until=lambda: "queued" in d.seen.loaded)
+    assert same(d.block(0), p.block(3)) and same(d.block(1), p.block(4))
+    assert d.mover.stats.leases_renewed >= 4 and p.mover.stats.sends_unread == 0
+
+    # Will not load it: released; prefill's send ends now, not in 30 s.
+    p.mover.send(SendOrder("aborted", "key-aborted", [5], lease_s=30))
+    drive(p, until=lambda: p.mover.client.stats()["keys"] == 1)
+    d.mover.release(ReleaseOrder("aborted", "key-aborted", p.address))
+    drive(p, d, until=lambda: p.mover.stats.sends_released == 1, timeout_s=1.0)
+    assert d.mover.stats.leases_released == 1 and p.mover._slots.free == 16
+
+    # Its pull waits at prefill (nothing lent yet) when the request goes: quiet failure.
+    d.mover.load(LoadOrder("gone", "key-gone", p.address, 1, 0, [2], timeout_s=10))
+    drive(d, until=lambda: p.mover.client.stats()["transfers"]["pulls_waiting_for_key"])
+    d.mover.release(ReleaseOrder("gone", "key-gone", p.address))
+    aborted: set[str] = set()
+
+    def heard() -> bool:
+        aborted.update(d.poll().aborted)
+        return "gone" in aborted
+
+    drive(d, until=heard, timeout_s=1.0)
+    p.mover.send(SendOrder("gone", "key-gone", [6], lease_s=30))  # lent late: answered now
+    drive(p, until=lambda: p.mover.stats.sends_released == 2, timeout_s=1.0)
+
+    # A load that fails (it expects 2 blocks, 1 was lent) frees prefill's key too.
+    p.mover.send(SendOrder("bad", "key-bad", [7], lease_s=30))
+    d.mover.load(LoadOrder("bad", "key-bad", p.address, 2, 0, [3, 4], timeout_s=10))
+    drive(p, d, until=lambda: p.mover.stats.sends_released == 3, timeout_s=2.0)
+    assert p.mover.client.stats()["keys"] == 0
 
 
 def test_a_request_in_parts(sides: tuple[Side, Side]) -> None:

@@ -57,7 +57,13 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvd import KvdClient
 from kvd.errors import BadRequest
-from kvd.integrations.kv_mover import DiscardOrder, LoadOrder, SendOrder
+from kvd.integrations.kv_mover import (
+    DiscardOrder,
+    LoadOrder,
+    ReleaseOrder,
+    RenewOrder,
+    SendOrder,
+)
 from kvd.integrations.vllm import KvdConnector, KvdConnectorMetadata
 from kvd.integrations.vllm_compat import Compat
 from tests.conftest import ProcessDaemon, start_daemons
@@ -748,3 +754,266 @@ def test_pipeline_parallelism_is_refused_at_start() -> None:
         config.parallel_config.pipeline_parallel_size = 2
         with pytest.raises(BadRequest, match=f"pipeline_parallel_size=2 on this {role}"):
             KvdConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+# ---------------------------------------------------------------- leases and aborts
+
+
+def test_consumer_renews_the_lease_of_a_queued_request_and_releases_what_it_drops() -> None:
+    """Pull flow. A request that waits in decode's queue (no free blocks) has its lease at
+    prefill renewed every half of prefill's lease (``kvd_lease_s``), and no more once it
+    is gone; a request that will not load the key (aborted in the queue, aborted while it
+    loads, computed here) has it released, once."""
+    d = Sched("kv_consumer", {}, num_blocks=9)  # 8 usable blocks
+    d.add("local", list(range(1, 97)), max_tokens=50)  # 6 blocks, 7 once it decodes
+    d.step()
+    d.add("queued", list(range(200, 240)), max_tokens=2,
+          params=remote("kq", 40, kvd_lease_s=0.2))  # 3 blocks: it waits
+    renews, started = [], time.monotonic()
+    while time.monotonic() - started < 0.65:
+        so, meta = d.step()
+        assert "queued" not in so.num_scheduled_tokens and not meta.loads
+        assert not meta.releases
+        renews += meta.renews
+        time.sleep(0.04)
+    assert 4 <= len(renews) <= 7, renews
+    assert set(map(repr, renews)) == {repr(RenewOrder("queued", "kq", "10.0.0.1:7700", 0.2))}
+    d.s.finish_requests("queued", RequestStatus.FINISHED_ABORTED)
+    _, meta = d.step()
+    assert meta.releases == [ReleaseOrder("queued", "kq", "10.0.0.1:7700")]
+    time.sleep(0.25)
+    _, meta = d.step()
+    assert not meta.renews and not meta.releases
+
+    # Aborted while its load runs: released too (its pull fails at once at prefill).
+    d.s.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+    d.add("loading", list(range(300, 340)), max_tokens=2, params=remote("kl", 40))
+    _, meta = d.step()
+    assert [lo.key for lo in meta.loads] == ["kl"]
+    d.s.finish_requests("loading", RequestStatus.FINISHED_ABORTED)
+    _, meta = d.step()
+    assert meta.releases == [ReleaseOrder("loading", "kl", "10.0.0.1:7700")]
+    # Loaded: nothing more about it, whatever comes after.
+    d.add("loads", list(range(400, 440)), max_tokens=1, params=remote("kd", 40,
+                                                                    kvd_lease_s=0.1))
+    d.step()
+    d.step(KVConnectorOutput(finished_recving={"loads"}))
+    time.sleep(0.1)
+    for _ in range(3):
+        _, meta = d.step()
+        assert not meta.renews and not meta.releases
+    assert "loads" in d.finished
+    # Computed here (prefill's counts do not fit this prompt): released at once.
+    d.add("misfit", list(range(500, 540)), params=remote("km", 39))
+    so, meta = d.step()
+    assert so.num_scheduled_tokens.get("misfit") == 40
+    assert meta.releases == [ReleaseOrder("misfit", "km", "10.0.0.1:7700")]
+
+
+def prefill_lends(p: Sched, pw: Any, rid: str, prompt: list[int]) -> tuple[dict[str, Any],
+                                                                          list[int]]:
+    """Prefill runs ``rid`` and lends its blocks: prefill's answer, and its block ids."""
+    p.add(rid, prompt, params={"do_remote_decode": True})
+    sends: list[Any] = []
+    deadline = time.monotonic() + 10
+    while not sends:
+        assert time.monotonic() < deadline
+        sends += p.step(worker=pw)[1].sends
+    return p.finished[rid].kv_transfer_params, sends[0].block_ids
+
+
+def test_a_request_queued_past_the_lease_still_loads(fresh_daemons: list[ProcessDaemon],
+                                                     ) -> None:
+    """Prefill lends for 1 s; decode's request waits in its queue 2.6 s (its blocks are
+    taken by a running request), its lease renewed meanwhile; then it loads, byte for
+    byte, from the key prefill still holds."""
+    pd, dd = fresh_daemons
+    p_extra = {"kvd_socket": pd.socket_path, "lease_s": 1.0}
+    d_extra = {"kvd_socket": dd.socket_path, "load_timeout_s": 10}
+    p, d = Sched("kv_producer", p_extra), Sched("kv_consumer", d_extra, num_blocks=9)
+    prompt = list(range(600, 640))
+    with worker_connectors(vllm_config("kv_consumer", d_extra),
+                           vllm_config("kv_producer", p_extra)) as (dw, pw), \
+            KvdClient(pd.socket_path) as prefill_daemon:
+        p_kv, d_kv = cpu_kv(8, 0), cpu_kv(9, 0)
+        pw.register_kv_caches(p_kv)
+        dw.register_kv_caches(d_kv)
+        d.add("local", list(range(1, 97)), max_tokens=50)  # 7 of 8 blocks once it decodes
+        d.step(worker=dw)
+        params, p_ids = prefill_lends(p, pw, "r", prompt)
+        assert params["kvd_lease_s"] == 1.0
+        d.add("r", prompt, max_tokens=2, params=params)
+        started = time.monotonic()
+        while time.monotonic() - started < 2.6:
+            so, meta = d.step(worker=dw)
+            assert "r" not in so.num_scheduled_tokens and not meta.loads
+            p.step(worker=pw)
+            time.sleep(0.05)
+        assert prefill_daemon.stats()["keys"] == 1  # still lent, 2.6 s into a 1 s lease
+        d.s.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+        d_ids: list[int] = []
+        deadline = time.monotonic() + 10
+        while "r" not in d.finished:
+            assert time.monotonic() < deadline
+            _, meta = d.step(worker=dw)
+            d_ids += [b for lo in meta.loads for b in lo.block_ids]
+            p.step(worker=pw)
+        stats, p_stats = dw._mover.stats, pw._mover.stats
+        assert (stats.loads, stats.load_failures) == (1, 0)
+        assert 3 <= stats.leases_renewed <= 6, stats
+        assert prefill_daemon.stats()["leases"]["renewed"] == stats.leases_renewed
+        assert (p_stats.sends, p_stats.sends_unread) == (1, 0)
+        assert len(d_ids) == len(p_ids) == 3
+        for name in LAYERS:
+            for mine, theirs in zip(d_ids, p_ids, strict=True):
+                assert torch.equal(d_kv[name][mine], p_kv[name][theirs])
+
+
+def wait_for(what: str, cond: Any, within_s: float, *step: Any) -> float:
+    """Step ``step`` (schedulers with their workers) until ``cond()``; how long it took
+    (an AssertionError past ``within_s``)."""
+    started = time.monotonic()
+    while not cond():
+        took = time.monotonic() - started
+        assert took < within_s, f"{what}: not within {within_s:g}s"
+        for sched, worker in step:
+            sched.step(worker=worker)
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_a_decode_that_aborts_frees_prefills_blocks_at_once(
+        fresh_daemons: list[ProcessDaemon]) -> None:
+    """Pull flow, prefill's lease 30 s. Decode aborts a request waiting in its queue:
+    prefill's daemon holds nothing and prefill's worker has its blocks back within a
+    second. Decode aborts a request whose pull waits at prefill before prefill has lent
+    (the release comes first): the pull fails at once without an error line, decode's
+    blocks are free, and prefill's lend, when it comes, is answered at once."""
+    pd, dd = fresh_daemons
+    p_extra = {"kvd_socket": pd.socket_path, "lease_s": 30}
+    d_extra = {"kvd_socket": dd.socket_path, "load_timeout_s": 20}
+    p, d = Sched("kv_producer", p_extra), Sched("kv_consumer", d_extra, num_blocks=9)
+    with worker_connectors(vllm_config("kv_consumer", d_extra),
+                           vllm_config("kv_producer", p_extra)) as (dw, pw), \
+            KvdClient(pd.socket_path) as prefill_daemon, vllm_log(d.config) as out:
+        pw.register_kv_caches(cpu_kv(10, 0))
+        dw.register_kv_caches(cpu_kv(11, 0))
+        p_free, d_free = p.free_blocks(), d.free_blocks()
+        d.add("local", list(range(1, 97)), max_tokens=50)
+        d.step(worker=dw)
+        params, _ = prefill_lends(p, pw, "queued", list(range(700, 740)))
+        d.add("queued", list(range(700, 740)), max_tokens=2, params=params)
+        d.step(worker=dw)
+        assert prefill_daemon.stats()["keys"] == 1
+        d.s.finish_requests("queued", RequestStatus.FINISHED_ABORTED)
+        took = wait_for("prefill's key released", lambda: pw._mover.stats.sends_released,
+                        1.0, (d, dw), (p, pw))
+        st = prefill_daemon.stats()
+        assert (st["keys"], st["pool"]["used_bytes"], p.free_blocks()) == (0, 0, p_free)
+        assert pw._mover._slots.free == pw._mover._slots.count  # its staging, all free
+        print(f"aborted in the queue: prefill's blocks back in {took * 1000:.0f} ms")
+
+        # The pull waits at prefill before the lend; decode aborts; then prefill lends.
+        d.s.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+        d.step(worker=dw)
+        p.add("early", list(range(800, 840)), params={"do_remote_decode": True})
+        p.step()  # prefill has answered; its worker has not lent yet
+        d.add("early", list(range(800, 840)), max_tokens=2,
+              params=p.finished["early"].kv_transfer_params)
+        _, meta = d.step(worker=dw)
+        assert [lo.key for lo in meta.loads] == [
+            p.finished["early"].kv_transfer_params["kvd_key"]]
+        wait_for("the pull waiting at prefill", lambda: prefill_daemon.stats()[
+            "transfers"]["pulls_waiting_for_key"] == 1, 5.0, (d, dw))
+        d.s.finish_requests("early", RequestStatus.FINISHED_ABORTED)
+        took = wait_for("decode's blocks back", lambda: d.free_blocks() == d_free, 1.0,
+                        (d, dw))
+        took += wait_for("prefill's lend answered", lambda: pw._mover.stats.sends_released
+                         == 2, 1.0, (p, pw))
+        st = prefill_daemon.stats()
+        assert (st["keys"], st["transfers"]["pulls_waiting_for_key"]) == (0, 0)
+        assert p.free_blocks() == p_free and st["leases"]["released"] == 2
+        print(f"aborted while its pull waited: both sides' blocks back in {took * 1000:.0f} ms")
+        stats = dw._mover.stats
+        assert (stats.leases_released, stats.load_failures, stats.loads_gone) == (2, 1, 1)
+    assert "its KV did not load" not in out.getvalue()  # the request is gone: no error
+
+
+def test_push_flow_a_gone_prefill_daemon_fails_the_load_at_once(tmp_path: Any) -> None:
+    """Push flow, decode told prefill's daemon (``kvd_source``): a load waiting for parts
+    fails within a second when that daemon dies, not after ``load_timeout_s`` (10 s), and
+    the policy applies (recompute: the prompt is computed here); a load from a daemon
+    already gone fails at once too."""
+    pd, dd = start_daemons(str(tmp_path), "p", "d")
+    try:
+        source = pd.peer_address()
+        d_extra = {"kvd_socket": dd.socket_path, "load_timeout_s": 10, "flow": "push"}
+        d = Sched("kv_consumer", d_extra)
+        with worker_connectors(vllm_config("kv_consumer", d_extra)) as (dw,), \
+                KvdClient(dd.socket_path) as decode_daemon:
+            dw.register_kv_caches(cpu_kv(12, 0))
+            push = {"do_remote_prefill": True, "kvd_flow": "push", "kvd_source": source}
+            d.add("waits", list(range(1, 41)), max_tokens=2, params={**push, "kvd_key": "w"})
+            _, meta = d.step(worker=dw)
+            assert [(lo.key, lo.sender) for lo in meta.loads] == [("w", source)]
+            wait_for("decode linked to prefill's daemon",
+                     lambda: decode_daemon.stats()["peer"]["links"], 5.0)
+            pd.proc.kill()
+            pd.proc.wait(10)
+            computed: dict[str, int] = {}
+
+            def computing(rid: str) -> bool:
+                so, _ = d.step(worker=dw)
+                computed.update(so.num_scheduled_tokens)
+                return computed.get(rid) == 40
+
+            took = wait_for("the load failed and the prompt computed",
+                            lambda: computing("waits"), 1.5)
+            d.add("later", list(range(100, 140)), max_tokens=2,
+                  params={**push, "kvd_key": "l"})
+            took_later = wait_for("a load from a gone daemon", lambda: computing("later"),
+                                  1.0)
+            stats = dw._mover.stats
+            assert stats.load_failures == 2 and stats.loads == 0
+        print(f"prefill's daemon died: load failed and recomputed in {took * 1000:.0f} ms; "
+              f"one from a daemon gone before: {took_later * 1000:.0f} ms")
+    finally:
+        pd.stop(timeout_s=0)
+        assert dd.stop() == 0, dd.log()
+
+
+def test_push_flow_a_decode_that_aborts_leaves_nothing_in_either_daemon(
+        fresh_daemons: list[ProcessDaemon]) -> None:
+    """Push flow (what the proxy does: decode hears first). Decode aborts the request while
+    it waits in its queue; prefill then pushes its parts: decode's daemon takes and drops
+    them as they come, and neither daemon holds anything within a second."""
+    pd, dd = fresh_daemons
+    push = {"flow": "push", "push_part_blocks": 2}
+    p_extra = {"kvd_socket": pd.socket_path, **push}
+    d_extra = {"kvd_socket": dd.socket_path, "load_timeout_s": 10, **push}
+    p, d = Sched("kv_producer", p_extra), Sched("kv_consumer", d_extra, num_blocks=9)
+    prompt = list(range(900, 970))  # 5 blocks: 3 parts
+    with worker_connectors(vllm_config("kv_consumer", d_extra),
+                           vllm_config("kv_producer", p_extra)) as (dw, pw), \
+            KvdClient(dd.socket_path) as decode_daemon, \
+            KvdClient(pd.socket_path) as prefill_daemon:
+        pw.register_kv_caches(cpu_kv(13, 0))
+        dw.register_kv_caches(cpu_kv(14, 0))
+        d.add("local", list(range(1, 97)), max_tokens=50)
+        d.step(worker=dw)
+        d.add("r", prompt, max_tokens=2, params={"do_remote_prefill": True,
+                                                  "kvd_flow": "push", "kvd_key": "ab"})
+        d.step(worker=dw)
+        d.s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+        d.step(worker=dw)
+        p.add("r", prompt, params={"do_remote_decode": True, "kvd_key": "ab",
+                                   "kvd_push_to": dd.peer_address()})
+        wait_for("prefill's parts sent", lambda: pw._mover.stats.sends == 3, 10.0, (p, pw))
+
+        def empty() -> bool:
+            return (pool_holds(decode_daemon) == (0, 0, 0) == pool_holds(prefill_daemon)
+                    and dw._mover.stats.parts_dropped == 3)
+
+        took = wait_for("both daemons empty, the parts dropped", empty, 1.0, (d, dw))
+    print(f"aborted decode: the pushed parts dropped, both daemons empty in "
+          f"{took * 1000:.0f} ms")

@@ -207,6 +207,32 @@ def test_push_flow_with_decode_waiting_before_prefill_runs(pair: Pair) -> None:
     assert decode_mover_stats().parts_dropped == dropped + 2
 
 
+def test_a_decode_abort_frees_prefills_blocks_within_a_second(pair: Pair) -> None:
+    """Pull flow, prefill's lease 20 s: decode gets a request and its client goes before
+    it loads (vLLM aborts it). Decode releases the key, and prefill's daemon holds nothing
+    (its lend answered, prefill's blocks free) within a second, not when the lease ends."""
+    prompt = list(range(441, 511))  # (the tiny model's vocabulary: 512 tokens)
+    handed = pair.prefill.generate([{"prompt_token_ids": prompt}],
+                                   greedy(1, {"do_remote_decode": True}))[0]
+    with KvdClient(pair.daemons["prefill"].socket_path) as prefill_daemon:
+        deadline = time.monotonic() + 10
+        while prefill_daemon.stats()["keys"] != 1:  # lent, one step after it answered
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        decode = pair.decode.llm_engine  # in-process: its scheduler runs in our calls
+        decode.add_request("aborted", {"prompt_token_ids": prompt},
+                           greedy(6, handed.kv_transfer_params))
+        decode.abort_request(["aborted"])
+        started = time.monotonic()
+        while (st := prefill_daemon.stats())["keys"] or st["pool"]["used_bytes"]:
+            assert time.monotonic() - started < 1.0, st["keys"]
+            decode.step()
+            time.sleep(0.01)
+        took = time.monotonic() - started
+        assert st["leases"]["released"] >= 1 and st["leases"]["expired"] == 0
+    print(f"decode aborted: prefill's daemon empty in {took * 1000:.0f} ms")
+
+
 @pytest.mark.timeout(300)  # one more engine
 def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:
     prompt = list(range(40, 110))

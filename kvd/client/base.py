@@ -54,6 +54,8 @@ from kvd.protocol import (
     Put,
     Register,
     Registered,
+    Release,
+    Renew,
     Reply,
     Share,
     ShmTensor,
@@ -327,10 +329,22 @@ class RequestBuilder:
         return Call(msg, self._t(timeout_s), "nbytes")
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int],
-            timeout_s: float | None, share: Share = ALL, into: Part = WHOLE) -> Call:
+            timeout_s: float | None, share: Share = ALL, into: Part = WHOLE,
+            sender: str | None = None) -> Call:
         wait_s = self._t(timeout_s)
         msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
-                  blocks=_blocks(blocks), timeout_s=wait_s, share=share, into=into)
+                  blocks=_blocks(blocks), timeout_s=wait_s, share=share, into=into,
+                  sender=sender or "")
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def renew(self, key: str, src: str, ttl_s: float, timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Renew(req_id=self.next_id(), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
+        return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
+
+    def release(self, key: str, src: str, timeout_s: float | None) -> Call:
+        wait_s = self._t(timeout_s)
+        msg = Release(req_id=self.next_id(), key=key, src=src, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,

@@ -269,9 +269,12 @@ class KvdClient:
 
     def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
             timeout_s: float | None = None, share: Share = ALL,
-            into: Part = WHOLE) -> int:
-        """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``."""
-        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s, share, into))
+            into: Part = WHOLE, sender: str | None = None) -> int:
+        """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``. ``sender``:
+        the daemon that puts the key here (host:port), if known: the get fails at once
+        (``PeerUnreachable``) if that daemon cannot be reached or goes while it waits."""
+        nbytes: int = self._call(self._b.get(key, region, blocks, timeout_s, share, into,
+                                             sender))
         return nbytes
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
@@ -289,9 +292,21 @@ class KvdClient:
 
     def start_get(self, key: str, region: Region | int, blocks: Iterable[int], *,
                   timeout_s: float | None = None, share: Share = ALL,
-                  into: Part = WHOLE) -> Transfer:
+                  into: Part = WHOLE, sender: str | None = None) -> Transfer:
         """``get`` without blocking: the returned transfer ends when the bytes are in."""
-        return self._start(self._b.get(key, region, blocks, timeout_s, share, into))
+        return self._start(self._b.get(key, region, blocks, timeout_s, share, into, sender))
+
+    def renew(self, key: str, src: str, *, ttl_s: float,
+              timeout_s: float | None = None) -> Transfer:
+        """Keep ``key``, lent at daemon ``src`` (host:port, or this daemon's), for at least
+        ``ttl_s`` more: its reader is still coming. The transfer ends (0 bytes) once
+        ``src`` has done it; ``UnknownKey`` if it holds no such key, ``KeyGone`` if it went."""
+        return self._start(self._b.renew(key, src, ttl_s, timeout_s))
+
+    def release(self, key: str, src: str, *, timeout_s: float | None = None) -> Transfer:
+        """Drop ``key``, lent at daemon ``src``, now: its reader will not come (its lender
+        gets its blocks back). The transfer ends (0 bytes) once ``src`` has done it."""
+        return self._start(self._b.release(key, src, timeout_s))
 
     def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
                    timeout_s: float | None = None, wait_for_key_s: float = 0.0,

@@ -27,6 +27,7 @@ import torch
 from kvd.config import Config
 from kvd.daemon.busy_poll import BusyPoll
 from kvd.daemon.futures import wait_out
+from kvd.daemon.leases import Leases
 from kvd.daemon.local_copies import LocalCopies, after_ready
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.store import Item, KeyStore, Waiter
@@ -163,6 +164,7 @@ class Engine:
         self.remote: Remote | None = None  # set once the daemon has a peer plane
         # Told each key that appears (stored, published, lent), after the gets waiting here.
         self.key_listeners: list[Callable[[str], None]] = []
+        self.leases = Leases(self)  # lent keys renewed and released by their readers
 
     # ------------------------------------------------------------ helpers
 
@@ -216,9 +218,19 @@ class Engine:
             if self.store.find(item.key) is item:
                 log.info("key expired key=%s bytes=%d", item.key, item.nbytes)
                 self.counters.expired_keys += 1
+                if item.published and item.consume_once:  # a lend nobody came for
+                    self.leases.counters.expired += 1
                 self.store.remove(item, "expired")
 
         item.timer = self._loop.call_at(item.expires_at, expire)
+
+    def extend(self, item: Item, expires_at: float) -> None:
+        """Move ``item``'s expiry to ``expires_at`` (a lease renewed)."""
+        if item.timer is not None:
+            item.timer.cancel()
+            item.timer = None
+        item.expires_at = expires_at
+        self._schedule_expiry(item)
 
     def free_pool_item(self, item: Item) -> None:
         if item.pool_block is not None:
@@ -568,6 +580,10 @@ class Engine:
         """Publish for one reader; returns, once no copy reads the blocks any more, the
         bytes that reader took (0: nobody took them before the TTL or a cancel). Until then
         the owner must not reuse the blocks."""
+        if self.leases.released(key):  # its reader said it will not come, before this
+            self._source(session, region_id, blocks)  # (a bad request is still refused)
+            log.info("lend of a released key answered at once key=%s", key)
+            return 0
         freed: asyncio.Future[int] = self._loop.create_future()
 
         def on_free(item: Item) -> None:
@@ -653,6 +669,7 @@ class Engine:
             "bytes_in": self.counters.bytes_in,
             "bytes_out": self.counters.bytes_out,
             "expired_keys": self.counters.expired_keys,
+            "leases": self.leases.stats(),
             "gpu_staging": gpu_staging,
             "gpu_spills": self.counters.gpu_spills,
             "busy_poll": self.busy_poll.stats(),

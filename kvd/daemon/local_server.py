@@ -74,6 +74,8 @@ from kvd.protocol import (
     Put,
     Register,
     Registered,
+    Release,
+    Renew,
     Reply,
     Request,
     Stats,
@@ -354,9 +356,11 @@ class LocalServer:
                     # more bytes move in its blocks, which the client may then reuse.
                     self.start_close(s, "client said bye", reply_to=msg.req_id)
                 case Get():
-                    self._spawn(s, msg.req_id, op, e.get(
-                        s.sid, msg.req_id, msg.key, msg.region_id, msg.ids, msg.timeout_s,
-                        share=msg.share, into=msg.into))
+                    got = e.get(s.sid, msg.req_id, msg.key, msg.region_id, msg.ids,
+                                msg.timeout_s, share=msg.share, into=msg.into)
+                    self._spawn(s, msg.req_id, op, got if not msg.sender else
+                                e.leases.get_watching(got, s.sid, msg.req_id, msg.key,
+                                                      msg.sender, msg.timeout_s))
                 case Put():
                     self._spawn(s, msg.req_id, op, e.put(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.to, msg.ttl_s,
@@ -365,6 +369,12 @@ class LocalServer:
                     self._spawn(s, msg.req_id, op, e.pull(
                         s.sid, msg.key, msg.src, msg.region_id, msg.ids, msg.timeout_s,
                         msg.wait_for_key_s, msg.share, msg.into))
+                case Renew():
+                    self._spawn(s, msg.req_id, op, e.leases.renew_at(
+                        msg.key, msg.src, msg.ttl_s, msg.timeout_s))
+                case Release():
+                    self._spawn(s, msg.req_id, op, e.leases.release_at(
+                        msg.key, msg.src, msg.timeout_s))
                 case Offload():
                     self._spawn(s, msg.req_id, op, e.offload(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))

@@ -52,7 +52,8 @@ BAD_MESSAGE_REASONS: dict[str, tuple[str, ...]] = {
         "auth", "bad_offer", "data_connect", "data_encryption", "data_handshake",
         "data_token", "duplicate_hello", "duplicate_transfer", "empty", "frames",
         "handshake", "handshake_limit", "link_limit", "malformed", "no_link", "pull_limit",
-        "takeover", "unexpected", "unknown_transfer", "unlinked_limit", "version",
+        "takeover", "unexpected", "unknown_call", "unknown_transfer", "unlinked_limit",
+        "version",
     ),
 }
 
@@ -172,6 +173,13 @@ class _StateCollector(Collector):
         expiries = CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.")
         expiries.add_metric([], engine.counters.expired_keys)
         yield expiries
+        leases = CounterMetricFamily(
+            "kvd_lease_events", "Lent keys renewed or released by their reader, or expired "
+            "unread; gets failed at once as the daemon they waited on was gone "
+            "(sender_lost).", labels=["event"])
+        for event, n in engine.leases.stats().items():
+            leases.add_metric([event], n)
+        yield leases
         requests = CounterMetricFamily("kvd_requests", "Client requests by operation and "
                                        "result code ('ok' or an error code).",
                                        labels=["op", "code"])

@@ -112,6 +112,9 @@ class Waiter:
 
 # Keys whose going is remembered (a 16-byte hash and a shared reason each: ~8 MiB at most).
 GONE_REMEMBERED = 65536
+# Why a lent key went when its reader said it will not come (``daemon/leases.py``): a lend
+# of a key gone for this reason answers at once.
+RELEASED = "released by its reader"
 
 
 def _name_hash(key: str) -> bytes:
@@ -172,6 +175,10 @@ class KeyStore:
         if why := self.gone(key):
             return KeyGone(f"key {key!r}{where} was {why}")
         return UnknownKey(f"no key {key!r}{where}")
+
+    def mark_gone(self, key: str, why: str) -> None:
+        """Remember ``key`` as gone (``why``) though it is not here: it will not come."""
+        self._went(key, why)
 
     def _went(self, key: str, why: str) -> None:
         name = _name_hash(key)

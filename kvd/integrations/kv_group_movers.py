@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvd.errors import BadRequest, KvdError
 from kvd.integrations.kv_mover import DiscardOrder, KvMover, LoadOrder, Polled, SendOrder
-from kvd.integrations.kv_orders import MoverStats
+from kvd.integrations.kv_orders import MoverStats, ReleaseOrder, RenewOrder
 
 # Counted here, once per request; every other counter is the sum of the movers'.
 _PER_REQUEST = ("loads", "load_failures", "load_seconds", "loads_refused")
@@ -37,6 +37,7 @@ class _Loading:
     failed_blocks: list[int] = field(default_factory=list)
     cause: str = ""
     refused: bool = False
+    aborted: bool = False  # released before it ended: the request is gone
     nbytes: int = 0
 
 
@@ -90,6 +91,12 @@ class GroupMovers:
     def discard(self, order: DiscardOrder) -> None:
         self._mover(order.group).discard(order)
 
+    def renew(self, order: RenewOrder) -> None:
+        self._mover(order.group).renew(order)
+
+    def release(self, order: ReleaseOrder) -> None:
+        self._mover(order.group).release(order)
+
     # ------------------------------------------------------------ what ended
 
     def poll(self) -> Polled:
@@ -118,6 +125,7 @@ class GroupMovers:
             loading.failed_blocks += got.failed[req_id]
             loading.cause = loading.cause or f"group {group}: {got.causes.get(req_id, '')}"
             loading.refused = loading.refused or req_id in got.refused
+            loading.aborted = loading.aborted or req_id in got.aborted
         loading.nbytes += got.nbytes.get(req_id, 0)
         if loading.pending:
             return
@@ -129,6 +137,8 @@ class GroupMovers:
             if loading.refused:
                 self.stats.loads_refused += 1
                 done.refused.add(req_id)
+            if loading.aborted:
+                done.aborted.add(req_id)
             return
         took = time.monotonic() - loading.started
         self.stats.loads += 1

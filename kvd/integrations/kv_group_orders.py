@@ -116,6 +116,7 @@ class Loading:
     timeout_s: float
     part_blocks: int = 0
     their_tp: int = 0
+    sender: str | None = None  # pushed: the daemon that pushes it, when known
 
 
 def discards(groups: Sequence[Group], keys: Keys, timeout_s: float,
@@ -150,7 +151,7 @@ def loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
             load = load_of(group, ids[g], ld.tokens, ld.first)
             orders.append(LoadOrder(ld.req_id, parts[0][0], ld.source, load.remote_blocks,
                                     load.skip, load.block_ids, ld.timeout_s,
-                                    their_tp=ld.their_tp, group=g))
+                                    their_tp=ld.their_tp, group=g, sender=ld.sender))
             dropped.append([])
             continue
         dropped.append([p for p in parts if p[2] <= ld.first])
@@ -161,6 +162,6 @@ def loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
                 raise BadRequest(f"group {g} has {len(ids[g])} blocks for {hi}")
             orders.append(LoadOrder(ld.req_id, key, ld.source, hi - lo, max(ld.first - lo, 0),
                                     into, ld.timeout_s, parts=len(wanted),
-                                    their_tp=ld.their_tp, group=g))
+                                    their_tp=ld.their_tp, group=g, sender=ld.sender))
     return orders, (discards(groups, dropped, ld.timeout_s, ld.their_tp)
                     if ld.source is None else [])

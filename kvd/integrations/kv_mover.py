@@ -16,6 +16,9 @@ never blocks:
 - ``discard(order)``: a key pushed to this daemon that the engine does not need (a part
   of a prompt it has cached itself) is taken and dropped: at once if it is there, the
   moment it arrives if not, so that it never waits in the daemon's pool for its lease.
+- ``renew(order)`` / ``release(order)``: a key lent at the prefill daemon for a request
+  of this engine is kept there longer (the request waits in the engine's queue), or freed
+  now (the request will not load it). A pull-flow load that fails releases its key too.
 - ``poll()``: what finished since the last call: sends whose blocks the engine may free,
   loads that completed, loads that failed (with the block ids that hold no valid data and
   the cause).
@@ -43,8 +46,9 @@ vLLM's log), else to this module's.
 This module holds ``KvMover`` itself: its sends, loads, staging region and reconnection.
 Beside it: ``kv_orders`` (the orders, ``Polled`` and ``MoverStats``), ``kv_parts`` (how a
 request is cut into keyed parts), ``kv_requests`` (what each request's parts add up to),
-``kv_staging`` (block arithmetic and copies of staging) and ``kv_discards`` (discarded keys
-and their sink). Every public name of these is importable from here.
+``kv_staging`` (block arithmetic and copies of staging), ``kv_discards`` (discarded keys
+and their sink) and ``kv_leases`` (renewals and releases in flight). Every public name of
+these is importable from here.
 """
 
 from __future__ import annotations
@@ -59,13 +63,23 @@ from typing import Any
 import torch
 
 from kvd.client.sync import KvdClient, Transfer
-from kvd.errors import BadRequest, DaemonUnavailable, KeyGone, KvdError, UnknownKey
+from kvd.errors import (
+    BadRequest,
+    DaemonUnavailable,
+    KeyGone,
+    KvdError,
+    PeerUnreachable,
+    UnknownKey,
+)
 from kvd.integrations.kv_discards import Discarding, Discards
+from kvd.integrations.kv_leases import LeaseCalls
 from kvd.integrations.kv_orders import (
     DiscardOrder,
     LoadOrder,
     MoverStats,
     Polled,
+    ReleaseOrder,
+    RenewOrder,
     SendOrder,
 )
 from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
@@ -81,8 +95,8 @@ from kvd.integrations.kv_staging import (
 from kvd.protocol import WHOLE, Part, Share
 
 __all__ = [  # the mover's surface; callers import all of it from here
-    "DiscardOrder", "KvMover", "LoadOrder", "MoverStats", "Polled", "SendOrder",
-    "block_dim_of", "blocks_for", "part_key", "part_ranges",
+    "DiscardOrder", "KvMover", "LoadOrder", "MoverStats", "Polled", "ReleaseOrder",
+    "RenewOrder", "SendOrder", "block_dim_of", "blocks_for", "part_key", "part_ranges",
 ]
 
 log = logging.getLogger(__name__)
@@ -155,6 +169,8 @@ class KvMover:
         self._sends: dict[str, _Send] = {}  # by key
         self._loads: dict[str, _Load] = {}  # by key
         self._requests = RequestParts(self.stats)  # what the engine hears, by request
+        self._leases = LeaseCalls(self.stats, self._note, self.log)
+        self._aborted: set[str] = set()  # requests released while their loads were running
 
     def _register(self) -> None:
         """Register with the daemon: GPU tensors in place, CPU ones through staging.
@@ -189,6 +205,7 @@ class KvMover:
             self._requests.load_ended(load.order, ok=False, cause="the kvd daemon went away")
         for discard in self._discards.in_flight():
             self._discards.end(self.client, discard)
+        self._leases.clear()
         now = time.monotonic()
         if now < self._reconnect_at:
             return
@@ -296,6 +313,29 @@ class KvMover:
         self._loads[order.key] = load
         self._advance_load(load)
 
+    def renew(self, order: RenewOrder) -> None:
+        """Keep ``order.key`` lent at its source longer (never raises: a failure is
+        logged). Not while this engine's pull of it waits there: that takes it the moment
+        it is lent."""
+        load = self._loads.get(order.key)
+        if self.connected and (load is None or load.transfer is None):
+            self._leases.renew(self.client, order)
+
+    def release(self, order: ReleaseOrder) -> None:
+        """Free ``order.key`` at its source now: the request will not load it (never
+        raises). A pull of it waiting there fails at once, and its load is reported
+        failed without an error: the request is gone."""
+        if self._requests.loading(order.req_id):
+            self._aborted.add(order.req_id)
+        if self.connected:
+            self._leases.release(self.client, order)
+
+    def _release_lent(self, order: LoadOrder) -> None:
+        """A pull-flow load that will not happen: its key is freed at prefill."""
+        if order.source is not None and self.connected:
+            self._leases.release(self.client, ReleaseOrder(order.req_id, order.key,
+                                                           order.source, order.their_tp))
+
     def poll(self) -> Polled:
         if not self.connected:
             self._recover()
@@ -304,7 +344,12 @@ class KvMover:
         for load in list(self._loads.values()):
             self._advance_load(load)
         self._discards.advance_all(self.client)
-        return self._requests.take_done()
+        self._leases.advance_all()
+        done = self._requests.take_done()
+        if self._aborted:
+            done.aborted = self._aborted & set(done.failed)
+            self._aborted -= done.failed.keys() | done.loaded
+        return done
 
     # ------------------------------------------------------------ sends
 
@@ -319,9 +364,14 @@ class KvMover:
                 self.stats.bytes_sent += nbytes
                 self.stats.send_samples.append([time.monotonic() - send.started, nbytes])
                 if nbytes == 0 and order.push_to is None:
-                    self.stats.sends_unread += 1
-                    self.log.warning("kvd send %s: key %s was not pulled within its %gs "
-                                     "lease", order.req_id, order.key, order.lease_s)
+                    if time.monotonic() < send.deadline:  # its reader said it will not come
+                        self.stats.sends_released += 1
+                        self.log.info("kvd send %s: key %s was released by its reader "
+                                      "(decode will not load it)", order.req_id, order.key)
+                    else:
+                        self.stats.sends_unread += 1
+                        self.log.warning("kvd send %s: key %s was not pulled within its %gs "
+                                         "lease", order.req_id, order.key, order.lease_s)
                 self._end_send(send)
         except KvdError as err:
             self._note(err)
@@ -377,7 +427,10 @@ class KvMover:
                 # Pull flow: the key did not appear while the pull waited at prefill's
                 # daemon (that daemon held too many waiting pulls, or no time was left).
                 # One that was there and is gone (its lease ended, say) will not come.
-                if isinstance(err, KeyGone) or time.monotonic() + PULL_RETRY_S >= load.deadline:
+                if isinstance(err, KeyGone):
+                    self.stats.loads_gone += 1
+                    raise
+                if time.monotonic() + PULL_RETRY_S >= load.deadline:
                     raise
                 load.transfer, load.retry_at = None, time.monotonic() + PULL_RETRY_S
                 self.stats.pull_retries += 1
@@ -393,6 +446,10 @@ class KvMover:
             self.log.warning("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
             self._requests.load_ended(order, ok=False, cause=f"key {order.key!r}: {err}")
+            if not isinstance(err, KeyGone | PeerUnreachable) and (
+                    order.req_id not in self._aborted):
+                # (Gone, or its daemon gone: nothing to free. Aborted: released already.)
+                self._release_lent(order)
 
     def _start_load(self, load: _Load, now: float) -> None:
         order = load.order
@@ -411,7 +468,8 @@ class KvMover:
         share = Share(order.part, skip=order.first, readers=order.readers)
         if order.source is None:
             load.transfer = self.client.start_get(order.key, region, blocks, timeout_s=left,
-                                                  share=share, into=order.into)
+                                                  share=share, into=order.into,
+                                                  sender=order.sender)
         else:
             # Prefill lends one engine step after it answered, so the pull often comes
             # first: it waits there for the key and is served the moment it is lent.
@@ -456,6 +514,7 @@ class KvMover:
         self._sends.clear()
         self._loads.clear()
         self._discards.clear()
+        self._leases.clear()
         self._requests.clear()
         self.client.close()
 

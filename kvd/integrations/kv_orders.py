@@ -1,9 +1,9 @@
 """What an engine asks its ``KvMover`` to do, and what the mover reports back.
 
-Orders (send, load, discard) go in from the engine's step loop; ``Polled`` comes out of
-each ``poll``; ``MoverStats`` counts what moved. They are plain data, apart from the mover
-that acts on them, so that a connector's scheduler side (which builds orders but moves no
-bytes) imports them without the data path.
+Orders (send, load, discard, renew, release) go in from the engine's step loop; ``Polled``
+comes out of each ``poll``; ``MoverStats`` counts what moved. They are plain data, apart
+from the mover that acts on them, so that a connector's scheduler side (which builds
+orders but moves no bytes) imports them without the data path.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class LoadOrder:
     readers: int = 1
     into: Part = WHOLE
     their_tp: int = 0  # prefill's tensor-parallel size, when told (0: not told)
+    # Pushed (``source`` None): the daemon that pushes it, when known. The load fails at
+    # once if that daemon cannot be reached or goes while the key has not come.
+    sender: str | None = None
     group: int = 0  # the KV cache group whose blocks these are (kv_groups)
 
 
@@ -77,12 +80,38 @@ class DiscardOrder:
 
 
 @dataclass
+class RenewOrder:
+    """Request ``req_id`` still means to load ``key``, lent at daemon ``source``: keep it
+    there ``ttl_s`` more (the request waits in the engine's queue)."""
+
+    req_id: str
+    key: str
+    source: str
+    ttl_s: float
+    their_tp: int = 0  # as in LoadOrder: which of prefill's keys this rank reads
+    group: int = 0  # as in LoadOrder
+
+
+@dataclass
+class ReleaseOrder:
+    """Request ``req_id`` will not load ``key``, lent at daemon ``source`` (it was aborted,
+    or is computed here): the lender is told to free it now."""
+
+    req_id: str
+    key: str
+    source: str
+    their_tp: int = 0
+    group: int = 0
+
+
+@dataclass
 class Polled:
     released: set[str] = field(default_factory=set)  # sends: the engine may free the blocks
     loaded: set[str] = field(default_factory=set)  # loads that completed
     failed: dict[str, list[int]] = field(default_factory=dict)  # loads that failed: blocks
     causes: dict[str, str] = field(default_factory=dict)  # why each of those failed
     refused: set[str] = field(default_factory=set)  # failed ones that were refused: said
+    aborted: set[str] = field(default_factory=set)  # failed ones released first (aborted)
     nbytes: dict[str, int] = field(default_factory=dict)  # loaded ones: the bytes they took
 
 
@@ -92,6 +121,7 @@ class MoverStats:
     bytes_received: int = 0
     sends: int = 0
     sends_unread: int = 0  # lent, and nobody pulled them before the lease ended
+    sends_released: int = 0  # lent, and given back unread before the lease ended (released)
     send_failures: int = 0
     loads: int = 0
     load_failures: int = 0
@@ -99,6 +129,9 @@ class MoverStats:
     pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
     parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
     loads_refused: int = 0  # refused: prefill's KV did not fit this engine (kvd_compat)
+    loads_gone: int = 0  # found their key gone at prefill (its lease ended, or released)
+    leases_renewed: int = 0  # renewals of prefill's lease that its daemon took
+    leases_released: int = 0  # keys released at prefill (aborted, not loaded, failed)
     # Samples since the last report (taken by ``take_samples``), for histograms: each
     # request loaded, and each key sent, as [seconds, bytes].
     load_samples: list[list[float]] = field(default_factory=list)

@@ -87,6 +87,10 @@ class RequestParts:
     def load_ordered(self, order: LoadOrder, now: float) -> None:
         self._loading.setdefault(order.req_id, _LoadGroup(max(order.parts, 1), now))
 
+    def loading(self, req_id: str) -> bool:
+        """Whether a load of this request is under way (ordered, not yet reported)."""
+        return req_id in self._loading
+
     def load_failed(self, req_id: str) -> bool:
         """Whether a part of this request has failed already (its other parts need not
         start)."""

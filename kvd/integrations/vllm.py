@@ -29,13 +29,18 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
   is done with them.
 - to decode: those params; or, push flow, sent at the same time as to prefill:
   ``{"do_remote_prefill": true, "kvd_flow": "push", "kvd_key": <the same key>}``, so that
-  decode is already waiting when the blocks come. Decode claims the prompt's tokens that it
-  has not cached as an asynchronous load, pulls (or takes the pushed) blocks into its own,
-  and reports the request done. Pushed parts that it has cached itself (or all of them,
-  when it computes the prompt itself) it takes and drops, so that none waits in its
-  daemon's pool. A load that fails or times out is logged at ERROR with its cause and
-  reported as invalid blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or
-  fail the request).
+  decode is already waiting when the blocks come (plus ``kvd_source``, the prefill daemon,
+  when the proxy knows it: decode's wait then fails at once if that daemon is gone).
+  Decode claims the prompt's tokens that it has not cached as an asynchronous load, pulls
+  (or takes the pushed) blocks into its own, and reports the request done. Pushed parts
+  that it has cached itself (or all of them, when it computes the prompt itself) it takes
+  and drops, so that none waits in its daemon's pool. Pull flow: while a request waits in
+  decode's queue, decode renews prefill's lease (prefill's ``lease_s``, sent as
+  ``kvd_lease_s``) every half lease; a request that will not load the key (aborted,
+  computed here, refused, its load failed) releases it, and prefill frees its blocks at
+  once. A load that fails or times out is logged at ERROR with its cause and reported as
+  invalid blocks, so vLLM's ``kv_load_failure_policy`` applies (recompute, or fail the
+  request).
 
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
 Inside vLLM it logs under vLLM's own ``vllm`` logger, so that its lines come out in
@@ -55,6 +60,7 @@ import contextlib
 import functools
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +68,15 @@ from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
 from kvd.integrations import kv_group_orders as group_orders
 from kvd.integrations.kv_group_movers import GroupMovers
-from kvd.integrations.kv_groups import STATE, backoff
+from kvd.integrations.kv_groups import STATE, backoff, group_key
 from kvd.integrations.kv_mover import KvMover
-from kvd.integrations.kv_orders import DiscardOrder, LoadOrder, SendOrder
+from kvd.integrations.kv_orders import (
+    DiscardOrder,
+    LoadOrder,
+    ReleaseOrder,
+    RenewOrder,
+    SendOrder,
+)
 from kvd.integrations.kv_parts import blocks_for
 from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
@@ -123,6 +135,23 @@ class _Pushing:
     sent: int = 0  # parts sent so far
 
 
+@dataclass(eq=False)
+class _Held:
+    """Decode, pull flow: a request whose KV prefill keeps for it, from its arrival until
+    its load has ended. Its lease is renewed every half lease meanwhile."""
+
+    key: str
+    source: str
+    lease_s: float
+    renew_at: float  # time.monotonic()
+    their_tp: int = 0  # prefill's tensor-parallel size, when told
+
+
+def _their_tp(remote: RemotePrefill) -> int:
+    """Prefill's tensor-parallel size, when it said (0: not said)."""
+    return remote.compat.tensor_parallel_size if remote.compat else 0
+
+
 def _rank_key(key: str, rank: int, tp: int) -> str:
     """The key tensor-parallel rank ``rank`` of ``tp`` sends its KV heads under."""
     return f"{key}#tp{rank}" if tp > 1 else key
@@ -143,6 +172,8 @@ if _VLLM_ERROR is None:
         sends: list[SendOrder] = field(default_factory=list)
         loads: list[LoadOrder] = field(default_factory=list)
         discards: list[DiscardOrder] = field(default_factory=list)
+        renews: list[RenewOrder] = field(default_factory=list)
+        releases: list[ReleaseOrder] = field(default_factory=list)
 
     class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Disaggregated prefill/decode through kvd: see the module docstring. Hybrid
@@ -183,6 +214,10 @@ if _VLLM_ERROR is None:
             self._sends: list[SendOrder] = []
             self._loads: list[LoadOrder] = []
             self._discards: list[DiscardOrder] = []
+            self._renews: list[RenewOrder] = []
+            self._releases: list[ReleaseOrder] = []
+            self._held: dict[str, _Held] = {}  # decode: pull-flow requests until loaded
+            self._next_renewal = float("inf")  # the earliest _Held.renew_at
             self._pushing: dict[str, _Pushing] = {}
             self._backed_off: set[str] = set()  # prefill: prompts that lost their last token
             self._refused: dict[str, str] = {}  # decode: requests refused, and why
@@ -214,6 +249,55 @@ if _VLLM_ERROR is None:
             return address
 
         # ------------------------------------------------------------ scheduler side
+
+        def on_new_request(self, request: Any) -> None:
+            """Decode, pull flow: prefill keeps this request's blocks for it from now on
+            (renewed while it waits in the queue, released if it will not load them).
+            Prefill: a prompt may lose its last token (``_back_off``)."""
+            if self.is_producer:
+                self._back_off(request)
+                return
+            try:
+                remote = RemotePrefill.of(request.kv_transfer_params)
+            except BadRequest:
+                return  # get_num_new_matched_tokens says why
+            if remote is not None and remote.source is not None:
+                self._hold(request.request_id, remote)
+
+        def _hold(self, req_id: str, remote: RemotePrefill) -> None:
+            if req_id in self._held or remote.source is None:
+                return
+            lease_s = remote.lease_s or self.settings.lease_s
+            renew_at = time.monotonic() + lease_s / 2
+            self._held[req_id] = _Held(remote.key, remote.source, lease_s, renew_at,
+                                       _their_tp(remote))
+            self._next_renewal = min(self._next_renewal, renew_at)
+
+        def _release(self, req_id: str, remote: RemotePrefill | _Held | None) -> None:
+            """Prefill may free what it lent for this request: it will not be loaded."""
+            self._held.pop(req_id, None)
+            if remote is not None and remote.source is not None:
+                their_tp = (remote.their_tp if isinstance(remote, _Held)
+                            else _their_tp(remote))
+                self._releases.append(ReleaseOrder(req_id, remote.key, remote.source,
+                                                   their_tp))
+
+        def _renewals(self) -> None:
+            """Renew the leases of the requests still waiting, every half lease each."""
+            now = time.monotonic()
+            if now < self._next_renewal:
+                return
+            self._next_renewal = float("inf")
+            for req_id, held in self._held.items():
+                if now >= held.renew_at:
+                    held.renew_at = now + held.lease_s / 2
+                    self._renews.append(RenewOrder(req_id, held.key, held.source,
+                                                   held.lease_s, held.their_tp))
+                self._next_renewal = min(self._next_renewal, held.renew_at)
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            for req_id in connector_output.finished_recving or ():
+                self._held.pop(req_id, None)  # loaded, or failed (its worker released it)
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                        ) -> tuple[int | None, bool]:
@@ -273,6 +357,7 @@ if _VLLM_ERROR is None:
             keys = self._keys(remote, tokens)
             if num_external_tokens <= 0:  # decode computes the prompt itself
                 self._drop_pushed(remote, keys)
+                self._release(request.request_id, remote)
                 return
             n = blocks_for(tokens, self.block_size)
             ids = self._group_ids(blocks.get_block_ids())
@@ -280,7 +365,7 @@ if _VLLM_ERROR is None:
                 request.request_id, remote.key, remote.source, tokens,
                 n - blocks_for(num_external_tokens, self.block_size),
                 self.settings.load_timeout_s, self._push_parts(remote),
-                remote.compat.tensor_parallel_size if remote.compat else 0)
+                _their_tp(remote), remote.sender)
             why = self._refused.pop(request.request_id, "")
             if not why:
                 try:
@@ -289,10 +374,12 @@ if _VLLM_ERROR is None:
                     why = f"its blocks do not fit this engine's: {err.message}"
                     log.error("kvd: request %s: %s; %s", request.request_id, why,
                               _POLICY_OUTCOME.get(self.failure_policy, self.failure_policy))
-            if why:  # nothing of it is loaded: pushed parts are dropped, the load refused
+            if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
                 self._drop_pushed(remote, keys)
+                self._release(request.request_id, remote)
                 self._loads += group_orders.refused_loads(self.layout.groups, load, ids, why)
                 return
+            self._hold(request.request_id, remote)  # (if on_new_request did not)
             # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
             self._discards += drops
             self._loads += loads
@@ -324,7 +411,7 @@ if _VLLM_ERROR is None:
                 self._discards += group_orders.discards(self.layout.groups, keys,
                                                         self.settings.load_timeout_s)
 
-        def on_new_request(self, request: Any) -> None:
+        def _back_off(self, request: Any) -> None:
             """Prefill of a model with a recurrent state or a sliding window
             (``kv_groups.backoff``): the prompt loses its last token, so that what is
             handed to decode is what that token needs (decode computes it itself), and
@@ -393,10 +480,20 @@ if _VLLM_ERROR is None:
         def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
             if self._pushing:
                 self._send_written_parts()
+            if self._held:
+                self._renewals()
             meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads,
-                                        discards=self._discards)
+                                        discards=self._discards, renews=self._renews,
+                                        releases=self._releases)
             self._sends, self._loads, self._discards = [], [], []
+            self._renews, self._releases = [], []
             return meta
+
+        def has_pending_push_work(self) -> bool:
+            """Orders not yet handed to the worker (a release after an abort, say) keep
+            vLLM's engine stepping until they are: prefill's blocks are not left until
+            decode's next request."""
+            return bool(self._releases or self._discards or self._renews)
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
@@ -409,7 +506,9 @@ if _VLLM_ERROR is None:
             pushing = self._pushing.pop(request.request_id, None)
             backed_off = request.request_id in self._backed_off
             self._backed_off.discard(request.request_id)
-            self._drop_unloaded(request)
+            held = self._held.get(request.request_id)
+            if not self._drop_unloaded(request) and held is not None:
+                self._release(request.request_id, held)  # aborted while its load runs
             params = request.kv_transfer_params
             if not (self.is_producer and isinstance(params, dict)
                     and params.get("do_remote_decode")):
@@ -454,20 +553,24 @@ if _VLLM_ERROR is None:
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
                 "kvd_num_tokens": prompt, "kvd_num_blocks": n,
                 "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
-                "kvd_compat": self.compat.as_params(),
+                "kvd_lease_s": self.settings.lease_s, "kvd_compat": self.compat.as_params(),
             }
 
-        def _drop_unloaded(self, request: Any) -> None:
+        def _drop_unloaded(self, request: Any) -> bool:
             """A request that ends before decode ordered its load (aborted while it waited
-            to be scheduled) wants none of the parts pushed for it."""
+            to be scheduled) wants none of the parts pushed for it, nor the key lent for
+            it. Whether it was such a request."""
             self._refused.pop(request.request_id, None)
             try:
                 remote = RemotePrefill.of(request.kv_transfer_params)
             except BadRequest:
-                return
-            if remote is not None:
-                request.kv_transfer_params["do_remote_prefill"] = False
-                self._drop_pushed(remote, self._keys(remote, self._tokens(request)))
+                return False
+            if remote is None:
+                return False
+            request.kv_transfer_params["do_remote_prefill"] = False
+            self._drop_pushed(remote, self._keys(remote, self._tokens(request)))
+            self._release(request.request_id, remote)
+            return True
 
         @classmethod
         def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -573,6 +676,22 @@ if _VLLM_ERROR is None:
                         discard,
                         key=_rank_key(discard.key, read.rank, discard.their_tp or self._tp),
                         part=read.part, readers=read.readers, into=read.into))
+            # Renewals and releases: of each key of prefill's that this rank reads.
+            leases: list[RenewOrder | ReleaseOrder] = [*meta.renews, *meta.releases]
+            for lease in leases:
+                for group in range(self.layout.count):  # (each group's key of it)
+                    try:
+                        taken = self._reads(lease.their_tp, group)
+                    except BadRequest:
+                        continue
+                    keyed = group_key(lease.key, group, self.layout.count)
+                    for rank in sorted({read.rank for read in taken}):
+                        ranked = replace(lease, group=group, key=_rank_key(
+                            keyed, rank, lease.their_tp or self._tp))
+                        if isinstance(ranked, RenewOrder):
+                            self._mover.renew(ranked)
+                        else:
+                            self._mover.release(ranked)
 
         def _reads(self, their_tp: int, group: int = 0) -> list[Read]:
             """What this rank reads of prefill's ranks (``their_tp`` 0: prefill did not say
@@ -615,8 +734,8 @@ if _VLLM_ERROR is None:
             for req_id, blocks in polled.failed.items():
                 if self.layout.count == 1:
                     self._load_errors.update(blocks)
-                if req_id in polled.refused:  # (the scheduler said why, once)
-                    continue
+                if req_id in polled.refused or req_id in polled.aborted:
+                    continue  # (the scheduler said why, once; or the request is gone)
                 # With policy "fail" the client sees only an error: the cause is here.
                 log.error("kvd: request %s: its KV did not load (%s); %s", req_id,
                           polled.causes.get(req_id, "cause unknown"),

@@ -42,6 +42,8 @@ class RemotePrefill:
     block_size: int | None
     push_parts: int | None = None  # prefill's push_part_blocks, when it told us
     compat: Compat | None = None  # what prefill's KV is (None: not told, push flow early)
+    lease_s: float | None = None  # how long prefill keeps the blocks, when it told us
+    sender: str | None = None  # push flow: the prefill daemon that pushes, when told
 
     @classmethod
     def of(cls, params: Any) -> RemotePrefill | None:
@@ -60,9 +62,17 @@ class RemotePrefill:
         source = params.get("kvd_source")
         if flow == "pull" and not (isinstance(source, str) and source):
             raise BadRequest("pull flow without kvd_source")
+        if source is not None and not (isinstance(source, str) and source):
+            raise BadRequest(f"bad kvd_source {source!r}")
         parts = params.get("kvd_push_parts")
         if parts is not None and not (isinstance(parts, int) and parts >= 0):
             raise BadRequest(f"bad kvd_push_parts {parts!r}")
+        lease = params.get("kvd_lease_s")
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int | float)
+                                  or not 0 < lease <= 1e7):
+            raise BadRequest(f"bad kvd_lease_s {lease!r}")
         return cls(key, source if flow == "pull" else None, nums[0], nums[1], nums[2], parts,
-                   Compat.from_params(params.get("kvd_compat")))
+                   Compat.from_params(params.get("kvd_compat")),
+                   None if lease is None else float(lease),
+                   source if flow == "push" else None)
 

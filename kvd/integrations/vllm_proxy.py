@@ -24,9 +24,10 @@ Run it (examples/vllm/README.md has the whole setup)::
 
     kvd vllm-proxy --port 8000 \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
-    # push flow: each decode also needs its kvd daemon's peer address
+    # push flow: each decode also needs its kvd daemon's peer address; each prefill's
+    # (optional) lets decode fail at once, not at its timeout, if that daemon is gone
     kvd vllm-proxy --port 8000 --flow push \\
-        --prefill http://127.0.0.1:8100 \\
+        --prefill http://127.0.0.1:8100 --prefill-kvd 127.0.0.1:14579 \\
         --decode http://127.0.0.1:8200 --decode-kvd 127.0.0.1:14589
 
 It ships with kvd (aiohttp is one of kvd's own dependencies) and imports nothing of vLLM.
@@ -85,8 +86,9 @@ def passthrough(resp: aiohttp.ClientResponse, body: bytes) -> web.Response:
 
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[DecodeTarget], flow: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, prefill_kvd: dict[str, str] | None = None) -> None:
         self.prefill = prefill
+        self.prefill_kvd = prefill_kvd or {}  # prefill URL -> its kvd daemon's peer address
         self.decode = decode
         self.flow = flow
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -188,9 +190,12 @@ class Proxy:
         request is dropped (vLLM aborts it) and prefill's error is the answer."""
         key = f"proxy/{rid}"
         start = time.monotonic()
-        waiting = asyncio.create_task(self.send_decode(
-            request, target, body, headers,
-            {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}))
+        params: dict[str, Any] = {"do_remote_prefill": True, "kvd_flow": "push",
+                                  "kvd_key": key}
+        if prefill in self.prefill_kvd:  # decode's wait then ends at once if it is gone
+            params["kvd_source"] = self.prefill_kvd[prefill]
+        waiting = asyncio.create_task(self.send_decode(request, target, body, headers,
+                                                       params))
         try:
             kv_params = await self.run_prefill(prefill, request.path, body, headers,
                                                target.kvd, key)
@@ -286,6 +291,7 @@ class Proxy:
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({
             "ok": True, "flow": self.flow, "prefill": self.prefill,
+            "prefill_kvd": self.prefill_kvd,
             "decode": [{"url": d.url, "kvd": d.kvd} for d in self.decode]})
 
 
@@ -315,6 +321,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000, help="listen port (8000)")
     parser.add_argument("--prefill", action="append", required=True, metavar="URL",
                         help="a prefill vLLM instance, e.g. http://127.0.0.1:8100 (repeatable)")
+    parser.add_argument("--prefill-kvd", action="append", default=[], type=peer_address,
+                        metavar="HOST:PORT",
+                        help="the peer address of a prefill instance's kvd daemon, paired in "
+                             "order with --prefill; push flow, optional: decode then fails a "
+                             "load at once, not at its timeout, when that daemon is gone")
     parser.add_argument("--decode", action="append", required=True, metavar="URL",
                         help="a decode vLLM instance (repeatable)")
     parser.add_argument("--decode-kvd", action="append", default=[], type=peer_address,
@@ -327,6 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="limit for each upstream call, a streamed answer included (300)")
     args = parser.parse_args(argv)
+    if args.prefill_kvd and len(args.prefill_kvd) != len(args.prefill):
+        parser.error(f"{len(args.prefill_kvd)} --prefill-kvd for {len(args.prefill)} "
+                     "--prefill: give one per --prefill, in the same order")
     if args.decode_kvd and len(args.decode_kvd) != len(args.decode):
         parser.error(f"{len(args.decode_kvd)} --decode-kvd for {len(args.decode)} --decode: "
                      "give one per --decode, in the same order")
@@ -343,7 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     kvd = args.decode_kvd or [None] * len(args.decode)
     decode = [DecodeTarget(url.rstrip("/"), peer)
               for url, peer in zip(args.decode, kvd, strict=True)]
-    proxy = Proxy([url.rstrip("/") for url in args.prefill], decode, args.flow, args.timeout_s)
+    prefill = [url.rstrip("/") for url in args.prefill]
+    proxy = Proxy(prefill, decode, args.flow, args.timeout_s,
+                  dict(zip(prefill, args.prefill_kvd, strict=False)))
     log.info("proxy on http://%s:%d, flow %s, prefill %s, decode %s", args.host, args.port,
              args.flow, proxy.prefill, [(d.url, d.kvd) for d in decode])
     web.run_app(make_app(proxy), host=args.host, port=args.port, print=None, access_log=None)

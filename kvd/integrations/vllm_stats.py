@@ -77,6 +77,7 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         "bytes_received": "Bytes of KV cache received through kvd",
         "sends": "KV sends through kvd that completed",
         "sends_unread": "KV lent through kvd that no decode pulled within its lease",
+        "sends_released": "KV lent through kvd that its decode released unread (aborted)",
         "send_failures": "KV sends through kvd that failed",
         "loads": "KV loads through kvd that completed",
         "load_failures": "KV loads through kvd that failed (reported as invalid blocks)",
@@ -84,6 +85,9 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         "pull_retries": "KV pulls through kvd that found no key yet and went again",
         "parts_dropped": "Pushed KV parts this engine had cached: taken from kvd, dropped",
         "loads_refused": "KV loads refused: prefill's KV did not fit this engine",
+        "loads_gone": "KV loads that found their key gone at prefill (lease over, released)",
+        "leases_renewed": "Renewals of prefill's lease for requests waiting in the queue",
+        "leases_released": "Keys released at prefill: their request will not load them",
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],

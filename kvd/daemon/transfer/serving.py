@@ -114,6 +114,12 @@ class PullServer(TransferPart):
         for pull in self._waiting_pulls.take(key):
             self.on_pull_request(pull.link, pull.req, wait_until=pull.deadline)
 
+    def key_went(self, key: str) -> None:
+        """``key`` will not come (its reader released it before it was lent): the pulls
+        waiting here for it fail now, as one that comes later does."""
+        for pull in self._waiting_pulls.take(key):
+            self._refuse(pull.link, pull.req.transfer_id, self.engine.store.missing(key))
+
     def refuse_waiting(self, err: KvdError) -> int:
         """Draining: the peers' pulls waiting here for a key fail now. Returns how many."""
         refused = 0

@@ -53,6 +53,7 @@ from kvd.daemon.transfer.context import (
     log,
     new_id,
 )
+from kvd.daemon.transfer.leasing import Leasing
 from kvd.daemon.transfer.machine import (
     Action,
     Answer,
@@ -80,6 +81,9 @@ from kvd.protocol import (
     Busy,
     ChannelDown,
     ChannelWarm,
+    LeaseAnswer,
+    LeaseRelease,
+    LeaseRenew,
     Offer,
     PeerMessage,
     PullRequest,
@@ -100,6 +104,9 @@ class PeerTransfers(TransferPart):
         self.receiver = Receiver(self.ctx)
         self.server = PullServer(self.ctx, self.sender)
         engine.key_listeners.append(self.server.key_appeared)
+        self.leasing = Leasing(self.ctx, engine.leases)
+        engine.leases.remote = self.leasing
+        engine.leases.gone_listeners.append(self.server.key_went)
 
     @property
     def address(self) -> str:
@@ -218,6 +225,8 @@ class PeerTransfers(TransferPart):
                     f"{self.config.node_id} has no NCCL")))
         elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
             self._act(link, self.machine.on_answer(link, msg))
+        elif isinstance(msg, LeaseRenew | LeaseRelease | LeaseAnswer):
+            self.leasing.on_message(link, msg)
 
     def on_link_up(self, link: PeerLink) -> None:
         if self.nccl is not None:

@@ -1,0 +1,157 @@
+"""Lent keys as their reader sees them: renewed while it waits, released when it will not
+come; and a get that watches the daemon it waits on.
+
+A lend (``Engine.lend``) offers blocks in place for one reader until its TTL. The vLLM
+connector's decode is such a reader, and its request may wait in its engine's queue past
+prefill's lease, or be aborted before it loads. So the reader may:
+
+- ``renew`` the key: its expiry moves to ``ttl_s`` from now (``0 < ttl_s <= max_ttl_s``),
+  never earlier than it was;
+- ``release`` it: the key is dropped now, its lend answers 0 bytes (the lender frees its
+  blocks), and pulls and gets waiting for it fail with ``KeyGone``. A release of a key not
+  lent yet is remembered with the keys gone (``KeyStore``, ``RELEASED``): its lend answers
+  0 at once when it comes.
+
+Only a lent key is renewed or released: a published, offloaded or stored one is refused
+(``BadRequest``). Whoever may pull a lent key may renew or release it; neither gives a
+reader more than the pull itself, which takes the key or holds it while it waits, and a
+renewal holds the lender's blocks no longer than ``max_ttl_s`` past its own arrival.
+
+The operations on this daemon's store are here, without I/O. A reader's renew or release
+at another daemon, and the watch of a get's sender (``Get.sender``), go through ``remote``
+(``transfer/leasing.py``), set once the daemon has a peer plane.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvd.daemon.store import RELEASED, Item
+from kvd.errors import BadRequest
+
+if TYPE_CHECKING:  # (types only: the engine imports this module)
+    from kvd.daemon.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRemote(Protocol):
+    """The peer side (``transfer.leasing.Leasing``): asks other daemons, watches them."""
+
+    @property
+    def address(self) -> str: ...
+
+    async def renew(self, key: str, src: str, ttl_s: float, timeout_s: float) -> None: ...
+
+    async def release(self, key: str, src: str, timeout_s: float) -> None: ...
+
+    async def watched(self, work: Awaitable[int], sender: str, timeout_s: float,
+                      still_waiting: Callable[[], bool]) -> int: ...
+
+
+@dataclass
+class LeaseCounters:
+    renewed: int = 0  # renewals taken here
+    released: int = 0  # lent keys (or keys about to be) released here by their reader
+    expired: int = 0  # lent keys whose lease ended unread (counted by the engine)
+    sender_lost: int = 0  # gets failed at once: the daemon they waited on was gone
+
+
+class Leases:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._store = engine.store
+        self.counters = LeaseCounters()
+        self.remote: LeaseRemote | None = None  # set once the daemon has a peer plane
+        # Told each key released before it was lent: the peers' pulls waiting for it.
+        self.gone_listeners: list[Callable[[str], None]] = []
+
+    # ------------------------------------------------------------ on this daemon's keys
+
+    def renew(self, key: str, ttl_s: float) -> None:
+        expires_at = self._engine.ttl_deadline(ttl_s)
+        assert expires_at is not None
+        item = self._lent(key)
+        if item.expires_at is None or expires_at > item.expires_at:
+            self._engine.extend(item, expires_at)
+        self.counters.renewed += 1
+        log.debug("lease renewed key=%s ttl_s=%g", key, ttl_s)
+
+    def release(self, key: str) -> None:
+        if self._store.find(key) is None and not self._store.exists(key):
+            why = self._store.gone(key)
+            if why == RELEASED:
+                return  # (said twice)
+            if why:
+                raise self._store.missing(key)  # taken, expired, withdrawn: nothing to do
+            # Not lent yet: remembered, so that its lend answers at once when it comes.
+            self._store.mark_gone(key, RELEASED)
+            self.counters.released += 1
+            log.info("lease released before it was lent key=%s", key)
+            for waiter in self._store.waiters(key):
+                waiter.settle(self._store.missing(key))
+            for listener in self.gone_listeners:
+                listener(key)
+            return
+        item = self._lent(key)
+        self._store.remove(item, RELEASED)
+        self.counters.released += 1
+        log.info("lease released by its reader key=%s bytes=%d", key, item.nbytes)
+
+    def released(self, key: str) -> bool:
+        """Whether ``key``'s reader released it before it was lent."""
+        return self._store.find(key) is None and self._store.gone(key) == RELEASED
+
+    def _lent(self, key: str) -> Item:
+        item = self._store.find(key)
+        if item is None and not self._store.exists(key):
+            raise self._store.missing(key)
+        if item is None or not (item.published and item.consume_once):
+            raise BadRequest(f"key {key!r} is not lent: only a lent key can be renewed or "
+                             "released")
+        return item
+
+    # ------------------------------------------------------------ a client's requests
+
+    def _peers(self, what: str, timeout_s: float) -> LeaseRemote:
+        if timeout_s > self._engine.config.max_wait_s:
+            raise BadRequest(f"timeout_s must be <= {self._engine.config.max_wait_s}, "
+                             f"got {timeout_s}")
+        if self.remote is None:
+            raise BadRequest(f"unknown {what}: this daemon has no peer plane")
+        return self.remote
+
+    async def renew_at(self, key: str, src: str, ttl_s: float, timeout_s: float) -> None:
+        """A client's ``Renew``: here, or at daemon ``src``."""
+        if self._engine.here(src):
+            self.renew(key, ttl_s)
+            return
+        self._engine.ttl_deadline(ttl_s)  # (refused here rather than by the peer)
+        await self._peers(f"source {src!r}", timeout_s).renew(key, src, ttl_s, timeout_s)
+
+    async def release_at(self, key: str, src: str, timeout_s: float) -> None:
+        """A client's ``Release``: here, or at daemon ``src``."""
+        if self._engine.here(src):
+            self.release(key)
+            return
+        await self._peers(f"source {src!r}", timeout_s).release(key, src, timeout_s)
+
+    async def get_watching(self, get: Awaitable[int], session: int, req_id: int, key: str,
+                           sender: str, timeout_s: float) -> int:
+        """A client's ``Get`` with a ``sender``: the get, failed at once if ``sender``
+        cannot be reached or its link is lost while the get still waits for ``key``
+        (bytes already coming, from there or elsewhere, are let in)."""
+        if self._engine.here(sender) or self.remote is None:  # (no peer plane: nobody sends)
+            return await get
+
+        def still_waiting() -> bool:
+            return any(w.session == session and w.req_id == req_id
+                       for w in self._store.waiters(key))
+
+        return await self.remote.watched(get, sender, timeout_s, still_waiting)
+
+    def stats(self) -> dict[str, int]:
+        return asdict(self.counters)
