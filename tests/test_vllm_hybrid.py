@@ -157,19 +157,20 @@ class Sched:
         self.s.add_request(req)
         return req
 
-    def step(self, worker: Any = None) -> tuple[Any, KvdConnectorMetadata, KVConnectorOutput]:
+    def step(self, kv: KVConnectorOutput | None = None, worker: Any = None,
+             ) -> tuple[Any, KvdConnectorMetadata, KVConnectorOutput]:
         """One schedule() and its output (each request whose prompt is now computed
-        samples token 7); with a ``worker`` connector, the step's metadata goes through
-        it and its transfer results are the step's."""
+        samples token 7), with the worker's ``kv``; with a ``worker`` connector, the
+        step's metadata goes through it and its transfer results are the step's."""
         so = self.s.schedule()
-        kv = KVConnectorOutput() if worker is None else worker_output(
-            worker, so.kv_connector_metadata)
+        if worker is not None:
+            kv = worker_output(worker, so.kv_connector_metadata)
         ids = list(so.num_scheduled_tokens)
         reqs = [self.s.requests[r] for r in ids]
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[[7] if q.num_computed_tokens >=
                                                    q.num_prompt_tokens else [] for q in reqs],
-                                kv_connector_output=kv)
+                                kv_connector_output=kv or KVConnectorOutput())
         for outputs in self.s.update_from_output(so, out).values():
             for o in outputs.outputs:
                 if o.finish_reason is not None:
@@ -316,7 +317,7 @@ def test_each_group_moves_between_workers(daemons: list[ProcessDaemon], model: M
               max_batched=2 * model.block)
     d = Sched(model, "kv_consumer", {"kvd_socket": dd.socket_path, "load_timeout_s": 10, **push})
     prompt, rid, key = prompt_of(model), f"r-{flow}", f"proxy/{flow}"
-    tokens = len(prompt) - (1 if "state" in model.groups else 0)
+    tokens = len(prompt) - 1  # (kv_groups.backoff: prefill leaves the last token out)
     n = -(-tokens // model.block)
     with worker_connectors(d, p) as (dw, pw):
         p_kv, d_kv = kv_tensors(p, 1), kv_tensors(d, 2)
@@ -402,7 +403,7 @@ def test_a_failed_load_of_several_groups_follows_the_policy(
     prompt = prompt_of(model)
     theirs = Compat.of(d.config, model.groups).as_params()
     params = {"do_remote_prefill": True, "kvd_key": "never-lent", "kvd_flow": "pull",
-              "kvd_source": daemons[0].peer_address(), "kvd_num_tokens": len(prompt),
+              "kvd_source": daemons[0].peer_address(), "kvd_num_tokens": len(prompt) - 1,
               "kvd_num_blocks": 5, "kvd_block_size": 32, "kvd_compat": theirs}
     with worker_connectors(d) as (dw,):
         dw.register_kv_caches(kv_tensors(d, 3))
@@ -422,6 +423,26 @@ def test_a_failed_load_of_several_groups_follows_the_policy(
         assert d.finished["z"].finish_reason.name == "ERROR"
     else:
         assert scheduled == {"z": len(prompt)}  # computed here, from the first token
+
+
+@pytest.mark.parametrize("prompt_len", [127, 150])
+def test_decode_holds_every_block_its_first_token_attends_to(prompt_len: int) -> None:
+    """Sliding window 64, blocks of 32: the token decode computes first, once its load is
+    in, attends to the 64 tokens up to it, and each block they are in must be decode's
+    (not vLLM's null block). Were decode handed all 127 tokens, it would recompute token
+    126 with the blocks vLLM keeps for token 127: token 63's block (1) freed, on
+    prefill's side too. (Push flow, told before prefill: decode counts the tokens itself.)"""
+    d = Sched(MODELS["gemma3"], "kv_consumer", {})
+    d.add("w", list(range(1, prompt_len + 1)), max_tokens=2,
+          params={"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": "k"})
+    _, meta, _ = d.step()
+    assert {o.group for o in meta.loads} == {0, 1}
+    d.step(KVConnectorOutput(finished_recving={"w"}))
+    so = d.s.schedule()
+    first = d.s.requests["w"].num_computed_tokens - so.num_scheduled_tokens["w"]
+    ids = d.ids("w")[0]  # the sliding-window group's
+    need = range((first - 64 + 1) // 32, first // 32 + 1)
+    assert all(ids[b] for b in need), (first, ids, list(need))
 
 
 # ---------------------------------------------------------------- what may differ

@@ -10,8 +10,8 @@ kernel takes nothing else), in blocks of 128 tokens (vLLM sizes an attention pag
 a GDN state); Gemma 3 in float32, in blocks of 32 tokens, so that its window of 64 leaves
 blocks out. All marked ``extra`` (run them with ``-m extra``): the one case CI could take
 (Qwen3-Next, pull flow, two engines) took 20 to 73 s on 2 CPUs (shared with other runs),
-most of it starting the engines; CI runs the connector with vLLM's own scheduler, KV cache
-config and tensors for both models instead (``tests/test_vllm_hybrid.py``).
+most of it starting the engines; CI runs the connector with vLLM's own scheduler, KV
+cache config and tensors for both models instead (``tests/test_vllm_hybrid.py``).
 """
 
 from __future__ import annotations
@@ -132,8 +132,11 @@ def test_pull_flow_decode_matches_one_engine(pair: Pair) -> None:
     assert pair.hybrid()
     assert_context_matters(lambda prompts: pair.alone(prompts, 4))
     # Gemma 3: blocks of 32 tokens, a window of 64: the longer prompts' first blocks are
-    # out of the sliding window (not sent). Qwen3-Next: blocks of 128 tokens.
-    prompts = [list(range(10, 160)), list(range(300, 340)), [7] * 30 + list(range(200, 470))]
+    # out of the sliding window (not sent). Qwen3-Next: blocks of 128 tokens. The last
+    # prompt (127 tokens) gave other tokens than one engine's while decode recomputed the
+    # last prompt token (kv_groups.backoff).
+    prompts = [list(range(10, 160)), list(range(300, 340)), [7] * 30 + list(range(200, 470)),
+               [(3 + 7 * i) % 500 + 1 for i in range(127)]]
     want = pair.alone(prompts, 6)
     handed = pair.prefill.generate([{"prompt_token_ids": p} for p in prompts],
                                    greedy(1, {"do_remote_decode": True}))
@@ -144,13 +147,13 @@ def test_pull_flow_decode_matches_one_engine(pair: Pair) -> None:
             for i, p in enumerate(prompts)]
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     stats = decode_stats()
-    assert stats.loads == loads + 3 and stats.load_failures == 0
+    assert stats.loads == loads + 4 and stats.load_failures == 0
+    # Prefill computed all but the last prompt token; decode computes that one.
+    assert [p["kvd_num_tokens"] for p in params] == [149, 39, 299, 126]
     if pair.name == "gemma3":
         # Blocks of 2 layers x 2 heads x 32 tokens x (K, V) x 32 x fp32 = 16 KiB each: the
-        # full-attention group moves 5 + 2 + 10 blocks, the sliding window 3 + 2 + 3.
-        assert stats.bytes_received - received == (17 + 8) * 2 * 16 * 1024
-    else:  # prefill computed all but the last prompt token, decode computes that one
-        assert [p["kvd_num_tokens"] for p in params] == [149, 39, 299]
+        # full-attention group moves 5 + 2 + 10 + 4 blocks, the sliding window 3 + 2 + 3 + 3.
+        assert stats.bytes_received - received == (21 + 11) * 2 * 16 * 1024
 
 
 def test_push_flow_with_decode_waiting_first(pair: Pair) -> None:

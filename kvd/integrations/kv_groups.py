@@ -17,7 +17,8 @@ block size), so that decode knows each key's blocks without being told:
 - sliding window: the blocks from the first one that the next token still attends to;
 - state: the one block that holds the state. A state holds every token it has seen, so
   it cannot be shortened the way a KV cache is: prefill computes all but the prompt's last
-  token (``backoff``) and decode computes that one on the state it loaded.
+  token (``backoff``) and decode computes that one on the state it loaded. A sliding
+  window does the same (see ``backoff``).
 
 Each group moves under its own key (``group_key``: ``key#g<index>`` when there is more
 than one group). Prefill refuses to send a block that it no longer holds (a null block),
@@ -74,11 +75,17 @@ def group_key(key: str, index: int, count: int) -> str:
 
 
 def backoff(groups: Sequence[Group]) -> int:
-    """How many of the prompt's last tokens decode computes itself: one where a group
-    holds a recurrent state (prefill leaves that token out, so that the state it hands
-    over is the one before it), else none (decode recomputes the last token over KV it
-    loaded, which rewrites the same values)."""
-    return 1 if any(g.kind == STATE for g in groups) else 0
+    """How many of the prompt's last tokens decode computes itself, prefill leaving them
+    out: none for full attention alone (decode loads the whole prompt and recomputes its
+    last token, rewriting the same KV); one with a recurrent state (the state handed over
+    must be the one before that token) or a sliding window. vLLM keeps a window's blocks
+    from token ``T - window + 1`` on once ``T`` tokens are computed, on both sides, but a
+    decode handed all ``T`` tokens recomputes token ``T - 1``, which attends from token
+    ``T - window``: where that token ends a block (``T - window + 1`` a multiple of the
+    block size), its block is gone on both sides and the recomputed token reads the null
+    block (seen: other tokens than one engine's). Handed ``T - 1`` tokens, decode keeps
+    that block, and so does prefill, having computed ``T - 1``."""
+    return 1 if any(g.kind in (STATE, SLIDING) for g in groups) else 0
 
 
 def state_block(group: Group, ids: Sequence[int]) -> int:

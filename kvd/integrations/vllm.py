@@ -306,7 +306,7 @@ if _VLLM_ERROR is None:
                 return 0, False
             prompt = self._tokens(request)
             if self._backoff and prompt == len(request.prompt_token_ids):
-                return 0, False  # no token to leave out: a loaded state would hold them all
+                return 0, False  # no token to leave out (kv_groups.backoff): computed here
             expected = (prompt, blocks_for(prompt, self.block_size), self.block_size)
             offered = (remote.num_tokens, remote.num_blocks, remote.block_size)
             if any(o is not None and o != e for o, e in zip(offered, expected, strict=True)):
@@ -412,11 +412,12 @@ if _VLLM_ERROR is None:
                                                         self.settings.load_timeout_s)
 
         def _back_off(self, request: Any) -> None:
-            """Prefill of a model with a recurrent state (``kv_groups.backoff``): the
-            prompt loses its last token, so that the state handed to decode is the one
-            before it (decode computes that token itself), and one token is sampled (it
-            goes nowhere: the proxy keeps decode's). As NixlConnector does; vLLM keeps a
-            request's tokens in ``_all_token_ids`` too."""
+            """Prefill of a model with a recurrent state or a sliding window
+            (``kv_groups.backoff``): the prompt loses its last token, so that what is
+            handed to decode is what that token needs (decode computes it itself), and
+            one token is sampled (it goes nowhere: the proxy keeps decode's). As
+            NixlConnector does for a state; vLLM keeps a request's tokens in
+            ``_all_token_ids`` too."""
             params = request.kv_transfer_params
             prompt = request.prompt_token_ids
             if not (self.is_producer and self._backoff and isinstance(params, dict)
@@ -516,7 +517,7 @@ if _VLLM_ERROR is None:
                                       RequestStatus.FINISHED_LENGTH_CAPPED):
                 return False, None  # aborted or failed: nothing worth sending
             if self._backoff and not backed_off:
-                return False, None  # its state holds the last prompt token: decode computes
+                return False, None  # nothing left out (kv_groups.backoff): decode computes
             prompt = len(request.prompt_token_ids)
             n = blocks_for(prompt, self.block_size)
             if n == 0 or request.num_computed_tokens < prompt:
