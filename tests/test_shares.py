@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import kvd
-from kvd import KvdClient, Part, Share, shared_empty, shared_zeros
+from kvd import KvdClient, Part, Region, Share, Transfer, shared_empty, shared_zeros
+from tests.conftest import wait_until
 from tests.test_peers import Nodes
 
 HEADS, TOKENS, WIDTH, LAYERS, BLOCKS = 4, 4, 8, 2, 8  # a block: [heads, tokens, 2 x head]
@@ -36,6 +37,15 @@ def kv(heads: int, seed: int | None = None) -> list[torch.Tensor]:
     return layers
 
 
+def lend(client: KvdClient, key: str, region: Region, blocks: list[int]) -> Transfer:
+    """A lend for 30 s, once the daemon holds the key (its reply comes only when it ends,
+    and a pull that comes first, without a wait, finds no key)."""
+    keys = client.stats()["keys"]
+    lent = client.lend(key, region, blocks, ttl_s=30)
+    wait_until(lambda: client.stats()["keys"] == keys + 1)
+    return lent
+
+
 def block_bytes(heads: int) -> int:
     return LAYERS * heads * TOKENS * WIDTH * 4
 
@@ -47,7 +57,7 @@ def test_two_ranks_into_one_and_one_into_two(nodes: Nodes) -> None:
     with KvdClient(a.proc.socket_path) as rank1:
         lenders = [a.client, rank1]
         regions = [c.register("kv", t) for c, t in zip(lenders, ranks, strict=True)]
-        lends = [c.lend(f"req#tp{r}", regions[r], [5, 2, 7], ttl_s=30)
+        lends = [lend(c, f"req#tp{r}", regions[r], [5, 2, 7])
                  for r, c in enumerate(lenders)]
         whole = kv(HEADS)
         r_whole = b.client.register("kv", whole)
@@ -62,7 +72,7 @@ def test_two_ranks_into_one_and_one_into_two(nodes: Nodes) -> None:
                 assert torch.equal(got, ranks[r][layer][[5, 2, 7]])
 
         # prefill TP=1 on b lends whole blocks; decode TP=2 on a: each rank its heads
-        lent = b.client.lend("back", r_whole, [0, 1, 2], ttl_s=30)
+        lent = lend(b.client, "back", r_whole, [0, 1, 2])
         halves = [kv(HEADS // 2) for _ in range(2)]
         r_halves = [c.register("half", t) for c, t in zip(lenders, halves, strict=True)]
         assert lenders[0].pull("back", b.address, r_halves[0], [3, 4, 5], timeout_s=10,
@@ -92,7 +102,7 @@ def test_readers_skip_and_reads_within_one_daemon(nodes: Nodes) -> None:
         pulls = [readers[1].start_pull("mla", a.address, r_dsts[1], [0, 1, 2, 3],
                                        timeout_s=10, wait_for_key_s=5,
                                        share=Share(readers=2))]
-        lent = a.client.lend("mla", r_src, [4, 5, 6, 7], ttl_s=30)
+        lent = lend(a.client, "mla", r_src, [4, 5, 6, 7])
         assert readers[0].pull("mla", a.address, r_dsts[0], [6, 7], timeout_s=10,
                                share=Share(skip=2, readers=2)) == 2 * block_bytes(HEADS)
         assert pulls[0].wait(10) == 4 * block_bytes(HEADS)
@@ -118,7 +128,7 @@ def test_shares_that_do_not_fit_are_refused_and_nothing_is_taken(nodes: Nodes) -
     a, b = nodes(2)
     src, dst = kv(HEADS, seed=5), kv(HEADS)
     r_src, r_dst = a.client.register("kv", src), b.client.register("kv", dst)
-    lent = a.client.lend("k", r_src, [0, 1], ttl_s=30)
+    lent = lend(a.client, "k", r_src, [0, 1])
     for share, into, error in [
         (Share(Part(0, 2)), Part(), kvd.LayoutMismatch),  # half a block into a whole one
         (Share(), Part(1, 2), kvd.LayoutMismatch),
@@ -139,7 +149,7 @@ def test_shares_that_do_not_fit_are_refused_and_nothing_is_taken(nodes: Nodes) -
     r_apart = a.client.register("apart", [apart], block_dim=1)
     halves = [(c, c.register("half", [shared_zeros((BLOCKS, 64), torch.float32)]))
               for c in (b.client, a.client)]  # served to a peer, and within its daemon
-    lent = a.client.lend("apart", r_apart, [0], ttl_s=30)
+    lent = lend(a.client, "apart", r_apart, [0])
     for client, region in halves:
         with pytest.raises(kvd.BadRequest, match="cannot be cut into 2 parts"):
             client.pull("apart", a.address, region, [0], timeout_s=5, share=Share(Part(1, 2)))

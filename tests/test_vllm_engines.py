@@ -253,6 +253,7 @@ def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:
     assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) == 0
 
 
+@pytest.mark.extra  # (CI: FP8 blocks through the daemons in tests/test_peers.py)
 @pytest.mark.timeout(300)  # two more engines
 def test_fp8_kv_cache(pair: Pair) -> None:
     """Both engines with an FP8 KV cache (``--kv-cache-dtype fp8``): the blocks move as
