@@ -26,6 +26,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (see .ci/vllm-ven
 
 import torch
 from vllm import LLM
+from vllm import envs as vllm_envs
 from vllm.config import KVTransferConfig
 
 from kvd import KvdClient
@@ -41,6 +42,7 @@ BLOCK_BYTES = 2 * BLOCK * LATENT * 4  # layers x tokens x latent x fp32
 def mla_engine(model: str, role: str, socket_path: str, multiprocess: bool,
                llm_args: dict[str, Any] | None = None, **extra: Any) -> LLM:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    vllm_envs.disable_envs_cache()  # (as tests/test_vllm_engines.engine: else it is ignored)
     return LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                max_model_len=256, seed=0, kv_cache_memory_bytes=64 * 2**20,
                disable_log_stats=False, **(llm_args or {}),
