@@ -322,9 +322,11 @@ class Renew(_Msg, tag="renew", frozen=True):
 
 
 class Release(_Msg, tag="release", frozen=True):
-    """The reader of ``key``, lent at daemon ``src``, will not come: the key is dropped
-    there now (its lend answers 0 bytes), pulls waiting for it fail, and a lend of it
-    that comes later answers 0 at once. Only a lent key is released."""
+    """The reader of ``key``, lent or pushed at daemon ``src`` (or to be), will not come:
+    the key is dropped there now (its lend answers 0 bytes), pulls and gets waiting for it
+    fail, a lend or put of it that comes later answers 0 at once (sending nothing), and
+    bytes of it that arrive there are refused. A published or offloaded key is not
+    released."""
 
     req_id: ReqId
     key: Key

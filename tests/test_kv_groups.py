@@ -79,7 +79,7 @@ def test_one_full_group_gives_the_orders_of_before_groups() -> None:
     assert orders.loads([FULL16], push, [[7, 8, 9, 10, 11]]) == (
         [LoadOrder("r", "k#p1", None, 2, 0, [9, 10], 5.0, parts=2),
          LoadOrder("r", "k#p2", None, 1, 0, [11], 5.0, parts=2)],
-        [DiscardOrder("k#p0", 2, 5.0)])
+        [DiscardOrder("r", "k#p0")])
 
 
 def test_each_group_of_a_hybrid_request() -> None:
@@ -96,15 +96,15 @@ def test_each_group_of_a_hybrid_request() -> None:
         SendOrder("r", "k#g2#p1", [5, 6, 7], 30.0, push_to="h:1", group=2)]
     with pytest.raises(BadRequest, match="sliding:40 group"):
         orders.finished_sends(groups, send, [[0] * 7, *ids[1:]], 0)
-    # Decode, pushed to, its first 5 blocks cached: the full group's first part is taken
-    # and dropped; the sliding group loads blocks 5..6 of its key's 3..6.
+    # Decode, pushed to, its first 5 blocks cached: the full group's first part is
+    # released; the sliding group loads blocks 5..6 of its key's 3..6.
     load = orders.Loading("r", "k", None, 100, first=5, timeout_s=5.0, part_blocks=4)
     mine = [[0, 0, 0, 31, 32, 33, 34], [0, 0, 0, 0, 0, 0, 40], [41, 42, 43, 44, 45, 46, 47]]
     assert orders.loads(groups, load, mine) == (
         [LoadOrder("r", "k#g0", None, 4, 2, [33, 34], 5.0, group=0),
          LoadOrder("r", "k#g1", None, 1, 0, [40], 5.0, group=1),
          LoadOrder("r", "k#g2#p1", None, 3, 1, [46, 47], 5.0, group=2)],
-        [DiscardOrder("k#g2#p0", 4, 5.0, group=2)])
+        [DiscardOrder("r", "k#g2#p0", group=2)])
     refused = orders.refused_loads(groups, load, mine, "no")
     assert [(o.key, o.refusal, o.group) for o in refused] == [
         ("k#g0", "no", 0), ("k#g1", "no", 1), ("k#g2", "no", 2)]

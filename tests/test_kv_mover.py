@@ -291,38 +291,41 @@ def test_a_request_in_parts(sides: tuple[Side, Side]) -> None:
     assert same(d.block(14), p.block(6))
 
 
-def test_keys_the_engine_does_not_need_are_taken_and_dropped(sides: tuple[Side, Side],
+def test_keys_the_engine_does_not_need_never_cross_the_wire(sides: tuple[Side, Side],
                                                             ) -> None:
-    """Parts of a prompt that decode has cached: one already in its daemon is taken at
-    once, one that comes later the moment it arrives; neither waits in the pool for its
-    lease. A longer one grows the sink, the old sink goes once no discard writes into it,
-    and a part that never comes is given up at its timeout. The engine's blocks and a
-    load beside them are untouched."""
+    """Parts of a prompt that decode has cached, discarded (released) by decode: one
+    discarded before prefill pushes it, its sender known, is never sent (prefill's send
+    ends released, decode's daemon takes in no byte); one discarded with no sender known is
+    refused as it arrives; one already in decode's daemon is dropped at once. None waits
+    in the pool for its lease. The engine's blocks and a load beside them are untouched."""
     p, d = sides
     client = d.mover.client
-    untouched = [d.block(i) for i in range(NUM_BLOCKS)]
-    p.mover.send(SendOrder("r", "r#p0", [0, 1], 30, d.address, final=False))
-    drive(p, d, until=lambda: client.stats()["keys"] == 1)
-    d.mover.discard(DiscardOrder("r#p0", 2, 10))  # there already
-    d.mover.discard(DiscardOrder("r#p1", 2, 10))  # not yet
-    d.mover.load(LoadOrder("r", "r#p2", None, 2, 0, [20, 21], 10))
-    drive(p, d, until=lambda: d.mover.stats.parts_dropped == 1)
-    assert client.stats()["keys"] == 0
-    p.mover.send(SendOrder("r", "r#p1", [2, 3], 30, d.address, final=False))
-    p.mover.send(SendOrder("r", "r#p2", [4, 5], 30, d.address))
-    drive(p, d, until=lambda: "r" in d.seen.loaded and d.mover.stats.parts_dropped == 2)
-    assert same(d.block(20), p.block(4)) and same(d.block(21), p.block(5))
-    assert all(same(d.block(i), untouched[i]) for i in range(NUM_BLOCKS) if i not in (20, 21))
 
-    d.mover.discard(DiscardOrder("big", 3, 10))  # a larger sink; the old one goes
-    d.mover.discard(DiscardOrder("never", 1, 0.3))
-    p.mover.send(SendOrder("b", "big", [6, 7, 8], 30, d.address))
-    drive(p, d, until=lambda: not d.mover._discards)
-    st = client.stats()
-    assert (st["keys"], st["waiting_gets"], st["pool"]["used_bytes"]) == (0, 0, 0)
-    assert d.mover.stats.parts_dropped == 3 and st["regions"] == 2  # staging + the sink
-    d.mover.discard(DiscardOrder("r#p9", NUM_BLOCKS + 1, 10))  # refused: logged, dropped
-    assert not d.mover._discards and d.mover.stats.load_failures == 0
+    def arrived() -> tuple[int, int, int]:
+        st = client.stats()
+        return st["bytes_in"], st["keys"], st["pool"]["used_bytes"]
+
+    untouched = [d.block(i) for i in range(NUM_BLOCKS)]
+    d.mover.discard(DiscardOrder("r", "r#p0", sender=p.address))
+    d.mover.discard(DiscardOrder("r", "r#p1"))
+    drive(p, d, until=lambda: len(d.mover._leases) == 0)
+    p.mover.send(SendOrder("r", "r#p0", [0, 1], 30, d.address, final=False))
+    p.mover.send(SendOrder("r", "r#p1", [2, 3], 30, d.address, final=False))
+    drive(p, d, until=lambda: p.mover.stats.sends_released == 2)
+    assert arrived() == (0, 0, 0) and p.mover.stats.send_failures == 0
+
+    p.mover.send(SendOrder("r", "r#p2", [4, 5], 30, d.address, final=False))
+    drive(p, d, until=lambda: client.stats()["keys"] == 1)
+    d.mover.discard(DiscardOrder("r", "r#p2", sender=p.address))  # there already
+    d.mover.load(LoadOrder("r", "r#p3", None, 2, 0, [20, 21], 10))
+    p.mover.send(SendOrder("r", "r#p3", [6, 7], 30, d.address))
+    drive(p, d, until=lambda: "r" in d.seen.loaded and "r" in p.seen.released)
+    assert arrived()[1:] == (0, 0) and d.mover.stats.parts_dropped == 3
+    assert same(d.block(20), p.block(6)) and same(d.block(21), p.block(7))
+    assert all(same(d.block(i), untouched[i]) for i in range(NUM_BLOCKS) if i not in (20, 21))
+    d.mover.load(LoadOrder("s", "s#p0", None, 1, 0, [9], 10))
+    d.mover.discard(DiscardOrder("s", "s#p0"))  # being loaded: refused, logged, dropped
+    assert d.mover.stats.parts_dropped == 3
 
 
 def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:

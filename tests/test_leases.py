@@ -111,6 +111,42 @@ def test_a_reader_that_will_not_come_releases_the_key_at_once(nodes: Nodes) -> N
     assert not bool(dst.any())
 
 
+def test_a_pushed_key_its_reader_released_never_crosses_the_wire(nodes: Nodes) -> None:
+    """Push flow, decode with the key cached already: released at the daemon that will push
+    it, the put answers 0 at once and sends nothing; released at the daemon it goes to, the
+    put is refused there (``KeyGone``) and nothing is stored; pushed already, a release
+    drops it from the receiver's pool at once. Nothing lands in the reader's blocks."""
+    a, b = nodes(2)
+    r_src = a.client.register("kv", [random_region(4, 5)])
+    dst = shared_zeros((4, BLOCK), torch.uint8)
+    r_dst = b.client.register("kv", [dst])
+
+    def arrived() -> tuple[int, int, int]:
+        st = b.client.stats()
+        return st["bytes_in"], st["keys"], st["pool"]["used_bytes"]
+
+    assert b.client.release("early", a.address).wait(5) == 0  # at the sender
+    started = time.monotonic()
+    assert a.client.put("early", r_src, [0, 1], to=b.address).wait(5) == 0
+    assert time.monotonic() - started < 1.0 and arrived() == (0, 0, 0)
+
+    assert b.client.release("late", "local").wait(5) == 0  # at the receiver
+    with pytest.raises(kvd.KeyGone, match="released by its reader"):
+        a.client.put("late", r_src, [2, 3], to=b.address).wait(5)
+    assert arrived() == (0, 0, 0)
+
+    assert a.client.put("stored", r_src, [1, 2], to=b.address).wait(5) == 2 * BLOCK
+    assert arrived()[1:] == (1, 2 * BLOCK)
+    assert b.client.release("stored", "local").wait(5) == 0
+    assert arrived()[1:] == (0, 0)
+    with pytest.raises(kvd.KeyGone, match="released by its reader"):
+        b.client.get("stored", r_dst, [0, 1], timeout_s=1)
+    assert a.client.release("here", "local").wait(5) == 0  # a put to its own daemon
+    assert a.client.put("here", r_src, [0], to="local").wait(5) == 0
+    assert a.client.stats()["keys"] == 0 and not bool(dst.any())
+    assert b.client.stats()["leases"]["released"] == 2
+
+
 def test_renewals_and_releases_that_cannot_be_are_refused(nodes: Nodes) -> None:
     """A key that is not there, one that is not lent (published, offloaded), one that is
     gone, a TTL out of bounds, a source nobody answers at: each is a clear error, and the
@@ -127,7 +163,7 @@ def test_renewals_and_releases_that_cannot_be_are_refused(nodes: Nodes) -> None:
     for key in ("published", "offloaded"):
         with pytest.raises(kvd.BadRequest, match="not lent"):
             b.client.renew(key, a.address, ttl_s=5).wait(5)
-        with pytest.raises(kvd.BadRequest, match="not lent"):
+        with pytest.raises(kvd.BadRequest, match="only a lent or pushed key"):
             b.client.release(key, a.address).wait(5)
     lent = lend(a, "lent", r_src, [2], ttl_s=30)
     for ttl_s in (0.0, 86400.0 * 2):

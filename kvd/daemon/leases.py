@@ -9,13 +9,20 @@ prefill's lease, or be aborted before it loads. So the reader may:
   never earlier than it was;
 - ``release`` it: the key is dropped now, its lend answers 0 bytes (the lender frees its
   blocks), and pulls and gets waiting for it fail with ``KeyGone``. A release of a key not
-  lent yet is remembered with the keys gone (``KeyStore``, ``RELEASED``): its lend answers
+  here yet is remembered with the keys gone (``KeyStore``, ``RELEASED``): its lend answers
   0 at once when it comes.
 
-Only a lent key is renewed or released: a published, offloaded or stored one is refused
-(``BadRequest``). Whoever may pull a lent key may renew or release it; neither gives a
-reader more than the pull itself, which takes the key or holds it while it waits, and a
-renewal holds the lender's blocks no longer than ``max_ttl_s`` past its own arrival.
+A key pushed for one reader (a put's) is released the same way, at either end: at the
+daemon that holds it, it is dropped, and one that comes later is refused (its sender's
+put fails with ``KeyGone``); at the daemon that will push it, the put answers 0 at once
+and sends nothing. So decode, which learns of its prefix hit while prefill still
+computes, keeps the parts it has cached off the wire (the vLLM connector's push flow).
+
+Only a key for one reader is renewed (a lent one) or released (lent or pushed): a
+published or offloaded one is refused (``BadRequest``). Whoever may pull a lent key may
+renew or release it; neither gives a reader more than the pull itself, which takes the key
+or holds it while it waits, and a renewal holds the lender's blocks no longer than
+``max_ttl_s`` past its own arrival.
 
 The operations on this daemon's store are here, without I/O. A reader's renew or release
 at another daemon, and the watch of a get's sender (``Get.sender``), go through ``remote``
@@ -81,28 +88,32 @@ class Leases:
         log.debug("lease renewed key=%s ttl_s=%g", key, ttl_s)
 
     def release(self, key: str) -> None:
-        if self._store.find(key) is None and not self._store.exists(key):
+        item = self._store.find(key)
+        if item is None:
             why = self._store.gone(key)
             if why == RELEASED:
                 return  # (said twice)
             if why:
                 raise self._store.missing(key)  # taken, expired, withdrawn: nothing to do
-            # Not lent yet: remembered, so that its lend answers at once when it comes.
+            # Not here yet (or its bytes are arriving): remembered, so that its lend or put
+            # answers at once when it comes, and bytes that arrive are dropped.
             self._store.mark_gone(key, RELEASED)
             self.counters.released += 1
-            log.info("lease released before it was lent key=%s", key)
+            log.info("key released before it came key=%s", key)
             for waiter in self._store.waiters(key):
                 waiter.settle(self._store.missing(key))
             for listener in self.gone_listeners:
                 listener(key)
             return
-        item = self._lent(key)
+        if not item.consume_once:
+            raise BadRequest(f"key {key!r} is not for one reader (published or offloaded): "
+                             "only a lent or pushed key can be released")
         self._store.remove(item, RELEASED)
         self.counters.released += 1
-        log.info("lease released by its reader key=%s bytes=%d", key, item.nbytes)
+        log.info("key released by its reader key=%s bytes=%d", key, item.nbytes)
 
     def released(self, key: str) -> bool:
-        """Whether ``key``'s reader released it before it was lent."""
+        """Whether ``key``'s reader released it before it came."""
         return self._store.find(key) is None and self._store.gone(key) == RELEASED
 
     def _lent(self, key: str) -> Item:

@@ -119,12 +119,12 @@ class Loading:
     sender: str | None = None  # pushed: the daemon that pushes it, when known
 
 
-def discards(groups: Sequence[Group], keys: Keys, timeout_s: float,
+def discards(groups: Sequence[Group], keys: Keys, req_id: str, sender: str | None = None,
              their_tp: int = 0) -> list[DiscardOrder]:
-    """Pushed keys decode takes and drops (``keys``, per group: the parts it will not
-    load)."""
-    return [DiscardOrder(key, hi - lo, timeout_s, their_tp=their_tp, group=g)
-            for g in range(len(groups)) for key, lo, hi in keys[g]]
+    """Pushed keys of request ``req_id`` that decode releases (``keys``, per group: the
+    parts it will not load), pushed by ``sender`` when known."""
+    return [DiscardOrder(req_id, key, sender, their_tp=their_tp, group=g)
+            for g in range(len(groups)) for key, _, _ in keys[g]]
 
 
 def refused_loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
@@ -141,7 +141,7 @@ def refused_loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[i
 def loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
           ) -> tuple[list[LoadOrder], list[DiscardOrder]]:
     """The loads of a request (``ids``: its block list in each group), and the pushed
-    parts it takes and drops (full-attention parts wholly inside the local prefix hit).
+    parts it releases (full-attention parts wholly inside the local prefix hit).
     ``BadRequest`` when a group has not allocated a block it would load into."""
     orders: list[LoadOrder] = []
     dropped: Keys = []
@@ -163,5 +163,5 @@ def loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
             orders.append(LoadOrder(ld.req_id, key, ld.source, hi - lo, max(ld.first - lo, 0),
                                     into, ld.timeout_s, parts=len(wanted),
                                     their_tp=ld.their_tp, group=g, sender=ld.sender))
-    return orders, (discards(groups, dropped, ld.timeout_s, ld.their_tp)
+    return orders, (discards(groups, dropped, ld.req_id, ld.sender, ld.their_tp)
                     if ld.source is None else [])

@@ -1,13 +1,15 @@
-"""Renewals and releases of keys that prefill lent for this engine to pull.
+"""Renewals and releases of keys that prefill lent for this engine to pull, or pushes.
 
 Decode's requests wait in its engine's queue, and prefill's daemon keeps their blocks for
 a lease. While a request waits to load, its lease is renewed (``renew``); when it will
 not load (aborted, computed here, its load failed), the key is released (``release``) and
-prefill gets its blocks back at once. Each is one request to this engine's daemon, which
-asks prefill's (``KvdClient.renew`` / ``release``); it is polled, never waited for.
+prefill gets its blocks back at once. A pushed key decode will not load (a part it has
+cached) is released both at this engine's daemon ("local") and at prefill's, which then
+never sends it. Each is one request to this engine's daemon, which asks prefill's
+(``KvdClient.renew`` / ``release``); it is polled, never waited for.
 
 ``KvMover`` owns the daemon client (a new one after a daemon restart), so it hands it to
-every call here; ``LeaseCalls`` owns the calls in flight, one per key and kind.
+every call here; ``LeaseCalls`` owns the calls in flight, one per kind, key and daemon.
 """
 
 from __future__ import annotations
@@ -38,24 +40,24 @@ class LeaseCalls:
         self._stats = stats
         self._note = note  # tells the mover of an error (the daemon may have gone away)
         self.log = logger
-        self._calls: dict[tuple[str, str], _Call] = {}
+        self._calls: dict[tuple[str, str, str], _Call] = {}  # by kind, key, source
 
     def __len__(self) -> int:
         return len(self._calls)
 
     def renew(self, client: KvdClient, order: RenewOrder) -> None:
-        if ("renew", order.key) in self._calls:
+        if ("renew", order.key, order.source) in self._calls:
             return  # the last one is still on its way
-        self._start(("renew", order.key), order, lambda: client.renew(
+        self._start(("renew", order.key, order.source), order, lambda: client.renew(
             order.key, order.source, ttl_s=order.ttl_s, timeout_s=CALL_TIMEOUT_S))
 
     def release(self, client: KvdClient, order: ReleaseOrder) -> None:
-        if ("release", order.key) in self._calls:
+        if ("release", order.key, order.source) in self._calls:
             return
-        self._start(("release", order.key), order, lambda: client.release(
+        self._start(("release", order.key, order.source), order, lambda: client.release(
             order.key, order.source, timeout_s=CALL_TIMEOUT_S))
 
-    def _start(self, ident: tuple[str, str], order: RenewOrder | ReleaseOrder,
+    def _start(self, ident: tuple[str, str, str], order: RenewOrder | ReleaseOrder,
                call: Callable[[], Transfer]) -> None:
         try:
             self._calls[ident] = _Call(order, call())
@@ -84,6 +86,9 @@ class LeaseCalls:
             else:
                 if isinstance(order, RenewOrder):
                     self._stats.leases_renewed += 1
+                elif order.source == "local":  # a pushed key, at this engine's daemon
+                    self.log.debug("kvd: request %s will not load key %s: released here",
+                                   order.req_id, order.key)
                 else:
                     self._stats.leases_released += 1
                     self.log.info("kvd: request %s will not load key %s: released at %s",

@@ -14,8 +14,9 @@ never blocks:
   the prefill daemon (pull flow, retried while the key is not lent yet) or taken from
   this daemon when the prefill daemon pushes them (push flow).
 - ``discard(order)``: a key pushed to this daemon that the engine does not need (a part
-  of a prompt it has cached itself) is taken and dropped: at once if it is there, the
-  moment it arrives if not, so that it never waits in the daemon's pool for its lease.
+  of a prompt it has cached itself) is released, here and at the daemon that pushes it:
+  that one sends nothing, and what came already (or comes anyway) is dropped here, so
+  that it never waits in the daemon's pool for its lease.
 - ``renew(order)`` / ``release(order)``: a key lent at the prefill daemon for a request
   of this engine is kept there longer (the request waits in the engine's queue), or freed
   now (the request will not load it). A pull-flow load that fails releases its key too.
@@ -31,11 +32,8 @@ are already cached locally (a prefix hit) takes only the others: the daemon skip
 cached ones at the source (``Share.skip``). When prefill splits its KV heads over another
 number of ranks than decode (``kv_ranks``), a load is one read per prefill rank it takes
 heads from: a part of each of that rank's blocks into a part of each of its own, in place
-on GPU. A discarded key is taken by a get into a *sink*: blocks
-shaped like the engine's, as many as the largest key discarded, in memory like staging's,
-which all discards share (nobody reads what lands there). Every wait has a deadline: a
-send is withdrawn when its lease ends, a load fails when its timeout passes, a discard is
-given up when its timeout passes. If the daemon goes away (restarted, upgraded), what was
+on GPU. Every wait has a deadline: a send is withdrawn when its lease ends, a load fails
+when its timeout passes. If the daemon goes away (restarted, upgraded), what was
 in flight fails, new orders fail at once, and the mover connects and registers again by
 itself as soon as a daemon answers on the socket: kvd restarts without the engine
 restarting.
@@ -46,8 +44,8 @@ vLLM's log), else to this module's.
 This module holds ``KvMover`` itself: its sends, loads, staging region and reconnection.
 Beside it: ``kv_orders`` (the orders, ``Polled`` and ``MoverStats``), ``kv_parts`` (how a
 request is cut into keyed parts), ``kv_requests`` (what each request's parts add up to),
-``kv_staging`` (block arithmetic and copies of staging), ``kv_discards`` (discarded keys
-and their sink) and ``kv_leases`` (renewals and releases in flight). Every public name of
+``kv_staging`` (block arithmetic and copies of staging) and ``kv_leases`` (renewals and
+releases in flight, discards' too). Every public name of
 these is importable from here.
 """
 
@@ -71,7 +69,6 @@ from kvd.errors import (
     PeerUnreachable,
     UnknownKey,
 )
-from kvd.integrations.kv_discards import Discarding, Discards
 from kvd.integrations.kv_leases import LeaseCalls
 from kvd.integrations.kv_orders import (
     DiscardOrder,
@@ -162,8 +159,6 @@ class KvMover:
         self._slots = Slots(0)
         self.stats = MoverStats()
         self.connected = True  # False from when the daemon goes away until one is back
-        self._discards = Discards(self._blocks_like_layers, self.stats, self._note,
-                                  lambda: self.connected, self.log)
         self._register()
         self._reconnect_at = 0.0
         self._sends: dict[str, _Send] = {}  # by key
@@ -175,9 +170,8 @@ class KvMover:
     def _register(self) -> None:
         """Register with the daemon: GPU tensors in place, CPU ones through staging.
         Staging is made anew each time (memory an old daemon may still hold is not
-        reused), and so is the sink."""
+        reused)."""
         self._staging, self._staging_region, self._slots = None, None, Slots(0)
-        self._discards.forget_sink()
         if self.direct:
             self.region = self.client.register(self._name, self._tensors,
                                                block_dim=self.block_dims[0])
@@ -203,8 +197,6 @@ class KvMover:
         for load in list(self._loads.values()):
             self._end_load(load)
             self._requests.load_ended(load.order, ok=False, cause="the kvd daemon went away")
-        for discard in self._discards.in_flight():
-            self._discards.end(self.client, discard)
         self._leases.clear()
         now = time.monotonic()
         if now < self._reconnect_at:
@@ -228,14 +220,11 @@ class KvMover:
 
     # ------------------------------------------------------------ staging
 
-    def _blocks_like_layers(self, n: int) -> list[torch.Tensor]:
-        return blocks_like(self.layers, n, on_gpu=self.direct)
-
     def _make_staging(self) -> None:
         n = self._staging_blocks
         if n <= 0:
             raise BadRequest("staging_blocks must be positive for CPU KV tensors")
-        tensors = self._blocks_like_layers(n)
+        tensors = blocks_like(self.layers, n, on_gpu=self.direct)
         self._staging = tensors
         self._staging_region = self.client.register("kv-staging", tensors)
         self._part_pairs = {}
@@ -343,7 +332,6 @@ class KvMover:
             self._advance_send(send)
         for load in list(self._loads.values()):
             self._advance_load(load)
-        self._discards.advance_all(self.client)
         self._leases.advance_all()
         done = self._requests.take_done()
         if self._aborted:
@@ -359,12 +347,19 @@ class KvMover:
             if send.transfer is None:
                 self._start_send(send)
             elif send.transfer.done():
-                nbytes = send.transfer.wait(0)
+                try:
+                    nbytes = send.transfer.wait(0)
+                except KeyGone:
+                    if order.push_to is None:
+                        raise
+                    nbytes = 0  # pushed: refused by decode's daemon, released there
                 self.stats.sends += 1
                 self.stats.bytes_sent += nbytes
                 self.stats.send_samples.append([time.monotonic() - send.started, nbytes])
-                if nbytes == 0 and order.push_to is None:
-                    if time.monotonic() < send.deadline:  # its reader said it will not come
+                if nbytes == 0:
+                    if order.push_to is not None or time.monotonic() < send.deadline:
+                        # Its reader said it will not come (decode has it cached, or the
+                        # request is gone): a push sent nothing, a lend was not read.
                         self.stats.sends_released += 1
                         self.log.info("kvd send %s: key %s was released by its reader "
                                       "(decode will not load it)", order.req_id, order.key)
@@ -487,23 +482,28 @@ class KvMover:
     # ------------------------------------------------------------ discards
 
     def discard(self, order: DiscardOrder) -> None:
-        """Start taking a key this engine does not need (never raises: a bad order is
-        logged and dropped)."""
-        if (order.key in self._discards or order.key in self._loads
-                or not 0 < order.num_blocks <= self.num_blocks):
-            self.log.error("kvd discard of %r (%d blocks): a key already being loaded or "
-                           "discarded, or more blocks than the engine has: not taking it",
-                           order.key, order.num_blocks)
+        """Release a pushed key this engine will not load, here and at its sender (never
+        raises: a failure is logged). Only the bytes decode does not have cross the wire:
+        prefill's daemon, told first, sends nothing; what came already, or comes anyway,
+        is dropped here."""
+        if order.key in self._loads:
+            self.log.error("kvd discard of %r: a key being loaded: not releasing it",
+                           order.key)
             return
-        self._discards.start(self.client, order)
+        self.stats.parts_dropped += 1
+        if not self.connected:
+            return  # (a restarted daemon holds nothing of it)
+        for source in ("local", order.sender):
+            if source is not None:
+                self._leases.release(self.client, ReleaseOrder(
+                    order.req_id, order.key, source, order.their_tp, order.group))
 
     # ------------------------------------------------------------ shutdown
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Withdraw what is in flight (bounded), then close the client: the daemon drops
         this client's registrations."""
-        items: list[_Send | _Load | Discarding] = [
-            *self._sends.values(), *self._loads.values(), *self._discards.in_flight()]
+        items: list[_Send | _Load] = [*self._sends.values(), *self._loads.values()]
         for item in items:
             if item.transfer is not None and not item.transfer.done():
                 try:
@@ -513,7 +513,6 @@ class KvMover:
                                      item.order.key, err)
         self._sends.clear()
         self._loads.clear()
-        self._discards.clear()
         self._leases.clear()
         self._requests.clear()
         self.client.close()

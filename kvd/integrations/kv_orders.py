@@ -65,16 +65,14 @@ class LoadOrder:
 
 @dataclass
 class DiscardOrder:
-    """Take ``key`` (``num_blocks`` blocks, pushed to this daemon) and drop its bytes: a
-    part of a prompt that this engine has cached itself. Taken at once if it is there,
-    else the moment it arrives, until ``timeout_s`` has passed."""
+    """Request ``req_id`` will not load ``key``, pushed (or still to be) to this daemon by
+    ``sender`` (None: not known), a part of a prompt that this engine has cached itself:
+    the key is released at this daemon (dropped if it is here, refused if it comes) and at
+    the sender (its put then sends nothing)."""
 
+    req_id: str
     key: str
-    num_blocks: int
-    timeout_s: float
-    part: Part = WHOLE  # as in LoadOrder: what of the key this rank takes
-    readers: int = 1
-    into: Part = WHOLE
+    sender: str | None = None
     their_tp: int = 0
     group: int = 0
 
@@ -121,13 +119,14 @@ class MoverStats:
     bytes_received: int = 0
     sends: int = 0
     sends_unread: int = 0  # lent, and nobody pulled them before the lease ended
-    sends_released: int = 0  # lent, and given back unread before the lease ended (released)
+    sends_released: int = 0  # released by decode (aborted, or cached there): lent unread, or
+    # pushed without a byte
     send_failures: int = 0
     loads: int = 0
     load_failures: int = 0
     load_seconds: float = 0.0  # summed over completed loads
     pull_retries: int = 0  # pulls that found no key yet (not lent yet) and went again
-    parts_dropped: int = 0  # pushed parts this engine had cached: taken and dropped
+    parts_dropped: int = 0  # pushed parts this engine had cached: released
     loads_refused: int = 0  # refused: prefill's KV did not fit this engine (kvd_compat)
     loads_gone: int = 0  # found their key gone at prefill (its lease ended, or released)
     leases_renewed: int = 0  # renewals of prefill's lease that its daemon took

@@ -356,7 +356,7 @@ if _VLLM_ERROR is None:
             tokens = self._tokens(request)
             keys = self._keys(remote, tokens)
             if num_external_tokens <= 0:  # decode computes the prompt itself
-                self._drop_pushed(remote, keys)
+                self._drop_pushed(request.request_id, remote, keys)
                 self._release(request.request_id, remote)
                 return
             n = blocks_for(tokens, self.block_size)
@@ -375,12 +375,12 @@ if _VLLM_ERROR is None:
                     log.error("kvd: request %s: %s; %s", request.request_id, why,
                               _POLICY_OUTCOME.get(self.failure_policy, self.failure_policy))
             if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
-                self._drop_pushed(remote, keys)
+                self._drop_pushed(request.request_id, remote, keys)
                 self._release(request.request_id, remote)
                 self._loads += group_orders.refused_loads(self.layout.groups, load, ids, why)
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
-            # Parts wholly inside the local prefix hit: not loaded, yet taken (push flow).
+            # Parts wholly inside the local prefix hit: released, never loaded (push flow).
             self._discards += drops
             self._loads += loads
 
@@ -402,14 +402,16 @@ if _VLLM_ERROR is None:
             return group_orders.keys_of(self.layout.groups, remote.key, tokens,
                                         self._push_parts(remote))
 
-        def _drop_pushed(self, remote: RemotePrefill, keys: group_orders.Keys) -> None:
-            """Keys that decode will not load. Pushed ones are taken and dropped by the
-            worker, whether they came before this or come later: left alone, each would
-            hold the daemon's pool until prefill's lease ends. (A pull-flow key stays at
-            prefill, whose lease ends it.)"""
+        def _drop_pushed(self, req_id: str, remote: RemotePrefill,
+                         keys: group_orders.Keys) -> None:
+            """Keys that decode will not load. Pushed ones are released by the worker:
+            dropped from this daemon if they came before this, refused if they come later,
+            and (when prefill's daemon is known) never sent. Left alone, each would hold the
+            daemon's pool until prefill's lease ends. (A pull-flow key stays at prefill,
+            whose lease ends it: ``_release``.)"""
             if remote.source is None:
-                self._discards += group_orders.discards(self.layout.groups, keys,
-                                                        self.settings.load_timeout_s)
+                self._discards += group_orders.discards(self.layout.groups, keys, req_id,
+                                                        remote.sender, _their_tp(remote))
 
         def _back_off(self, request: Any) -> None:
             """Prefill of a model with a recurrent state or a sliding window
@@ -568,7 +570,8 @@ if _VLLM_ERROR is None:
             if remote is None:
                 return False
             request.kv_transfer_params["do_remote_prefill"] = False
-            self._drop_pushed(remote, self._keys(remote, self._tokens(request)))
+            self._drop_pushed(request.request_id, remote,
+                              self._keys(remote, self._tokens(request)))
             self._release(request.request_id, remote)
             return True
 
@@ -671,11 +674,9 @@ if _VLLM_ERROR is None:
                     taken = self._reads(discard.their_tp, discard.group)
                 except BadRequest:
                     continue  # (as above; what was pushed ends with its lease)
-                for read in taken:
-                    self._mover.discard(replace(
-                        discard,
-                        key=_rank_key(discard.key, read.rank, discard.their_tp or self._tp),
-                        part=read.part, readers=read.readers, into=read.into))
+                for rank in sorted({read.rank for read in taken}):
+                    self._mover.discard(replace(discard, key=_rank_key(
+                        discard.key, rank, discard.their_tp or self._tp)))
             # Renewals and releases: of each key of prefill's that this rank reads.
             leases: list[RenewOrder | ReleaseOrder] = [*meta.renews, *meta.releases]
             for lease in leases:

@@ -71,6 +71,8 @@ class Arrivals:
         bytes come over NCCL, then the host pool (``PoolExhausted`` if none: the sender
         is told BUSY). Gets that wait but cannot take it fail with the reason."""
         self.engine.check_accepting()
+        if self.engine.leases.released(key):  # its reader will not come for it
+            raise self.engine.store.missing(key, f" on {self.engine.config.node_id}")
         if self.engine.store.exists(key):
             raise BadRequest(f"key {key!r} already exists on {self.engine.config.node_id}")
         config = self.engine.config
