@@ -92,8 +92,36 @@ def test_quick_run_moves_checked_bytes_and_reports_positive_figures() -> None:
             assert res[f"{system}_{case}_n"] == 6
         assert res[f"{system}_many_median_per_s"] > 0
         assert res[f"{system}_many_cpu_us_per_transfer"] > 0  # its processes' CPU, counted
-    # NIXL was not asked for: its ratios are null, not made up.
+    # kvd's clients run in the benchmark's process: their CPU is counted apart
+    assert res["client_cpu_us_many"] > 0 and res["daemon_cpu_us_many"] > 0
+    # NIXL and the floor were not asked for: their ratios are null, not made up.
     assert res["lat_4k_vs_nixl"] is None and res["many_vs_nixl"] is None
+    assert res["lat_4k_vs_floor"] is None and res["many_vs_floor"] is None
+
+
+@pytest.mark.timeout(60)
+def test_the_floor_moves_checked_bytes_in_both_its_flows() -> None:
+    """The floor (benchmarks/peers_systems/floor.py), briefly: its put into a waiting get
+    and its lend -> pull, with the bytes in the offer (4 KiB, many) and on the data
+    connection (1 MiB), checked at the far end; no process left behind."""
+    tag = uuid.uuid4().hex
+    proc = start(tag, "--json", "--quick", "--rounds", "1", "--repeat", "2",
+                 "--systems", "floor")
+    out, err, left = finish(proc, tag)
+    assert proc.returncode == 0, err[-3000:]
+    assert not left, f"the run left processes behind: {left}"
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["systems"] == ["floor", "floor-pull"]
+    assert res["skipped"] == {}, res["skipped"]
+    assert res["checks"] == {s: {"4KiB": True, "1MiB": True, "many": True}
+                             for s in ("floor", "floor-pull")}
+    for system in ("floor", "floor-pull"):
+        for case in ("4KiB", "1MiB"):
+            assert res[f"{system}_{case}_p50_us"] > 0, (system, case)
+            assert res[f"{system}_{case}_n"] == 2
+        assert res[f"{system}_many_median_per_s"] > 0
+        assert res[f"{system}_many_daemon_cpu_us_per_transfer"] > 0
+        assert res[f"{system}_many_client_cpu_us_per_transfer"] > 0
 
 
 @pytest.mark.timeout(90)
@@ -138,6 +166,6 @@ def test_the_gpu_part_says_it_needs_a_gpu_and_leaves_its_ratios_null() -> None:
     res = json.loads(out.strip().splitlines()[-1])
     assert "no CUDA device here" in res["error"]
     assert res["device"] == "cuda"
-    for name in ("gpu_lat_1m_vs_nixl", "gpu_contig_vs_nixl", "gpu_paged_vs_raw",
-                 "gpu_paged_vs_nixl"):
+    for name in ("gpu_lat_1m_vs_floor", "gpu_lat_1m_vs_nixl", "gpu_contig_vs_raw",
+                 "gpu_contig_vs_nixl", "gpu_paged_vs_raw", "gpu_paged_vs_nixl"):
         assert name in res and res[name] is None, name

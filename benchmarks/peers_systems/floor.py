@@ -82,7 +82,7 @@ import traceback
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -115,6 +115,7 @@ sys.path.insert(0, HERE)
 from workers import recv_views, send_views  # noqa: E402  (scatter-gather socket I/O)
 
 EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+SNDMORE = int(zmq.SNDMORE)
 DATA_HEADER = struct.Struct("!QQ")  # transfer id, bytes: once per transfer on the stream
 STOP = object()
 MARKS_ENV = "FLOOR_MARKS_DIR"  # where each process writes its hop marks (``hops``)
@@ -183,20 +184,30 @@ class Waiting:
 
 
 class Sock:
-    """A ZeroMQ socket read on the loop: ``read`` takes every message waiting."""
+    """A ZeroMQ socket read on the loop: ``read`` hands each message waiting to
+    ``on_message`` (a ROUTER's with its routing id, a DEALER's with b""). Frames are
+    copied both ways (64 transfers in flight cost the daemons 155 µs of CPU each so;
+    166 received as ``zmq.Frame``s, 234 sent without a copy). Plain ints as flags:
+    pyzmq's enum members cost a microsecond more per use (kvd/loop_socket.py)."""
 
-    def __init__(self, sock: zmq.Socket[Any], on_frames: Callable[[list[bytes]], None]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[bytes, bytes], None],
+                 routed: bool) -> None:
         self.sock = sock
-        self.on_frames = on_frames
+        self.on_message = on_message
+        self.routed = routed
         self.sent = False  # sent on since last read: read again before the loop sleeps
 
     def read(self) -> None:
-        sock, on_frames = self.sock, self.on_frames
-        while sock.get(EVENTS) & POLLIN:
-            on_frames(sock.recv_multipart(NOBLOCK))
+        sock, on_message = self.sock, self.on_message
+        recv, get = sock.recv, sock.get
+        while cast(int, get(EVENTS)) & POLLIN:
+            ident = recv(NOBLOCK) if self.routed else b""
+            on_message(ident, recv(NOBLOCK))
 
-    def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames, NOBLOCK)
+    def send(self, payload: bytes, ident: bytes = b"") -> None:
+        if ident:
+            self.sock.send(ident, SNDMORE | NOBLOCK)
+        self.sock.send(payload, NOBLOCK)
         self.sent = True
 
 
@@ -242,10 +253,10 @@ class Daemon:
             Offer: self.on_offer, Accept: self.on_accept, XferDone: self.on_xfer_done,
             PullRequest: self.on_pull_request, Heartbeat: self.on_heartbeat}
 
-    def _sock(self, kind: int, on_frames: Callable[[list[bytes]], None]) -> Sock:
+    def _sock(self, kind: int, on_message: Callable[[bytes, bytes], None]) -> Sock:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        found = Sock(sock, on_frames)
+        found = Sock(sock, on_message, kind == zmq.ROUTER)
         self.loop.add_reader(sock.getsockopt(zmq.FD), self.entry, found.read)
         return found
 
@@ -273,20 +284,19 @@ class Daemon:
     def to_client(self, ident: bytes, msg: Reply) -> None:
         if self.marks.marks is not None:
             self.mark(f"send {msg.__struct_config__.tag}")
-        self.local.send([ident, encode(msg)])
+        self.local.send(encode(msg), ident)
 
     def to_peer(self, msg: Any) -> None:
         if self.marks.marks is not None:
             self.mark(f"send {msg.__struct_config__.tag}")
         if self.dealer is not None:
-            self.dealer.send([encode(msg)])
+            self.dealer.send(encode(msg))
         else:
-            self.router.send([self.peer_ident, encode(msg)])
+            self.router.send(encode(msg), self.peer_ident)
 
     # ---- reading
 
-    def on_local(self, frames: list[bytes]) -> None:
-        ident, payload = frames
+    def on_local(self, ident: bytes, payload: bytes) -> None:
         msg = decode_request(payload)
         if self.marks.marks is not None:
             self.mark(f"recv {msg.__struct_config__.tag}")
@@ -297,16 +307,12 @@ class Daemon:
             return
         handler(ident, msg)
 
-    def on_router(self, frames: list[bytes]) -> None:
-        ident, payload = frames
+    def on_router(self, ident: bytes, payload: bytes) -> None:
         if not self.peer_ident:
             self.peer_ident = ident
-        self.on_peer(payload)
+        self.on_peer(ident, payload)
 
-    def on_dealer(self, frames: list[bytes]) -> None:
-        self.on_peer(frames[0])
-
-    def on_peer(self, payload: bytes) -> None:
+    def on_peer(self, _ident: bytes, payload: bytes) -> None:
         msg = decode_peer(payload)
         if self.marks.marks is not None:
             self.mark(f"recv {msg.__struct_config__.tag}")
@@ -540,7 +546,7 @@ class Daemon:
     def cmd_dial(self, peer: str, data: int) -> None:
         """Daemon a: the link to b (its DEALER on b's ROUTER, a hello and its answer) and
         the data connection a -> b."""
-        self.dealer = self._sock(zmq.DEALER, self.on_dealer)
+        self.dealer = self._sock(zmq.DEALER, self.on_peer)
         self.dealer.sock.connect(peer)
         self.socks.append(self.dealer)
         sock = socket.create_connection(("127.0.0.1", data))
@@ -624,11 +630,11 @@ class Daemon:
         finally:
             self.data_out.put(STOP)
             self.data_in.put(STOP)
-            for s in (self.data_sock, self.data_listener):
-                if s is not None:
+            for conn in (self.data_sock, self.data_listener):
+                if conn is not None:
                     with contextlib.suppress(OSError):
-                        s.shutdown(socket.SHUT_RDWR)
-                    s.close()
+                        conn.shutdown(socket.SHUT_RDWR)
+                    conn.close()
             for t in self.threads:
                 t.join(10)
             for s in self.socks:
@@ -723,9 +729,11 @@ class Floor:
         self.ctx: zmq.Context[Any] | None = None
         self.regions = itertools.count(1)
         self.marks = Marks("client")
+        self.hello: dict[str, dict[str, Any]] = {}
 
     def start(self) -> None:
-        hello = {name: self.daemon(name) for name in ("ab" if self.device == "cpu" else "a")}
+        self.hello = hello = {name: self.daemon(name)
+                              for name in (("a", "b") if self.device == "cpu" else ("a",))}
         if "b" in hello:
             self.ask("a", "dial", peer=hello["b"]["peer"], data=hello["b"]["data"])
         self.ctx = zmq.Context(io_threads=1)
@@ -774,6 +782,7 @@ class Floor:
         """Map ``tensors`` (the benchmark's: block-first uint8, from ``kvd.shared_empty``
         on the host) in a daemon, as a client's register would; the region's id."""
         from kvd.client.shm import cuda_tensor_spec, segment_of, tensor_spec
+        from kvd.protocol import ShmTensor
 
         region = next(self.regions)
         block = int(tensors[0][0].numel())
@@ -784,6 +793,7 @@ class Floor:
         mapped = []
         for t in tensors:
             spec = tensor_spec(t)
+            assert isinstance(spec, ShmTensor)
             mapped.append({"path": f"/proc/{os.getpid()}/fd/{segment_of(spec).fd}",
                            "offset": spec.offset_bytes, "nbytes": t.numel()})
         self.ask(daemon, "map", region=region, block=block, tensors=mapped)
@@ -796,10 +806,12 @@ class Floor:
     def receiver(self) -> str:
         return "b" if "b" in self.daemons else "a"
 
-    @property
-    def b_address(self) -> str:
-        """What a put's ``to`` says: b (empty on the GPU: the get waits on a)."""
-        return "floor-b" if "b" in self.daemons else ""
+    def address(self, name: str) -> str:
+        """Daemon ``name``'s peer address (host:port), as a put's ``to`` or a pull's
+        ``src`` names it ("" on the GPU: the get waits on a, the put stays there)."""
+        if "b" not in self.daemons:
+            return ""
+        return str(self.hello[name]["peer"]).removeprefix("tcp://")
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -828,7 +840,7 @@ def put_once(f: Floor, key: str, src: int, dst: int, ids: list[int]) -> float:
     f.rx.fence()
     t0 = time.perf_counter()
     f.tx.send(Put(req_id=f.tx.next_id(), key=key, region_id=src, blocks=blocks,
-                  to=f.b_address, timeout_s=60.0))
+                  to=f.address("b"), timeout_s=60.0))
     f.rx.done()
     f.tx.done()
     return time.perf_counter() - t0
@@ -839,7 +851,7 @@ def pull_once(f: Floor, key: str, src: int, dst: int, ids: list[int]) -> float:
     blocks = pack_ids(ids)
     t0 = time.perf_counter()
     f.tx.send(Lend(req_id=f.tx.next_id(), key=key, region_id=src, blocks=blocks, ttl_s=60.0))
-    f.rx.send(Pull(req_id=f.rx.next_id(), key=key, src="floor-a", region_id=dst,
+    f.rx.send(Pull(req_id=f.rx.next_id(), key=key, src=f.address("a"), region_id=dst,
                    blocks=blocks, timeout_s=60.0, wait_for_key_s=10.0))
     f.rx.done()
     took = time.perf_counter() - t0
