@@ -2,7 +2,7 @@
 
 Run (in the virtualenv that benchmarks/install_peers.sh builds, which holds the peers):
 ``.venv-peers/bin/python benchmarks/peers.py [--json] [--quick] [--full]
-[--systems raw,kvd-put,kvd-pull,nixl,mooncake] [--rounds N] [--repeat N]``
+[--systems raw,floor,kvd-put,kvd-pull,nixl,mooncake] [--rounds N] [--repeat N]``
 
 CPU (``--device cpu``, the default): every system moves real bytes between two processes on
 loopback, DRAM to DRAM, and the receiving side checks them:
@@ -10,6 +10,12 @@ loopback, DRAM to DRAM, and the receiving side checks them:
 * **raw**: plain TCP, one connection kept, ``sendmsg``/``recvmsg_into`` straight from the
   source pieces into the destination pieces (scatter-gather, no copy in Python), a 1-byte
   ack after the last byte; timed on the sender from the header to the ack.
+* **floor** and **floor-pull** (``--systems floor`` brings both): kvd's design with nothing
+  of kvd in it (benchmarks/peers_systems/floor.py, whose docstring lists the messages hop
+  by hop): two daemon processes on uvloop, its clients here as kvd's are, kvd's messages
+  in kvd's order over the same ZeroMQ sockets, the bytes in the offer (up to 64 KiB) or
+  on one TCP connection; timed as kvd-put and kvd-pull are. What kvd costs above it is
+  kvd's to remove.
 * **kvd-put**: two ``kvd serve`` daemons (a, b), this process a client of both. The get is
   posted on b first; the time runs from ``put(..., to=b)`` to both the put and the get
   having returned.
@@ -29,6 +35,8 @@ nixl-cu13 wheel that benchmarks/gpu_peer_wheels.sh puts in .whl/):
 
 * **raw**: in this process, ``dst.copy_(src)`` (contiguous) or one launch of kvd's
   gather/scatter kernel (paged), from the launch to ``torch.cuda.synchronize()``;
+* **floor**: one floor daemon, both clients here on it, regions by CUDA IPC: a put into a
+  get waiting there, the copy one launch (as raw's) and an event polled on its loop;
 * **kvd-put**: one ``kvd serve`` on the GPU, both regions registered by CUDA IPC from
   this process (two clients); a put into a get already waiting on the same daemon (its
   local path: one kernel, GPU to GPU), timed until both have returned;
@@ -51,13 +59,25 @@ small machine slows whatever runs beside it. A system that cannot start (not ins
 install_peers.sh) or fails is skipped with its reason; its ratios are null.
 
 Figures: latency in µs (best, p50 = median, p90) and throughput in GB/s (1e9 B/s; best,
-median, p90: the throughput of the p90 time); for ``many`` also the CPU time of the
-system's processes and this one (the clients of kvd run here) per transfer, from
-/proc. ``--json`` prints one JSON object last, with
-every figure and the ratios ``lat_4k_vs_nixl`` and ``lat_1m_vs_nixl`` (kvd-put p50 over
-NIXL's), ``bulk_64m_vs_best_peer`` (kvd-put median GB/s over the best of NIXL's and
-Mooncake's), ``many_vs_nixl`` (transfers/s), each also for kvd-pull (``..._pull``);
-on the GPU ``gpu_lat_1m_vs_nixl`` (p50), ``gpu_contig_vs_nixl`` (512 MiB, median GB/s),
+median, p90: the throughput of the p90 time); for ``many`` also the CPU time per transfer,
+from /proc: of the system's processes (``..._daemon_cpu_us_per_transfer`` where its
+clients run here: kvd's and the floor's), of those clients (``..._client_cpu_us_...``:
+this process's main thread, which makes the client calls, and ZeroMQ's I/O threads,
+counted over the client calls only, not the harness's waits; torch's OpenMP threads,
+which torch's CPU kernels leave spinning after each parallel region, are not counted, and
+host memory is filled and checked with numpy), and both (``..._cpu_us_per_transfer``).
+Each kvd system's ratio to its floor, to raw, NIXL and Mooncake, per case, is printed
+(``ratios_by_case`` in the JSON): for latency its time over theirs (lower is better), for
+GB/s and transfers/s its rate over theirs (higher is better). ``--json`` prints one JSON
+object last, with every figure and the ratios ``lat_4k_vs_floor``, ``lat_1m_vs_floor``
+(kvd-put p50 over the floor's), ``bulk_64m_vs_floor``, ``bulk_1g_vs_floor``,
+``paged_vs_floor`` (median GB/s), ``many_vs_floor`` (transfers/s), ``bulk_64m_vs_raw``,
+``daemon_cpu_us_many`` and ``client_cpu_us_many`` (kvd-put's), ``lat_4k_vs_nixl`` and
+``lat_1m_vs_nixl`` (kvd-put p50 over NIXL's), ``bulk_64m_vs_best_peer`` (kvd-put median
+GB/s over the best of NIXL's and Mooncake's), ``many_vs_nixl`` (transfers/s), each also
+for kvd-pull (``..._pull``, against floor-pull); on the GPU ``gpu_lat_1m_vs_floor``,
+``gpu_lat_1m_vs_nixl`` (p50), ``gpu_contig_vs_floor``, ``gpu_contig_vs_raw``,
+``gpu_contig_vs_nixl`` (512 MiB, median GB/s), ``gpu_paged_vs_floor``,
 ``gpu_paged_vs_raw`` and ``gpu_paged_vs_nixl`` (paged, median GB/s).
 
 Every process the run starts is in its own process group, killed (SIGCONT, SIGTERM, then
@@ -689,7 +709,7 @@ class FloorSystem(InProcessPair):
 
 
 class GpuRawSystem(InProcessPair):
-    """The floor on one GPU, in this process: ``dst.copy_(src)`` for a contiguous case, one
+    """The copy alone on one GPU, in this process: ``dst.copy_(src)`` for a contiguous case, one
     launch of kvd's gather/scatter kernel (``kvd.transport.gpu_copy``, block maps made
     once per case) for the paged case; each transfer timed from the launch to
     ``torch.cuda.synchronize()``."""
@@ -1178,11 +1198,12 @@ def gpu_ratios(f: dict[str, Any]) -> dict[str, Any]:
 
 def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     """One GPU: kvd's local path (one daemon; a put into a get waiting there, both regions
-    registered by CUDA IPC) against NIXL VRAM -> VRAM between two processes (its UCX
-    backend: cuda_ipc) and the raw floor (``GpuRawSystem``), on contiguous 1 MiB and
+    registered by CUDA IPC) against its floor (``FloorSystem``: the same path, one launch
+    and an event poll in a floor daemon), NIXL VRAM -> VRAM between two processes (its UCX
+    backend: cuda_ipc) and the raw copy (``GpuRawSystem``), on contiguous 1 MiB and
     512 MiB and the paged case (64 tensors x 256 random blocks of 32 KiB). The ratios: kvd
-    1 MiB p50 over NIXL's, kvd contiguous 512 MiB median GB/s over NIXL's, kvd paged median
-    GB/s over the kernel's and over NIXL's."""
+    1 MiB p50 over the floor's and NIXL's, kvd contiguous 512 MiB and paged median GB/s
+    over the floor's, the raw copy's and NIXL's."""
     try:
         import torch
     except ImportError as exc:
@@ -1222,8 +1243,9 @@ def main() -> int:
                     help="4KiB, 1MiB and many only, 2 rounds of 3 (a smoke run)")
     ap.add_argument("--full", action="store_true", help="1GiB whatever memory is available")
     ap.add_argument("--systems",
-                    help=f"comma-separated; CPU: {', '.join(SYSTEMS)} (all by default); "
-                         f"cuda: {', '.join(GPU_SYSTEMS)} (all by default)")
+                    help=f"comma-separated; CPU: {', '.join(SYSTEMS)} (all by default; "
+                         f"floor brings floor-pull too); cuda: {', '.join(GPU_SYSTEMS)} "
+                         "(all by default)")
     ap.add_argument("--rounds", type=int, help="rounds per case (default 5; --quick 2)")
     ap.add_argument("--repeat", type=int,
                     help="transfers per system per round (default 20; --quick 3)")

@@ -230,7 +230,6 @@ class Daemon:
         self.peer_ident = b""  # a's DEALER on our ROUTER (daemon b)
         self.regions: dict[int, Region] = {}
         self.gets: dict[str, Waiting] = {}  # waiting gets by key
-        self.stored: dict[str, bytes | bytearray] = {}  # arrived with no get waiting
         self.lent: dict[str, Waiting] = {}
         self.pull_asks: dict[str, PullRequest] = {}  # pull requests before their lend
         self.pulls: dict[int, Waiting] = {}  # our pulls by transfer id
@@ -245,7 +244,7 @@ class Daemon:
         self.ping_count = 0
         self.stdin_buf = b""
         self.gpu_maps: dict[tuple[int, bytes], Any] = {}
-        self.stream: Any = None
+        self.gpu_ready = False
         self.local_handlers: dict[type, Callable[[bytes, Any], None]] = {
             Put: self.on_put, Get: self.on_get, Lend: self.on_lend, Pull: self.on_pull,
             Ping: self.on_ping}
@@ -329,13 +328,9 @@ class Daemon:
                                    draining=False))
 
     def on_get(self, ident: bytes, msg: Get) -> None:
-        get = Waiting(ident, msg.req_id, self.regions[msg.region_id], unpack_ids(msg.blocks))
-        data = self.stored.pop(msg.key, None)
-        if data is None:
-            self.gets[msg.key] = get
-            return
-        copy_in(memoryview(data), get.region.views(get.ids))
-        self.to_client(ident, Done(req_id=msg.req_id, nbytes=len(data)))
+        """The benchmark's gets wait for their put (it fences before the put goes)."""
+        self.gets[msg.key] = Waiting(ident, msg.req_id, self.regions[msg.region_id],
+                                     unpack_ids(msg.blocks))
 
     def on_put(self, ident: bytes, msg: Put) -> None:
         region, ids = self.regions[msg.region_id], unpack_ids(msg.blocks)
@@ -408,19 +403,13 @@ class Daemon:
         pull = self.pulls.pop(tid, None)
         get = self.gets.pop(offer.key, None) if pull is None else None
         into = pull or get
+        if into is None:
+            raise RuntimeError(f"an offer of key {offer.key!r} with no get or pull waiting")
+        views = into.region.views(into.ids)
         if offer.inline:
-            if into is None:
-                self.stored[offer.key] = bytes(offer.inline)
-            else:
-                copy_in(offer.inline, into.region.views(into.ids))
+            copy_in(offer.inline, views)
             self.landed(tid, offer.nbytes, pull, get)
             return
-        if into is None:
-            stash = bytearray(offer.nbytes)
-            self.stored[offer.key] = stash
-            views = [memoryview(stash)]
-        else:
-            views = into.region.views(into.ids)
         self.data_in.put((tid, offer.nbytes, views, pull, get))
         self.to_peer(Accept(transfer_id=tid))
 
@@ -458,18 +447,16 @@ class Daemon:
         src, dst = put.region.gpu, get.region.gpu
         whole = (len(src) == len(dst) == 1 and put.ids == get.ids
                  and put.ids == list(range(len(src[0]))))
-        stream = self.stream
-        with torch.cuda.stream(stream):
-            if whole:
-                dst[0].copy_(src[0], non_blocking=True)
-            else:
-                from kvd.transport import gpu_copy
+        if whole:
+            dst[0].copy_(src[0], non_blocking=True)
+        else:
+            from kvd.transport import gpu_copy
 
-                reader = self.block_map(put.region, put.ids)
-                writer = self.block_map(get.region, get.ids)
-                gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
-            event = torch.cuda.Event()
-            event.record(stream)
+            reader = self.block_map(put.region, put.ids)
+            writer = self.block_map(get.region, get.ids)
+            gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
+        event = torch.cuda.Event()
+        event.record()  # on the current stream, the copy's (nothing else runs on this GPU)
 
         def poll() -> None:
             if event.query():
@@ -527,6 +514,9 @@ class Daemon:
                                                pull, get)
         except (OSError, EOFError):
             return  # the daemon stops
+        except BaseException:
+            traceback.print_exc()
+            os._exit(3)  # as entry: the benchmark sees the daemon gone, with this log
 
     # ---- set-up, on stdin
 
@@ -603,10 +593,12 @@ class Daemon:
 
         tensors = [open_cuda_tensor(msgspec.json.decode(s, type=CudaIpcTensor), torch.uint8)
                    for s in specs]
-        if self.stream is None:
-            device = tensors[0].device
-            gpu_copy.warm_up(device)  # Triton's compile, and direct launches
-            self.stream = torch.cuda.Stream(device)
+        if not self.gpu_ready:
+            if not gpu_copy.available():
+                raise RuntimeError("kvd's gather/scatter kernel is not usable here (no triton)")
+            torch.cuda.set_device(tensors[0].device)  # (its current stream: the copies')
+            gpu_copy.warm_up(tensors[0].device)  # Triton's compile, and direct launches
+            self.gpu_ready = True
         return tensors
 
     def cmd_unmap(self, region: int) -> dict[str, Any]:
