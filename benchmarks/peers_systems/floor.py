@@ -882,7 +882,7 @@ def hop_times(marks: dict[str, list[tuple[float, str]]], flow: str, skip: int
     return out
 
 
-def round_trips(f: Floor, root: str, iterations: int, rounds: int = 5
+def round_trips(f: Floor, root: str, iterations: int, rounds: int = 20
                 ) -> dict[str, float]:
     """Median µs of round trips, alternated in ``rounds`` slices: raw pyzmq's, as
     benchmarks/control_plane.py measures them (its ROUTER echo server in a process of its
