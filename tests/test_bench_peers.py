@@ -169,3 +169,20 @@ def test_the_gpu_part_says_it_needs_a_gpu_and_leaves_its_ratios_null() -> None:
     for name in ("gpu_lat_1m_vs_floor", "gpu_lat_1m_vs_nixl", "gpu_contig_vs_raw",
                  "gpu_contig_vs_nixl", "gpu_paged_vs_raw", "gpu_paged_vs_nixl"):
         assert name in res and res[name] is None, name
+
+
+def test_the_floors_stream_goes_in_whole_chunks_none_empty() -> None:
+    """The floor's data connection moves a transfer in calls of CHUNK_BYTES: every run of
+    views but the last holds exactly that, and none holds an empty view (which its
+    receiver would read as the connection's end)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "peers_systems"))
+    from floor import CHUNK_BYTES, chunks
+
+    n = CHUNK_BYTES
+    for sizes in ([n, n], [n // 2, n // 2, n], [3 * n + 7], [1, n - 1, 5], [0, n, 0], [n - 1]):
+        data = [bytes([i]) * size for i, size in enumerate(sizes)]
+        runs = list(chunks([memoryview(d) for d in data]))
+        assert all(run and all(len(v) for v in run) for run in runs), sizes
+        lengths = [sum(len(v) for v in run) for run in runs]
+        assert lengths[:-1] == [n] * (len(runs) - 1) and 0 < lengths[-1] <= n, sizes
+        assert b"".join(bytes(v) for run in runs for v in run) == b"".join(data), sizes
