@@ -398,15 +398,14 @@ class TensorPair:
     def fill(self, case: Case, seed: int) -> None:
         import torch
 
-        pattern = np.empty(case.side_bytes, np.uint8)
-        fill(pattern, seed)
         per = case.side_bytes // case.tensors
         for i, t in enumerate(self.src):
-            part = pattern[i * per:(i + 1) * per]
             if t.is_cuda:
+                part = np.empty(per, np.uint8)
+                fill(part, seed, offset=i * per)
                 t.view(-1).copy_(torch.from_numpy(part))
             else:
-                t.numpy().reshape(-1)[:] = part
+                fill(t.numpy().reshape(-1), seed, offset=i * per)
         sync(self.src)
 
     def clear(self) -> None:
@@ -418,9 +417,8 @@ class TensorPair:
         sync(self.dst)
 
     def check(self, case: Case, seed: int) -> str:
-        whole = np.concatenate([(t.cpu() if t.is_cuda else t).numpy().reshape(-1)
-                                for t in self.dst])
-        return check(case, whole, seed)
+        return check(case, [(t.cpu() if t.is_cuda else t).numpy().reshape(-1)
+                            for t in self.dst], seed)
 
 
 class KvdRegions(TensorPair):

@@ -186,3 +186,26 @@ def test_the_floors_stream_goes_in_whole_chunks_none_empty() -> None:
         lengths = [sum(len(v) for v in run) for run in runs]
         assert lengths[:-1] == [n] * (len(runs) - 1) and 0 < lengths[-1] <= n, sizes
         assert b"".join(bytes(v) for run in runs for v in run) == b"".join(data), sizes
+
+
+def test_the_byte_check_finds_a_flipped_byte_in_any_tensor() -> None:
+    """The benchmark's check (sliced, per tensor) passes the bytes a transfer should leave
+    and names a piece that differs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "peers_systems"))
+    import numpy as np
+    from cases import Case, check, fill
+
+    case = Case.paged("p", tensors=3, blocks=16, block=4096, pick=5)
+    src = np.empty(case.side_bytes, np.uint8)
+    fill(src, 9)
+    dst = np.zeros(case.side_bytes, np.uint8)
+    s_off, d_off, length = case.pieces()
+    for s, d in zip(s_off, d_off, strict=True):
+        dst[d:d + length] = src[s:s + length]
+    per = case.side_bytes // case.tensors
+    tensors = [dst[i * per:(i + 1) * per] for i in range(case.tensors)]
+    assert check(case, tensors, 9) == "" and check(case, dst, 9) == ""
+    assert "15 of 15 pieces differ" in check(case, tensors, 10)
+    dst[int(d_off[-1]) + length - 1] ^= 1
+    assert check(case, tensors, 9) == (f"p: 1 of 15 pieces differ from the source (first at "
+                                       f"destination offset {int(d_off[-1])})")
