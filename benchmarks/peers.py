@@ -109,9 +109,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "peers_systems"))
 import tcp_transfer  # noqa: E402  (benchmarks/, this script's own directory)
 from cases import Case, GiB, KiB, MiB, check, fill  # noqa: E402
-from floor import Floor, pack_ids  # noqa: E402
-
-from kvd.protocol import Get, Lend, Pull, Put  # noqa: E402  (the floor's requests)
+from floor import Floor  # noqa: E402
 
 now = time.perf_counter
 SYSTEMS = ("raw", "floor", "floor-pull", "kvd-put", "kvd-pull", "nixl", "mooncake")
@@ -629,51 +627,30 @@ class FloorSystem(InProcessPair):
         self.keys += 1
         return f"{self.name}-{self.keys}"
 
-    def gets(self, keys: list[str], dst_ids: list[list[int]]) -> None:
-        rx = self.f.rx
-        for k, d in zip(keys, dst_ids, strict=True):
-            rx.send(Get(req_id=rx.next_id(), key=k, region_id=self.regions[1],
-                        blocks=pack_ids(d), timeout_s=60.0))
-
-    def puts(self, keys: list[str], src_ids: list[list[int]]) -> None:
-        tx, to = self.f.tx, self.f.address("b")
-        for k, s in zip(keys, src_ids, strict=True):
-            tx.send(Put(req_id=tx.next_id(), key=k, region_id=self.regions[0],
-                        blocks=pack_ids(s), to=to, timeout_s=60.0))
-
-    def lends_and_pulls(self, keys: list[str], src_ids: list[list[int]],
-                        dst_ids: list[list[int]]) -> None:
-        tx, rx, src = self.f.tx, self.f.rx, self.f.address("a")
-        for k, s in zip(keys, src_ids, strict=True):
-            tx.send(Lend(req_id=tx.next_id(), key=k, region_id=self.regions[0],
-                         blocks=pack_ids(s), ttl_s=60.0))
-        for k, d in zip(keys, dst_ids, strict=True):
-            rx.send(Pull(req_id=rx.next_id(), key=k, src=src, region_id=self.regions[1],
-                         blocks=pack_ids(d), timeout_s=60.0, wait_for_key_s=10.0))
-
     def transfers(self, src_ids: list[list[int]], dst_ids: list[list[int]]) -> tuple[
             float, list[int]]:
         """Seconds of ``len(src_ids)`` transfers in flight at once, and the bytes each
         side was told moved; the client's CPU counted as in ``KvdSystem``."""
         keys = [self.key() for _ in src_ids]
-        n, tx, rx = len(keys), self.f.tx, self.f.rx
+        f, (src, dst), n = self.f, self.regions, len(keys)
         if self.name == "floor":
             c0 = client_cpu_s()
-            self.gets(keys, dst_ids)
+            f.gets(keys, dst, dst_ids)
             self.client_cpu_s += client_cpu_s() - c0
-            rx.fence()  # b holds every get (the harness's, not the transfers')
+            f.rx.fence()  # b holds every get (the harness's, not the transfers')
             c0 = client_cpu_s()
             t0 = now()
-            self.puts(keys, src_ids)
-            moved = tx.done(n) + rx.done(n)
+            f.puts(keys, src, src_ids)
+            moved = f.tx.done(n) + f.rx.done(n)
             t1 = now()
         else:
             c0 = client_cpu_s()
             t0 = now()
-            self.lends_and_pulls(keys, src_ids, dst_ids)
-            moved = rx.done(n)
+            f.lends(keys, src, src_ids)
+            f.pulls(keys, dst, dst_ids)
+            moved = f.rx.done(n)
             t1 = now()
-            moved += tx.done(n)
+            moved += f.tx.done(n)
         self.client_cpu_s += client_cpu_s() - c0
         return t1 - t0, moved
 

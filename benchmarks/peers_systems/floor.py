@@ -70,6 +70,7 @@ import mmap
 import os
 import queue
 import random
+import select
 import socket
 import statistics
 import struct
@@ -771,8 +772,6 @@ class Floor:
         return list(self.daemons.values())
 
     def read(self, name: str, timeout_s: float) -> dict[str, Any]:
-        import select
-
         proc = self.daemons[name]
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
@@ -829,6 +828,32 @@ class Floor:
             return ""
         return str(self.hello[name]["peer"]).removeprefix("tcp://")
 
+    # ---- requests, as kvd's client sends them (block ids packed per call)
+
+    def gets(self, keys: list[str], region: int, ids: list[list[int]]) -> None:
+        rx = self.rx
+        for key, blocks in zip(keys, ids, strict=True):
+            rx.send(Get(req_id=rx.next_id(), key=key, region_id=region,
+                        blocks=pack_ids(blocks), timeout_s=60.0))
+
+    def puts(self, keys: list[str], region: int, ids: list[list[int]]) -> None:
+        tx, to = self.tx, self.address("b")
+        for key, blocks in zip(keys, ids, strict=True):
+            tx.send(Put(req_id=tx.next_id(), key=key, region_id=region,
+                        blocks=pack_ids(blocks), to=to, timeout_s=60.0))
+
+    def lends(self, keys: list[str], region: int, ids: list[list[int]]) -> None:
+        tx = self.tx
+        for key, blocks in zip(keys, ids, strict=True):
+            tx.send(Lend(req_id=tx.next_id(), key=key, region_id=region,
+                         blocks=pack_ids(blocks), ttl_s=60.0))
+
+    def pulls(self, keys: list[str], region: int, ids: list[list[int]]) -> None:
+        rx, src = self.rx, self.address("a")
+        for key, blocks in zip(keys, ids, strict=True):
+            rx.send(Pull(req_id=rx.next_id(), key=key, src=src, region_id=region,
+                         blocks=pack_ids(blocks), timeout_s=60.0, wait_for_key_s=10.0))
+
     def close(self) -> None:
         if self.ctx is not None:
             self.tx.close()
@@ -850,13 +875,10 @@ class Floor:
 
 def put_once(f: Floor, key: str, src: int, dst: int, ids: list[int]) -> float:
     """A put into a get waiting on b, timed as benchmarks/peers.py times kvd's."""
-    blocks = pack_ids(ids)
-    f.rx.send(Get(req_id=f.rx.next_id(), key=key, region_id=dst, blocks=blocks,
-                  timeout_s=60.0))
+    f.gets([key], dst, [ids])
     f.rx.fence()
     t0 = time.perf_counter()
-    f.tx.send(Put(req_id=f.tx.next_id(), key=key, region_id=src, blocks=blocks,
-                  to=f.address("b"), timeout_s=60.0))
+    f.puts([key], src, [ids])
     f.rx.done()
     f.tx.done()
     return time.perf_counter() - t0
@@ -864,11 +886,9 @@ def put_once(f: Floor, key: str, src: int, dst: int, ids: list[int]) -> float:
 
 def pull_once(f: Floor, key: str, src: int, dst: int, ids: list[int]) -> float:
     """A lend on a, then a pull from b, timed to the pull's return (the lend's after)."""
-    blocks = pack_ids(ids)
     t0 = time.perf_counter()
-    f.tx.send(Lend(req_id=f.tx.next_id(), key=key, region_id=src, blocks=blocks, ttl_s=60.0))
-    f.rx.send(Pull(req_id=f.rx.next_id(), key=key, src=f.address("a"), region_id=dst,
-                   blocks=blocks, timeout_s=60.0, wait_for_key_s=10.0))
+    f.lends([key], src, [ids])
+    f.pulls([key], dst, [ids])
     f.rx.done()
     took = time.perf_counter() - t0
     f.tx.done()
