@@ -50,14 +50,16 @@ tx and rx are the sending and receiving clients, a and b their daemons:
 Where kvd makes per transfer what the floor makes once, the floor's choice is the design's
 cheapest: on the GPU the kernel's block maps are cached per block list (the benchmark's
 repeat), and the client's writes are ordered by the benchmark's own synchronize, not by an
-interprocess event. The data connection's header is 16 bytes per transfer, with no chunks.
+interprocess event. The data connection carries a 16-byte header per transfer, then the
+bytes in calls of 4 MiB (kvd's ``tcp_chunk_bytes``), with no header per chunk.
 
 Run by benchmarks/peers.py (``Floor``) as ``python floor.py serve NAME DIR``: the daemon
 reads one JSON command a line on stdin and answers one JSON line on stdout (first
 ``{"local": ..., "peer": ..., "data": ...}``, its endpoints): ``dial {peer, data}`` (a:
 connect to b), ``map {region, tensors | cuda}``, ``unmap {region}``; stdin's end stops it.
-``python floor.py hops`` times each hop of a 4 KiB put and pull beside raw pyzmq round trips
-(benchmarks/control_plane.py's echo server) over ipc and tcp, in one run.
+``python floor.py hops [--json]`` times each hop of a 4 KiB put and pull (from its send to
+its receipt), and round trips through the floor's own sockets and loops beside raw pyzmq's
+(benchmarks/control_plane.py's echo server) over ipc and tcp, alternated, in one run.
 """
 
 from __future__ import annotations
