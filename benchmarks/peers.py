@@ -2,7 +2,7 @@
 
 Run (in the virtualenv that benchmarks/install_peers.sh builds, which holds the peers):
 ``.venv-peers/bin/python benchmarks/peers.py [--json] [--quick] [--full]
-[--systems raw,kvd-put,kvd-pull,nixl,mooncake] [--rounds N] [--repeat N]``
+[--systems raw,floor,kvd-put,kvd-pull,nixl,mooncake] [--rounds N] [--repeat N]``
 
 CPU (``--device cpu``, the default): every system moves real bytes between two processes on
 loopback, DRAM to DRAM, and the receiving side checks them:
@@ -10,6 +10,12 @@ loopback, DRAM to DRAM, and the receiving side checks them:
 * **raw**: plain TCP, one connection kept, ``sendmsg``/``recvmsg_into`` straight from the
   source pieces into the destination pieces (scatter-gather, no copy in Python), a 1-byte
   ack after the last byte; timed on the sender from the header to the ack.
+* **floor** and **floor-pull** (``--systems floor`` brings both): kvd's design with nothing
+  of kvd in it (benchmarks/peers_systems/floor.py, whose docstring lists the messages hop
+  by hop): two daemon processes on uvloop, its clients here as kvd's are, kvd's messages
+  in kvd's order over the same ZeroMQ sockets, the bytes in the offer (up to 64 KiB) or
+  on one TCP connection; timed as kvd-put and kvd-pull are. What kvd costs above it is
+  kvd's to remove.
 * **kvd-put**: two ``kvd serve`` daemons (a, b), this process a client of both. The get is
   posted on b first; the time runs from ``put(..., to=b)`` to both the put and the get
   having returned.
@@ -29,6 +35,8 @@ nixl-cu13 wheel that benchmarks/gpu_peer_wheels.sh puts in .whl/):
 
 * **raw**: in this process, ``dst.copy_(src)`` (contiguous) or one launch of kvd's
   gather/scatter kernel (paged), from the launch to ``torch.cuda.synchronize()``;
+* **floor**: one floor daemon, both clients here on it, regions by CUDA IPC: a put into a
+  get waiting there, the copy one launch (as raw's) and an event polled on its loop;
 * **kvd-put**: one ``kvd serve`` on the GPU, both regions registered by CUDA IPC from
   this process (two clients); a put into a get already waiting on the same daemon (its
   local path: one kernel, GPU to GPU), timed until both have returned;
@@ -51,13 +59,25 @@ small machine slows whatever runs beside it. A system that cannot start (not ins
 install_peers.sh) or fails is skipped with its reason; its ratios are null.
 
 Figures: latency in µs (best, p50 = median, p90) and throughput in GB/s (1e9 B/s; best,
-median, p90: the throughput of the p90 time); for ``many`` also the CPU time of the
-system's processes and this one (the clients of kvd run here) per transfer, from
-/proc. ``--json`` prints one JSON object last, with
-every figure and the ratios ``lat_4k_vs_nixl`` and ``lat_1m_vs_nixl`` (kvd-put p50 over
-NIXL's), ``bulk_64m_vs_best_peer`` (kvd-put median GB/s over the best of NIXL's and
-Mooncake's), ``many_vs_nixl`` (transfers/s), each also for kvd-pull (``..._pull``);
-on the GPU ``gpu_lat_1m_vs_nixl`` (p50), ``gpu_contig_vs_nixl`` (512 MiB, median GB/s),
+median, p90: the throughput of the p90 time); for ``many`` also the CPU time per transfer,
+from /proc: of the system's processes (``..._daemon_cpu_us_per_transfer`` where its
+clients run here: kvd's and the floor's), of those clients (``..._client_cpu_us_...``:
+this process's main thread, which makes the client calls, and ZeroMQ's I/O threads,
+counted over the client calls only, not the harness's waits; torch's OpenMP threads,
+which torch's CPU kernels leave spinning after each parallel region, are not counted, and
+host memory is filled and checked with numpy), and both (``..._cpu_us_per_transfer``).
+Each kvd system's ratio to its floor, to raw, NIXL and Mooncake, per case, is printed
+(``ratios_by_case`` in the JSON): for latency its time over theirs (lower is better), for
+GB/s and transfers/s its rate over theirs (higher is better). ``--json`` prints one JSON
+object last, with every figure and the ratios ``lat_4k_vs_floor``, ``lat_1m_vs_floor``
+(kvd-put p50 over the floor's), ``bulk_64m_vs_floor``, ``bulk_1g_vs_floor``,
+``paged_vs_floor`` (median GB/s), ``many_vs_floor`` (transfers/s), ``bulk_64m_vs_raw``,
+``daemon_cpu_us_many`` and ``client_cpu_us_many`` (kvd-put's), ``lat_4k_vs_nixl`` and
+``lat_1m_vs_nixl`` (kvd-put p50 over NIXL's), ``bulk_64m_vs_best_peer`` (kvd-put median
+GB/s over the best of NIXL's and Mooncake's), ``many_vs_nixl`` (transfers/s), each also
+for kvd-pull (``..._pull``, against floor-pull); on the GPU ``gpu_lat_1m_vs_floor``,
+``gpu_lat_1m_vs_nixl`` (p50), ``gpu_contig_vs_floor``, ``gpu_contig_vs_raw``,
+``gpu_contig_vs_nixl`` (512 MiB, median GB/s), ``gpu_paged_vs_floor``,
 ``gpu_paged_vs_raw`` and ``gpu_paged_vs_nixl`` (paged, median GB/s).
 
 Every process the run starts is in its own process group, killed (SIGCONT, SIGTERM, then
@@ -89,9 +109,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "peers_systems"))
 import tcp_transfer  # noqa: E402  (benchmarks/, this script's own directory)
 from cases import Case, GiB, KiB, MiB, check, fill  # noqa: E402
+from floor import Floor  # noqa: E402
 
 now = time.perf_counter
-SYSTEMS = ("raw", "kvd-put", "kvd-pull", "nixl", "mooncake")
+SYSTEMS = ("raw", "floor", "floor-pull", "kvd-put", "kvd-pull", "nixl", "mooncake")
+# kvd's flows and their floors: each kvd system's figures are divided by its floor's
+FLOORS = {"kvd-put": "floor", "kvd-pull": "floor-pull"}
 LATENCY_LABELS = ("4KiB", "1MiB")  # reported in µs; the rest in GB/s
 MANY = Case.paged("many", tensors=1, blocks=64, block=64 * KiB, pick=64, seed=11)
 PAGED = Case.paged("paged", tensors=64, blocks=512, block=32 * KiB, pick=256)
@@ -166,6 +189,9 @@ class System:
     """One system under test: started once, set up per case, paused between turns."""
 
     name = ""
+    # CPU seconds its clients spent in this process during ``many`` so far (for the
+    # systems whose clients run here: kvd's and the floor's), read and reset by Run
+    client_cpu_s = 0.0
 
     def start(self) -> None: ...
     def procs(self) -> list[subprocess.Popen[bytes]]: return []
@@ -363,24 +389,34 @@ class TensorPair:
             s, t = case.block_ids()
             self.src_ids, self.dst_ids = s.tolist(), t.tolist()
 
+    # Host memory is filled, cleared and checked with numpy, not torch: torch's CPU
+    # kernels run on its OpenMP threads, which spin on a core after each parallel region,
+    # in this process, where kvd's clients run and their CPU is measured.
+
     def fill(self, case: Case, seed: int) -> None:
         import torch
 
-        pattern = np.empty(case.side_bytes, np.uint8)
-        fill(pattern, seed)
         per = case.side_bytes // case.tensors
         for i, t in enumerate(self.src):
-            t.view(-1).copy_(torch.from_numpy(pattern[i * per:(i + 1) * per]))
+            if t.is_cuda:
+                part = np.empty(per, np.uint8)
+                fill(part, seed, offset=i * per)
+                t.view(-1).copy_(torch.from_numpy(part))
+            else:
+                fill(t.numpy().reshape(-1), seed, offset=i * per)
         sync(self.src)
 
     def clear(self) -> None:
         for t in self.dst:
-            t.zero_()
+            if t.is_cuda:
+                t.zero_()
+            else:
+                t.numpy().fill(0)
         sync(self.dst)
 
     def check(self, case: Case, seed: int) -> str:
-        whole = np.concatenate([t.cpu().numpy().reshape(-1) for t in self.dst])
-        return check(case, whole, seed)
+        return check(case, [(t.cpu() if t.is_cuda else t).numpy().reshape(-1)
+                            for t in self.dst], seed)
 
 
 class KvdRegions(TensorPair):
@@ -493,15 +529,19 @@ class KvdSystem(InProcessPair):
         for _ in range(repeat):
             keys = [self.key() for _ in pairs]
             if self.name == "kvd-put":
+                c0 = client_cpu_s()
                 gets = [self.d.rx.start_get(k, r.r_dst, [d], timeout_s=60)
                         for k, (_, d) in zip(keys, pairs, strict=True)]
-                self.wait_gets(len(keys))
+                self.client_cpu_s += client_cpu_s() - c0
+                self.wait_gets(len(keys))  # (the harness's, not the transfers')
+                c0 = client_cpu_s()
                 t0 = now()
                 puts = [self.d.tx.put(k, r.r_src, [s], to=self.d.b_addr, timeout_s=60)
                         for k, (s, _) in zip(keys, pairs, strict=True)]
                 moved = [t.wait(60) for t in puts] + [g.wait(60) for g in gets]
                 t1 = now()
             else:
+                c0 = client_cpu_s()
                 t0 = now()
                 lends = [self.d.tx.lend(k, r.r_src, [s], ttl_s=60)
                          for k, (s, _) in zip(keys, pairs, strict=True)]
@@ -511,6 +551,7 @@ class KvdSystem(InProcessPair):
                 moved = [p.wait(60) for p in pulls]
                 t1 = now()
                 moved += [lend.wait(60) for lend in lends]
+            self.client_cpu_s += client_cpu_s() - c0
             if any(n != MANY.block for n in moved):
                 raise RuntimeError(f"{self.name} many: moved {sorted(set(moved))} bytes")
             times.append(t1 - t0)
@@ -524,8 +565,126 @@ class KvdSystem(InProcessPair):
             self.d.rx.unregister(r.r_dst)
 
 
+class FloorDaemons:
+    """The floor's daemons and this process's clients of them (``floor.Floor``), shared by
+    its two flows: started once, by whichever asks first."""
+
+    def __init__(self, root: str, device: str = "cpu") -> None:
+        self.floor = Floor(root, CHILDREN.spawn, device, timeout_s=REPLY_TIMEOUT_S)
+        self.started = False
+        self.failed = ""
+
+    def start(self) -> None:
+        if self.started:
+            if self.failed:
+                raise Skip(self.failed)
+            return
+        self.started = True
+        try:
+            self.floor.start()
+        except BaseException as exc:
+            self.failed = f"the floor's daemons did not start: {exc!r}"
+            raise
+
+    def close(self) -> None:
+        CHILDREN.signal(self.floor.procs(), signal.SIGCONT)  # (paused: stdin's end unread)
+        with contextlib.suppress(Exception):
+            self.floor.close()
+        CHILDREN.stop(self.floor.procs())
+
+
+class FloorSystem(InProcessPair):
+    """The floor (benchmarks/peers_systems/floor.py: kvd's design with nothing of kvd in
+    it), its clients here as kvd's are: ``floor`` a put into a get waiting on b,
+    ``floor-pull`` a lend on a then a pull from b, each timed as ``KvdSystem`` times kvd's
+    (on the GPU, ``floor``: one daemon, the put into a get waiting there)."""
+
+    def __init__(self, name: str, daemons: FloorDaemons) -> None:
+        self.name, self.d, self.f = name, daemons, daemons.floor
+        self.pair: TensorPair | None = None
+        self.regions = (0, 0)
+        self.keys = 0
+
+    def start(self) -> None:
+        self.d.start()
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return self.f.procs()
+
+    def stop(self) -> None:
+        pass  # the daemons are shared; run() closes them
+
+    def setup(self, case: Case) -> None:
+        self.pair = TensorPair(case, self.f.device)
+        self.regions = (self.f.map("a", self.pair.src),
+                        self.f.map(self.f.receiver, self.pair.dst))
+
+    def tensors(self) -> TensorPair:
+        assert self.pair is not None
+        return self.pair
+
+    def key(self) -> str:
+        self.keys += 1
+        return f"{self.name}-{self.keys}"
+
+    def transfers(self, src_ids: list[list[int]], dst_ids: list[list[int]]) -> tuple[
+            float, list[int]]:
+        """Seconds of ``len(src_ids)`` transfers in flight at once, and the bytes each
+        side was told moved; the client's CPU counted as in ``KvdSystem``."""
+        keys = [self.key() for _ in src_ids]
+        f, (src, dst), n = self.f, self.regions, len(keys)
+        if self.name == "floor":
+            c0 = client_cpu_s()
+            f.gets(keys, dst, dst_ids)
+            self.client_cpu_s += client_cpu_s() - c0
+            f.rx.fence()  # b holds every get (the harness's, not the transfers')
+            c0 = client_cpu_s()
+            t0 = now()
+            f.puts(keys, src, src_ids)
+            moved = f.tx.done(n) + f.rx.done(n)
+            t1 = now()
+        else:
+            c0 = client_cpu_s()
+            t0 = now()
+            f.lends(keys, src, src_ids)
+            f.pulls(keys, dst, dst_ids)
+            moved = f.rx.done(n)
+            t1 = now()
+            moved += f.tx.done(n)
+        self.client_cpu_s += client_cpu_s() - c0
+        return t1 - t0, moved
+
+    def time(self, case: Case, repeat: int) -> list[float]:
+        p = self.pair
+        assert p is not None
+        times = []
+        for _ in range(repeat):
+            took, moved = self.transfers([p.src_ids], [p.dst_ids])
+            if moved != [case.nbytes, case.nbytes]:
+                raise RuntimeError(f"{self.name}: moved {moved} bytes; expected {case.nbytes}")
+            times.append(took)
+        return times
+
+    def many(self, repeat: int) -> list[float]:
+        p = self.pair
+        assert p is not None
+        times = []
+        for _ in range(repeat):
+            took, moved = self.transfers([[s] for s in p.src_ids], [[d] for d in p.dst_ids])
+            if any(n != MANY.block for n in moved):
+                raise RuntimeError(f"{self.name} many: moved {sorted(set(moved))} bytes")
+            times.append(took)
+        return times
+
+    def free(self, case: Case) -> None:
+        if self.pair is not None:
+            self.pair = None
+            self.f.unmap("a", self.regions[0])
+            self.f.unmap(self.f.receiver, self.regions[1])
+
+
 class GpuRawSystem(InProcessPair):
-    """The floor on one GPU, in this process: ``dst.copy_(src)`` for a contiguous case, one
+    """The copy alone on one GPU, in this process: ``dst.copy_(src)`` for a contiguous case, one
     launch of kvd's gather/scatter kernel (``kvd.transport.gpu_copy``, block maps made
     once per case) for the paged case; each transfer timed from the launch to
     ``torch.cuda.synchronize()``."""
@@ -600,12 +759,15 @@ def installed(name: str) -> str:
     return f"not installed here (run benchmarks/install_peers.sh; no {PEERS_STATUS})"
 
 
-def make_systems(names: list[str], root: str) -> tuple[list[System], KvdDaemons]:
-    daemons = KvdDaemons(root)
+def make_systems(names: list[str], root: str) -> tuple[list[System], KvdDaemons,
+                                                       FloorDaemons]:
+    daemons, floor = KvdDaemons(root), FloorDaemons(root)
     out: list[System] = []
     for name in names:
         if name == "raw":
             out.append(WorkerSystem("raw", {}, root))
+        elif name in ("floor", "floor-pull"):
+            out.append(FloorSystem(name, floor))
         elif name in ("kvd-put", "kvd-pull"):
             out.append(KvdSystem(name, daemons))
         elif name == "nixl":
@@ -613,7 +775,7 @@ def make_systems(names: list[str], root: str) -> tuple[list[System], KvdDaemons]
         elif name == "mooncake":
             # (glog: warnings and up; it logs every batch at INFO)
             out.append(WorkerSystem("mooncake", {"GLOG_minloglevel": "1"}, root))
-    return out, daemons
+    return out, daemons, floor
 
 
 class Run:
@@ -624,8 +786,10 @@ class Run:
         self.skipped: dict[str, str] = {}
         self.times: dict[str, dict[str, list[float]]] = {s.name: {} for s in systems}
         self.checks: dict[str, dict[str, bool]] = {s.name: {} for s in systems}
-        # per system: CPU seconds its processes and this one spent in the ``many`` rounds
+        # per system: CPU seconds its processes spent in the ``many`` rounds, and its
+        # clients in this process (``System.client_cpu_s``: kvd's and the floor's)
         self.many_cpu_s: dict[str, float] = {}
+        self.many_client_cpu_s: dict[str, float] = {}
 
     def live(self) -> list[System]:
         return [s for s in self.systems if s.name not in self.skipped]
@@ -670,10 +834,14 @@ class Run:
                 s.resume()
                 try:
                     cpu0 = cpu_seconds(s.procs())
+                    s.client_cpu_s = 0.0
                     got = s.many(self.repeat) if case is MANY else s.time(case, repeat)
                     if case is MANY:
                         self.many_cpu_s[s.name] = (self.many_cpu_s.get(s.name, 0.0)
                                                    + cpu_seconds(s.procs()) - cpu0)
+                        if s.client_cpu_s:
+                            self.many_client_cpu_s[s.name] = (
+                                self.many_client_cpu_s.get(s.name, 0.0) + s.client_cpu_s)
                     self.times[s.name].setdefault(case.label, []).extend(got)
                 except Exception as exc:
                     self.drop(s, f"{case.label}: {exc}")
@@ -712,16 +880,35 @@ def importable(name: str) -> bool:
 
 
 def cpu_seconds(procs: list[subprocess.Popen[bytes]]) -> float:
-    """CPU time (user + system, all threads) of ``procs`` and of this process so far. A
-    system's clients or coordinators run here, so this process counts for every system
-    (for a worker system it only waits on a pipe)."""
+    """CPU time (user + system, all threads) of ``procs`` so far. (The clients that run
+    in this process count apart: ``client_cpu_s``.)"""
     tick = os.sysconf("SC_CLK_TCK")
-    total = time.process_time()
+    total = 0.0
     for p in procs:
         with contextlib.suppress(OSError), open(f"/proc/{p.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
+
+
+def client_cpu_s() -> float:
+    """CPU seconds so far of this process's client threads: the main thread, which makes
+    every client call, and ZeroMQ's I/O threads (``ZMQbg/...``), which carry them. Not
+    torch's OpenMP threads, which the harness's own tensor work (or an import) may leave
+    spinning: they are not the clients'. Per thread from ``schedstat`` (nanoseconds)."""
+    total = 0
+    pid = os.getpid()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if int(tid) != pid:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if not f.read().startswith("ZMQbg"):
+                        continue
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # (a thread that just ended)
+            continue
+    return total / 1e9
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -741,9 +928,17 @@ def figures(run: Run, cases: list[Case]) -> dict[str, Any]:
                 out.update({f"{p}_best_per_s": round(max(rate)),
                             f"{p}_median_per_s": round(statistics.median(rate)),
                             f"{p}_p90_per_s": round(percentile(rate, 10))})
+                transfers = len(times) * MANY.pick
                 if name in run.many_cpu_s:
+                    procs = run.many_cpu_s[name]
+                    client = run.many_client_cpu_s.get(name)
                     out[f"{p}_cpu_us_per_transfer"] = round(
-                        run.many_cpu_s[name] / (len(times) * MANY.pick) * 1e6, 1)
+                        (procs + (client or 0.0)) / transfers * 1e6, 1)
+                    if client is not None:  # its processes are daemons; its clients, here
+                        out[f"{p}_daemon_cpu_us_per_transfer"] = round(
+                            procs / transfers * 1e6, 1)
+                        out[f"{p}_client_cpu_us_per_transfer"] = round(
+                            client / transfers * 1e6, 1)
                 continue
             best, p50, p90 = min(times), statistics.median(times), percentile(times, 90)
             out.update({f"{p}_best_us": round(best * 1e6, 1), f"{p}_p50_us": round(p50 * 1e6, 1),
@@ -759,9 +954,40 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
+def figure_of(label: str) -> str:
+    """The figure a case's ratios compare: a time for latency (kvd's over theirs: lower
+    is better), a rate for the others (kvd's over theirs: higher is better)."""
+    if label in LATENCY_LABELS:
+        return "p50_us"
+    return "median_per_s" if label == "many" else "median_gbps"
+
+
+def vs(f: dict[str, Any], a: str, b: str, label: str) -> float | None:
+    """System ``a``'s figure of case ``label`` over ``b``'s (None if either is missing)."""
+    key = figure_of(label)
+    return ratio(f.get(f"{a}_{label}_{key}"), f.get(f"{b}_{label}_{key}"))
+
+
+def by_case(f: dict[str, Any], cases: list[Case], names: list[str]) -> dict[str, Any]:
+    """Per kvd system and case, its ratio to its floor, to raw, to NIXL and to Mooncake."""
+    out: dict[str, Any] = {}
+    for kvd in (n for n in names if n in FLOORS):
+        out[kvd] = {c.label: {"floor": vs(f, kvd, FLOORS[kvd], c.label),
+                              **{p: vs(f, kvd, p, c.label) for p in ("raw", "nixl", "mooncake")}}
+                    for c in cases}
+    return out
+
+
 def ratios(f: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kvd, suffix in (("kvd-put", ""), ("kvd-pull", "_pull")):
+        floor = FLOORS[kvd]
+        for key, label in (("lat_4k", "4KiB"), ("lat_1m", "1MiB"), ("bulk_64m", "64MiB"),
+                           ("bulk_1g", "1GiB"), ("paged", "paged"), ("many", "many")):
+            out[f"{key}_vs_floor{suffix}"] = vs(f, kvd, floor, label)
+        out[f"bulk_64m_vs_raw{suffix}"] = vs(f, kvd, "raw", "64MiB")
+        out[f"daemon_cpu_us_many{suffix}"] = f.get(f"{kvd}_many_daemon_cpu_us_per_transfer")
+        out[f"client_cpu_us_many{suffix}"] = f.get(f"{kvd}_many_client_cpu_us_per_transfer")
         out[f"lat_4k_vs_nixl{suffix}"] = ratio(f.get(f"{kvd}_4KiB_p50_us"),
                                                f.get("nixl_4KiB_p50_us"))
         out[f"lat_1m_vs_nixl{suffix}"] = ratio(f.get(f"{kvd}_1MiB_p50_us"),
@@ -826,13 +1052,26 @@ def table(run: Run, cases: list[Case], f: dict[str, Any]) -> None:
         print(f"{case.label:<8}" + "".join(f"{c:>22}" for c in cells) + f"   {unit}")
 
 
+def ratio_table(per: dict[str, Any]) -> None:
+    """kvd's ratios per case: its time over theirs for latency (lower is better), its
+    rate over theirs for bandwidth and many (higher is better)."""
+    for kvd, rows in per.items():
+        print(f"\n{kvd + ' over':<12}" + "".join(f"{p:>10}" for p in ("floor", "raw", "nixl",
+                                                                        "mooncake"))
+              + "   (latency: time over theirs; GB/s and many: rate over theirs)")
+        for label, cells in rows.items():
+            print(f"{label:<12}" + "".join("         -" if v is None else f"{v:>10.2f}"
+                                          for v in cells.values()))
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def measure(systems: list[System], daemons: KvdDaemons, cases: list[Case], root: str,
-            args: argparse.Namespace) -> Run:
-    """Every case on every system that starts, alternated; everything stopped after."""
+def measure(systems: list[System], shared: list[KvdDaemons | FloorDaemons],
+            cases: list[Case], root: str, args: argparse.Namespace) -> Run:
+    """Every case on every system that starts, alternated; everything stopped after
+    (``shared``: the daemons systems share, closed last)."""
     run = Run(systems, args.rounds, args.repeat, log)
     try:
         run.start()
@@ -843,7 +1082,8 @@ def measure(systems: list[System], daemons: KvdDaemons, cases: list[Case], root:
         for s in systems:
             with contextlib.suppress(Exception):
                 s.stop()
-        daemons.close()
+        for daemons in shared:
+            daemons.close()
         CHILDREN.stop_all()
         import shutil
 
@@ -859,7 +1099,7 @@ def report(run: Run, cases: list[Case], names: list[str], args: argparse.Namespa
         "cases": [c.label for c in cases], "systems": names, "skipped": run.skipped,
         "checks": run.checks, "note": note or None,
         "checks_passed": all(all(v.values()) for v in run.checks.values()),
-        **f, **found}
+        "ratios_by_case": by_case(f, cases, names), **f, **found}
     print(f"{title}; {args.rounds} rounds x {args.repeat} per system and case, systems "
           "alternated, idle ones paused")
     print(f"machine: {host['node']}, {host['cpu_model']}, {host['cpus']} CPUs, load "
@@ -871,16 +1111,21 @@ def report(run: Run, cases: list[Case], names: list[str], args: argparse.Namespa
     if note:
         print(note)
     print("byte checks: " + ("all passed" if out["checks_passed"] else f"FAILED {run.checks}"))
+    ratio_table(out["ratios_by_case"])
     print("ratios: " + ", ".join(f"{k} {v}" for k, v in found.items()))
     return out
 
 
 def system_names(args: argparse.Namespace, known: tuple[str, ...]) -> list[str]:
+    """The systems asked for; on the CPU ``floor`` brings the floor of both kvd flows
+    (``floor``, ``floor-pull``)."""
     names = [n.strip() for n in (args.systems or ",".join(known)).split(",") if n.strip()]
     unknown = set(names) - set(known)
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)} for --device {args.device}; "
                          f"known: {', '.join(known)}")
+    if "floor" in names and "floor-pull" in known and "floor-pull" not in names:
+        names.insert(names.index("floor") + 1, "floor-pull")
     return names
 
 
@@ -904,37 +1149,36 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
     cases.append(MANY)
 
     root = tempfile.mkdtemp(prefix="kvd-peers-", dir="/tmp")
-    systems, daemons = make_systems(names, root)
-    run = measure(systems, daemons, cases, root, args)
+    systems, daemons, floor = make_systems(names, root)
+    run = measure(systems, [daemons, floor], cases, root, args)
     f = figures(run, cases)
     return report(run, cases, names, args, machine(), f, ratios(f), note,
                   "kvd beside its peers, CPU, two processes on loopback")
 
 
-GPU_SYSTEMS = ("raw", "kvd-put", "nixl")
-GPU_RATIOS = ("gpu_lat_1m_vs_nixl", "gpu_contig_vs_nixl", "gpu_paged_vs_raw",
-              "gpu_paged_vs_nixl")
+GPU_SYSTEMS = ("raw", "floor", "kvd-put", "nixl")
+GPU_RATIOS = ("gpu_lat_1m_vs_floor", "gpu_lat_1m_vs_nixl", "gpu_contig_vs_floor",
+              "gpu_contig_vs_raw", "gpu_contig_vs_nixl", "gpu_paged_vs_floor",
+              "gpu_paged_vs_raw", "gpu_paged_vs_nixl")
 
 
 def gpu_ratios(f: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "gpu_lat_1m_vs_nixl": ratio(f.get("kvd-put_1MiB_p50_us"), f.get("nixl_1MiB_p50_us")),
-        "gpu_contig_vs_nixl": ratio(f.get("kvd-put_512MiB_median_gbps"),
-                                    f.get("nixl_512MiB_median_gbps")),
-        "gpu_paged_vs_raw": ratio(f.get("kvd-put_paged_median_gbps"),
-                                  f.get("raw_paged_median_gbps")),
-        "gpu_paged_vs_nixl": ratio(f.get("kvd-put_paged_median_gbps"),
-                                   f.get("nixl_paged_median_gbps")),
-    }
+    out = {}
+    for key, label in (("gpu_lat_1m", "1MiB"), ("gpu_contig", "512MiB"),
+                       ("gpu_paged", "paged")):
+        for peer in ("floor", "raw", "nixl"):
+            out[f"{key}_vs_{peer}"] = vs(f, "kvd-put", peer, label)
+    return {k: out[k] for k in GPU_RATIOS}
 
 
 def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     """One GPU: kvd's local path (one daemon; a put into a get waiting there, both regions
-    registered by CUDA IPC) against NIXL VRAM -> VRAM between two processes (its UCX
-    backend: cuda_ipc) and the raw floor (``GpuRawSystem``), on contiguous 1 MiB and
+    registered by CUDA IPC) against its floor (``FloorSystem``: the same path, one launch
+    and an event poll in a floor daemon), NIXL VRAM -> VRAM between two processes (its UCX
+    backend: cuda_ipc) and the raw copy (``GpuRawSystem``), on contiguous 1 MiB and
     512 MiB and the paged case (64 tensors x 256 random blocks of 32 KiB). The ratios: kvd
-    1 MiB p50 over NIXL's, kvd contiguous 512 MiB median GB/s over NIXL's, kvd paged median
-    GB/s over the kernel's and over NIXL's."""
+    1 MiB p50 over the floor's and NIXL's, kvd contiguous 512 MiB and paged median GB/s
+    over the floor's, the raw copy's and NIXL's."""
     try:
         import torch
     except ImportError as exc:
@@ -947,16 +1191,18 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     if not args.quick:
         cases += [Case.contig("512MiB", 512 * MiB), PAGED]
     root = tempfile.mkdtemp(prefix="kvd-peers-", dir="/tmp")
-    daemons = KvdDaemons(root, "cuda")
+    daemons, floor = KvdDaemons(root, "cuda"), FloorDaemons(root, "cuda")
     systems: list[System] = []
     for name in names:
         if name == "raw":
             systems.append(GpuRawSystem())
+        elif name == "floor":
+            systems.append(FloorSystem(name, floor))
         elif name == "kvd-put":
             systems.append(KvdSystem(name, daemons))
         else:
             systems.append(WorkerSystem("nixl", {"PEERS_DEVICE": "cuda"}, root))
-    run = measure(systems, daemons, cases, root, args)
+    run = measure(systems, [daemons, floor], cases, root, args)
     f = figures(run, cases)
     host = {**machine(), "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__, "cuda": torch.version.cuda}
@@ -972,8 +1218,9 @@ def main() -> int:
                     help="4KiB, 1MiB and many only, 2 rounds of 3 (a smoke run)")
     ap.add_argument("--full", action="store_true", help="1GiB whatever memory is available")
     ap.add_argument("--systems",
-                    help=f"comma-separated; CPU: {', '.join(SYSTEMS)} (all by default); "
-                         f"cuda: {', '.join(GPU_SYSTEMS)} (all by default)")
+                    help=f"comma-separated; CPU: {', '.join(SYSTEMS)} (all by default; "
+                         f"floor brings floor-pull too); cuda: {', '.join(GPU_SYSTEMS)} "
+                         "(all by default)")
     ap.add_argument("--rounds", type=int, help="rounds per case (default 5; --quick 2)")
     ap.add_argument("--repeat", type=int,
                     help="transfers per system per round (default 20; --quick 3)")

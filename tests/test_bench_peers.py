@@ -92,8 +92,36 @@ def test_quick_run_moves_checked_bytes_and_reports_positive_figures() -> None:
             assert res[f"{system}_{case}_n"] == 6
         assert res[f"{system}_many_median_per_s"] > 0
         assert res[f"{system}_many_cpu_us_per_transfer"] > 0  # its processes' CPU, counted
-    # NIXL was not asked for: its ratios are null, not made up.
+    # kvd's clients run in the benchmark's process: their CPU is counted apart
+    assert res["client_cpu_us_many"] > 0 and res["daemon_cpu_us_many"] > 0
+    # NIXL and the floor were not asked for: their ratios are null, not made up.
     assert res["lat_4k_vs_nixl"] is None and res["many_vs_nixl"] is None
+    assert res["lat_4k_vs_floor"] is None and res["many_vs_floor"] is None
+
+
+@pytest.mark.timeout(60)
+def test_the_floor_moves_checked_bytes_in_both_its_flows() -> None:
+    """The floor (benchmarks/peers_systems/floor.py), briefly: its put into a waiting get
+    and its lend -> pull, with the bytes in the offer (4 KiB, many) and on the data
+    connection (1 MiB), checked at the far end; no process left behind."""
+    tag = uuid.uuid4().hex
+    proc = start(tag, "--json", "--quick", "--rounds", "1", "--repeat", "2",
+                 "--systems", "floor")
+    out, err, left = finish(proc, tag)
+    assert proc.returncode == 0, err[-3000:]
+    assert not left, f"the run left processes behind: {left}"
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["systems"] == ["floor", "floor-pull"]
+    assert res["skipped"] == {}, res["skipped"]
+    assert res["checks"] == {s: {"4KiB": True, "1MiB": True, "many": True}
+                             for s in ("floor", "floor-pull")}
+    for system in ("floor", "floor-pull"):
+        for case in ("4KiB", "1MiB"):
+            assert res[f"{system}_{case}_p50_us"] > 0, (system, case)
+            assert res[f"{system}_{case}_n"] == 2
+        assert res[f"{system}_many_median_per_s"] > 0
+        assert res[f"{system}_many_daemon_cpu_us_per_transfer"] > 0
+        assert res[f"{system}_many_client_cpu_us_per_transfer"] > 0
 
 
 @pytest.mark.timeout(90)
@@ -138,6 +166,46 @@ def test_the_gpu_part_says_it_needs_a_gpu_and_leaves_its_ratios_null() -> None:
     res = json.loads(out.strip().splitlines()[-1])
     assert "no CUDA device here" in res["error"]
     assert res["device"] == "cuda"
-    for name in ("gpu_lat_1m_vs_nixl", "gpu_contig_vs_nixl", "gpu_paged_vs_raw",
-                 "gpu_paged_vs_nixl"):
+    for name in ("gpu_lat_1m_vs_floor", "gpu_lat_1m_vs_nixl", "gpu_contig_vs_raw",
+                 "gpu_contig_vs_nixl", "gpu_paged_vs_raw", "gpu_paged_vs_nixl"):
         assert name in res and res[name] is None, name
+
+
+def test_the_floors_stream_goes_in_whole_chunks_none_empty() -> None:
+    """The floor's data connection moves a transfer in calls of CHUNK_BYTES: every run of
+    views but the last holds exactly that, and none holds an empty view (which its
+    receiver would read as the connection's end)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "peers_systems"))
+    from floor import CHUNK_BYTES, chunks
+
+    n = CHUNK_BYTES
+    for sizes in ([n, n], [n // 2, n // 2, n], [3 * n + 7], [1, n - 1, 5], [0, n, 0], [n - 1]):
+        data = [bytes([i]) * size for i, size in enumerate(sizes)]
+        runs = list(chunks([memoryview(d) for d in data]))
+        assert all(run and all(len(v) for v in run) for run in runs), sizes
+        lengths = [sum(len(v) for v in run) for run in runs]
+        assert lengths[:-1] == [n] * (len(runs) - 1) and 0 < lengths[-1] <= n, sizes
+        assert b"".join(bytes(v) for run in runs for v in run) == b"".join(data), sizes
+
+
+def test_the_byte_check_finds_a_flipped_byte_in_any_tensor() -> None:
+    """The benchmark's check (sliced, per tensor) passes the bytes a transfer should leave
+    and names a piece that differs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "peers_systems"))
+    import numpy as np
+    from cases import Case, check, fill
+
+    case = Case.paged("p", tensors=3, blocks=16, block=4096, pick=5)
+    src = np.empty(case.side_bytes, np.uint8)
+    fill(src, 9)
+    dst = np.zeros(case.side_bytes, np.uint8)
+    s_off, d_off, length = case.pieces()
+    for s, d in zip(s_off, d_off, strict=True):
+        dst[d:d + length] = src[s:s + length]
+    per = case.side_bytes // case.tensors
+    tensors = [dst[i * per:(i + 1) * per] for i in range(case.tensors)]
+    assert check(case, tensors, 9) == "" and check(case, dst, 9) == ""
+    assert "15 of 15 pieces differ" in check(case, tensors, 10)
+    dst[int(d_off[-1]) + length - 1] ^= 1
+    assert check(case, tensors, 9) == (f"p: 1 of 15 pieces differ from the source (first at "
+                                       f"destination offset {int(d_off[-1])})")

@@ -4,12 +4,14 @@ the receiver checks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+SLICE_BYTES = 64 * MiB  # what fill and check hold of a pattern at once
 
 
 @dataclass(frozen=True)
@@ -66,24 +68,42 @@ class Case:
                 (base + dst[None, :]).ravel() * self.block, self.block)
 
 
-def fill(buf: np.ndarray, seed: int) -> None:
-    """Write the pattern of ``seed`` into a uint8 buffer (a multiple of 8 bytes): word i is
-    (i + 1) * golden + seed, so each word and each seed differ."""
-    words = buf.view(np.uint64)
-    np.multiply(np.arange(1, len(words) + 1, dtype=np.uint64), GOLDEN, out=words)
+def pattern(offset: int, nbytes: int, seed: int) -> np.ndarray:
+    """Bytes [offset, offset + nbytes) of the pattern of ``seed`` (both multiples of 8): word
+    i of a side is (i + 1) * golden + seed, so each word and each seed differ."""
+    first = offset // 8
+    words = np.arange(first + 1, first + nbytes // 8 + 1, dtype=np.uint64)
+    words *= GOLDEN
     words += np.uint64(seed)
+    return words.view(np.uint8)
 
 
-def check(case: Case, dst: np.ndarray, seed: int) -> str:
-    """'' when every piece of ``dst`` holds what the source's pattern of ``seed`` has at
-    that piece's source offset, else what differs."""
-    src = np.empty(case.side_bytes, np.uint8)
-    fill(src, seed)
+def fill(buf: np.ndarray, seed: int, offset: int = 0) -> None:
+    """Write the pattern of ``seed`` into a uint8 buffer (a multiple of 8 bytes) that holds
+    a side's bytes from ``offset`` on; ``SLICE_BYTES`` at a time."""
+    for at in range(0, len(buf), SLICE_BYTES):
+        n = min(SLICE_BYTES, len(buf) - at)
+        buf[at:at + n] = pattern(offset + at, n, seed)
+
+
+def check(case: Case, dst: np.ndarray | Sequence[np.ndarray], seed: int) -> str:
+    """'' when every piece of ``dst`` (one side's buffer, or its tensors' buffers, in
+    order) holds what the source's pattern of ``seed`` has at that piece's source offset,
+    else what differs. Compared ``SLICE_BYTES`` at a time: a check holds no copy of a side
+    (five systems' paged cases, 10 GiB, leave little else on a small machine)."""
+    parts = [dst] if isinstance(dst, np.ndarray) else list(dst)
+    per = case.side_bytes // len(parts)  # (a piece lies within one tensor)
     s_off, d_off, length = case.pieces()
-    s_blocks = src.reshape(-1, length)[s_off // length]
-    d_blocks = dst[:case.side_bytes].reshape(-1, length)[d_off // length]
-    bad = np.flatnonzero((s_blocks != d_blocks).any(axis=1))
-    if len(bad):
-        return (f"{case.label}: {len(bad)} of {len(s_off)} pieces differ from the source "
-                f"(first at destination offset {int(d_off[bad[0]])})")
+    bad, first_bad = 0, -1
+    for s, d in zip(s_off.tolist(), d_off.tolist(), strict=True):
+        part, at = parts[d // per], d % per
+        for k in range(0, length, SLICE_BYTES):
+            n = min(SLICE_BYTES, length - k)
+            if not np.array_equal(part[at + k:at + k + n], pattern(s + k, n, seed)):
+                bad += 1
+                first_bad = d if first_bad < 0 else first_bad
+                break
+    if bad:
+        return (f"{case.label}: {bad} of {len(s_off)} pieces differ from the source "
+                f"(first at destination offset {first_bad})")
     return ""
