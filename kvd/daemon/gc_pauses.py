@@ -23,9 +23,9 @@ from typing import Any
 
 
 def freeze_startup() -> int:
-    """Freeze every object there is; the number frozen. Not collected first: after
-    start-up a collection finds (next to) nothing to free, and would cost 130 ms of the
-    start."""
+    """Collect what start-up left as garbage, then freeze everything left; the number of
+    objects frozen."""
+    gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
 
