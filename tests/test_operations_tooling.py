@@ -227,7 +227,6 @@ def test_metrics_at_start_bad_messages_at_zero_no_created_and_the_dashboard_s_na
     expected = {(sock, reason) for sock, reasons in BAD_MESSAGE_REASONS.items()
                 for reason in reasons}
     assert set(bad) == expected and set(bad.values()) == {0.0}, bad
-    assert any(f.name == "kvd_gc_pause_seconds" and f.type == "histogram" for f in families)
     # Every name the dashboard queries is on /metrics (a family with no samples yet, such
     # as GPU staging without GPUs, counts: its # TYPE line is there).
     exported: set[str] = set()
@@ -251,9 +250,6 @@ def test_health_status_and_peers_endpoints(two_nodes: Any) -> None:
     status, body = http_get(f"http://{http}/v1/status")
     st = json.loads(body)
     assert status == 200 and st["node_id"] == "a" and st["keys"] == 1
-    # What start-up made (torch's ~190,000 objects among it) is frozen: a full garbage
-    # collection, which walked it all in 130-140 ms on the loop, walks only what came since.
-    assert st["gc"]["frozen_objects"] > 50_000 and st["gc"]["longest_pause_s"] < 0.05, st["gc"]
     status, body = http_get(f"http://{http}/v1/peers")
     peers = json.loads(body)
     assert [link["address"] for link in peers["links"]] == [b.address]

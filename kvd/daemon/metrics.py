@@ -101,14 +101,6 @@ class Metrics:
             "kvd_transfer_wire_seconds", "From the first byte to the last.",
             ["direction", "transport"], buckets=DURATION_BUCKETS, registry=self.registry)
         self._children: dict[tuple[str, str, str, str], _TransferSeries] = {}
-        self._gc = Histogram(
-            "kvd_gc_pause_seconds", "Garbage collections in the daemon's process, by "
-            "generation: each stops the event loop.", ["generation"],
-            buckets=DURATION_BUCKETS, registry=self.registry)
-        self._gc_by_generation = [self._gc.labels(str(g)) for g in range(3)]
-
-    def gc_pause(self, generation: int, seconds: float) -> None:
-        self._gc_by_generation[generation].observe(seconds)
 
     def transfer(self, *, peer: str, direction: str, transport: str, outcome: str,
                  nbytes: int = 0, queue_s: float | None = None,

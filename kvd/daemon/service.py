@@ -28,7 +28,6 @@ from kvd.config import Config, check_socket_path, development_overrides, format_
 from kvd.daemon.auth import check_exposure
 from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
-from kvd.daemon.gc_pauses import GcPauses, freeze_startup
 from kvd.daemon.http import HttpServer
 from kvd.daemon.local_server import MAX_SEGMENTS_PER_SESSION, LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
@@ -89,7 +88,6 @@ class Daemon:
         self.parts = DaemonParts()
         self.metrics = Metrics()
         self.metrics.attach(self.parts)
-        self.gc_pauses = GcPauses(self.metrics.gc_pause)
         self.notifier = Notifier()
         self.steps = StartupSteps(self.notifier)
         self.http: HttpServer | None = None
@@ -154,16 +152,12 @@ class Daemon:
                 trigger: Awaitable[Any] = self._stop.wait()
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
-            frozen = freeze_startup()  # (full collections no longer walk these)
-            self.gc_pauses.install()  # (from here on: pauses while serving)
-            outer.callback(self.gc_pauses.remove)
             self.ready.set()
             assert self.peers is not None and self.http is not None
             self.steps.line(
                 f"kvd ready node={self.config.node_id} epoch={self.epoch} "
                 f"socket={self.config.socket_path} peer={self.peers.address} "
-                f"http={self.http.address} pool={self.config.pool_size_bytes}B "
-                f"gc_frozen={frozen}")
+                f"http={self.http.address} pool={self.config.pool_size_bytes}B")
             self.notifier.ready(f"serving on {self.config.socket_path}, peers on "
                                 f"{self.peers.address}")
             self.notifier.start_watchdog()
@@ -403,7 +397,6 @@ class Daemon:
             status["peer"] = peers.stats()
             status["transfers"] = transfers.stats()
         status["http"] = self.http.address if self.http is not None else ""
-        status["gc"] = self.gc_pauses.stats()
         status["ready"] = not self.not_ready_reasons()
         return status
 
