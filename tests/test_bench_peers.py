@@ -127,7 +127,7 @@ def test_the_floor_moves_checked_bytes_in_both_its_flows() -> None:
 @pytest.mark.timeout(90)
 def test_a_run_stopped_half_way_leaves_no_process() -> None:
     tag = uuid.uuid4().hex
-    proc = start(tag, "--quick", "--rounds", "50", "--repeat", "20", "--systems", "raw,kvd-put")
+    proc = start(tag, "--quick", "--rounds", "5000", "--repeat", "20", "--systems", "raw,kvd-put")
     try:
         assert proc.stderr is not None
         deadline = time.monotonic() + 60
