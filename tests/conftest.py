@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import resource
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +29,11 @@ from kvd.client import KvdClient
 from kvd.config import Config, load_config
 from kvd.daemon.service import Daemon
 from kvd.errors import KvdError
+from tests.serve_forks import Forks
+
+# Where every ProcessDaemon comes from (see serve_forks.py): started at its first use,
+# ended with the session.
+FORKS = Forks()
 
 # How long a `kvd serve` may take to answer its first ping: generous (under the
 # per-test timeout), as a loaded machine (the 2-core CI under a full suite) can take tens
@@ -54,6 +57,7 @@ def no_daemon_left_behind() -> Iterator[None]:
     still runs is a leak. It is killed, and the run fails naming it (an error at the
     teardown of the last test), so that the test that left it gets fixed."""
     yield
+    FORKS.close()
     leaked = leaked_daemons()
     for pid, _ in leaked:
         with contextlib.suppress(ProcessLookupError):
@@ -70,7 +74,7 @@ def leaked_daemons() -> list[tuple[int, str]]:
     mark = f"{_SESSION_MARK}={os.environ.get(_SESSION_MARK, '')}".encode()
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
+        if not name.isdigit() or int(name) in (os.getpid(), FORKS.pid):
             continue
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
@@ -90,7 +94,10 @@ def leaked_daemons() -> list[tuple[int, str]]:
 
 
 def _is_serve(argv: list[bytes]) -> bool:
-    """`python -m kvd.cli serve ...` or `.../kvd serve ...`."""
+    """`python -m kvd.cli serve ...`, `.../kvd serve ...`, or one forked by FORKS (which
+    shows the command line of the process it was forked from)."""
+    if b"tests.serve_forks" in argv:
+        return True
     for i, arg in enumerate(argv[:-1]):
         if (arg == b"kvd.cli" or arg.endswith(b"/kvd") or arg == b"kvd") and \
                 argv[i + 1] == b"serve":
@@ -235,9 +242,9 @@ def thread_daemon(sock_dir: str) -> Iterator[ThreadDaemon]:
 
 
 class ProcessDaemon:
-    """`kvd serve` as a subprocess, its log in ``sock_dir``. Whoever starts one stops it
-    (``stop``) whatever fails, from the moment it is created: ``wait_ready`` kills it
-    when it fails.
+    """`kvd serve` as a process of its own (forked by FORKS), its log in ``sock_dir``.
+    Whoever starts one stops it (``stop``) whatever fails, from the moment it is created:
+    ``wait_ready`` kills it when it fails.
 
     ``socket_path``: its socket (default: ``kvd.sock`` in ``sock_dir``), given with
     ``--socket-path``, or not (``socket_flag=False``: where the daemon finds it by default,
@@ -249,18 +256,11 @@ class ProcessDaemon:
         self.socket_path = socket_path or os.path.join(sock_dir, "kvd.sock")
         self.log_path = os.path.join(sock_dir, "daemon.log")
         where = ["--socket-path", self.socket_path] if socket_flag else []
-        cmd = [sys.executable, "-m", "kvd.cli", "serve", *where,
-               "--pool-size-bytes", "64MiB", "--log-level", "info", "--peer-port", "0",
-               "--data-port", "0", "--http-port", "0", *extra]
+        argv = ["serve", *where, "--pool-size-bytes", "64MiB", "--log-level", "info",
+                "--peer-port", "0", "--data-port", "0", "--http-port", "0", *extra]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         full_env.update(env or {})
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        def limit() -> None:
-            if open_files is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
-
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env, preexec_fn=limit)
+        self.proc = FORKS.spawn(argv, full_env, self.log_path, open_files)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProcessDaemon:
         """Until it answers a ping; if it exits first, or does not answer within
@@ -312,7 +312,6 @@ class ProcessDaemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait(30)
-        self._log.close()
         return code
 
 

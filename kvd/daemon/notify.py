@@ -117,7 +117,15 @@ def _process_started_at() -> float:
     return now - age if 0.0 <= age < 3600.0 else now
 
 
-_PROCESS_STARTED_AT = _process_started_at()
+def _clock_from_process_start() -> None:
+    global _PROCESS_STARTED_AT
+    _PROCESS_STARTED_AT = _process_started_at()
+
+
+_PROCESS_STARTED_AT = 0.0
+_clock_from_process_start()
+# A process forked from this one (as the tests fork `kvd serve`) started when it was forked.
+os.register_at_fork(after_in_child=_clock_from_process_start)
 
 
 def since_process_start() -> float:
