@@ -3,13 +3,15 @@ with the same number of ranks, and with other numbers (TP=2 into TP=1 and TP=1 i
 in pull flow. Each rank of prefill lends its half of the KV heads under its own key; each
 rank of decode reads its heads from the ranks that hold them, a part of each block straight
 into a part of its own (``kv_ranks``). Decode's greedy tokens must be what an engine of its
-own size computes alone. Runs only where vLLM imports and there are two CPUs to bind."""
+own size computes alone (decode itself, its prefix cache emptied after). Runs only where
+vLLM imports and there are two CPUs to bind."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -23,7 +25,7 @@ from kvd import KvdClient
 from tests.conftest import ProcessDaemon, start_daemons
 from tests.test_vllm_engines import engine, greedy
 
-# A test may start three engines (two of TP=2) on two CPUs: a minute or more.
+# A test may start two engines (TP=2 among them) on two CPUs: a minute or more.
 pytestmark = pytest.mark.timeout(480)
 BLOCK_BYTES = 32 * 1024  # the tiny model's KV per block: 2 layers x 2 heads x 32 x 2 x 32 fp32
 
@@ -80,6 +82,15 @@ class Engines:
         return transfers["received"].get("done", 0), transfers["bytes_received"]
 
 
+def alone(decode: LLM, prompt: list[int]) -> Any:
+    """What decode computes from ``prompt`` by itself (the output to match), its prefix
+    cache emptied after: the load that follows must bring every block (the test counts
+    them), and an engine started only for this would cost half a minute of CI."""
+    want = decode.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+    assert decode.reset_prefix_cache()
+    return want
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     started = Engines(str(tmp_path_factory.mktemp("tp")))
@@ -98,9 +109,7 @@ def test_decode_reads_its_heads_from_prefill_ranks(engines: Engines, prefill_tp:
     prefill = engines.get("kv_producer", prefill_tp)
     decode = engines.get("kv_consumer", decode_tp)
     prompt = list(range(100 + prefill_tp, 170 + decode_tp))  # 3 blocks of 32 tokens
-    # (an engine of decode's size alone, not decode itself: that would cache the prompt)
-    alone = engines.get("kv_producer", decode_tp)
-    want = alone.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+    want = alone(decode, prompt)
     before = engines.received()
     handed = prefill.generate([{"prompt_token_ids": prompt}],
                               greedy(1, {"do_remote_decode": True}))[0]
@@ -123,8 +132,7 @@ def test_pushed_heads_are_read_in_parts(engines: Engines, prefill_tp: int,
     prefill = engines.pushing(prefill_tp)
     decode = engines.get("kv_consumer", decode_tp)
     prompt = list(range(300 + prefill_tp, 370 + decode_tp))
-    alone = engines.get("kv_producer", decode_tp)
-    want = alone.generate([{"prompt_token_ids": prompt}], greedy(8))[0].outputs[0]
+    want = alone(decode, prompt)
     before = engines.received()
     push_to = engines.daemons[1].peer_address()
     handed = prefill.generate([{"prompt_token_ids": prompt}], greedy(1, {
