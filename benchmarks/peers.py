@@ -78,7 +78,9 @@ GB/s over the best of NIXL's and Mooncake's), ``many_vs_nixl`` (transfers/s), ea
 for kvd-pull (``..._pull``, against floor-pull); on the GPU ``gpu_lat_1m_vs_floor``,
 ``gpu_lat_1m_vs_nixl`` (p50), ``gpu_contig_vs_floor``, ``gpu_contig_vs_raw``,
 ``gpu_contig_vs_nixl`` (512 MiB, median GB/s), ``gpu_paged_vs_floor``,
-``gpu_paged_vs_raw`` and ``gpu_paged_vs_nixl`` (paged, median GB/s).
+``gpu_paged_vs_raw`` and ``gpu_paged_vs_nixl`` (paged, median GB/s); and on both
+``gc_longest_pause_ms``, the longest garbage collection either kvd daemon's loop took
+over the whole run (its ``kvd status``).
 
 Every process the run starts is in its own process group, killed (SIGCONT, SIGTERM, then
 SIGKILL) when the run ends however it ends; the children also die with this process
@@ -299,6 +301,7 @@ class KvdDaemons:
         self.daemons: list[subprocess.Popen[bytes]] = []
         self.started = False
         self.failed = ""
+        self.gc_longest_pause_ms: float | None = None  # either daemon's, read at close
 
     def start(self) -> None:
         if self.started:
@@ -356,6 +359,10 @@ class KvdDaemons:
         return ""
 
     def close(self) -> None:
+        if self.started and not self.failed:  # (stats: the daemons' own status)
+            with contextlib.suppress(Exception):
+                self.gc_longest_pause_ms = round(1e3 * max(
+                    c.stats()["gc"]["longest_pause_s"] for c in (self.tx, self.watch)), 2)
         for c in ("tx", "rx", "watch"):
             with contextlib.suppress(Exception):
                 getattr(self, c).close()
@@ -1152,7 +1159,8 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
     systems, daemons, floor = make_systems(names, root)
     run = measure(systems, [daemons, floor], cases, root, args)
     f = figures(run, cases)
-    return report(run, cases, names, args, machine(), f, ratios(f), note,
+    found = {**ratios(f), "gc_longest_pause_ms": daemons.gc_longest_pause_ms}
+    return report(run, cases, names, args, machine(), f, found, note,
                   "kvd beside its peers, CPU, two processes on loopback")
 
 
@@ -1206,7 +1214,8 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     f = figures(run, cases)
     host = {**machine(), "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__, "cuda": torch.version.cuda}
-    return report(run, cases, names, args, host, f, gpu_ratios(f), "",
+    found = {**gpu_ratios(f), "gc_longest_pause_ms": daemons.gc_longest_pause_ms}
+    return report(run, cases, names, args, host, f, found, "",
                   "kvd beside its peers, one GPU, two processes (kvd: one daemon)")
 
 

@@ -94,6 +94,7 @@ def test_quick_run_moves_checked_bytes_and_reports_positive_figures() -> None:
         assert res[f"{system}_many_cpu_us_per_transfer"] > 0  # its processes' CPU, counted
     # kvd's clients run in the benchmark's process: their CPU is counted apart
     assert res["client_cpu_us_many"] > 0 and res["daemon_cpu_us_many"] > 0
+    assert 0 < res["gc_longest_pause_ms"] < 1000  # the daemons' own, read at the end
     # NIXL and the floor were not asked for: their ratios are null, not made up.
     assert res["lat_4k_vs_nixl"] is None and res["many_vs_nixl"] is None
     assert res["lat_4k_vs_floor"] is None and res["many_vs_floor"] is None

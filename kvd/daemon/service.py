@@ -28,6 +28,7 @@ from kvd.config import Config, check_socket_path, development_overrides, format_
 from kvd.daemon.auth import check_exposure
 from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
+from kvd.daemon.gc_pauses import GcPauses, freeze_startup
 from kvd.daemon.http import HttpServer
 from kvd.daemon.local_server import MAX_SEGMENTS_PER_SESSION, LocalServer, prepare_socket_dir
 from kvd.daemon.metrics import Metrics
@@ -88,6 +89,7 @@ class Daemon:
         self.parts = DaemonParts()
         self.metrics = Metrics()
         self.metrics.attach(self.parts)
+        self.gc_pauses = GcPauses()
         self.notifier = Notifier()
         self.steps = StartupSteps(self.notifier)
         self.http: HttpServer | None = None
@@ -104,13 +106,14 @@ class Daemon:
 
     async def serve(self, shutdown_trigger: ShutdownTrigger | None = None, *,
                     owns_loop: bool = False) -> None:
-        """Start, serve, drain, stop. ``owns_loop`` (``run``: the loop is the daemon's
-        alone): the loop's own leftovers (tasks, the thread pool's last jobs: a lost
-        link's channels closing, an NCCL teardown) are finished too, within
-        ``FINISH_TIMEOUT_S``, so that nothing of the daemon's runs after "kvd stopped"
-        and the process exits right after it."""
+        """Start, serve, drain, stop. ``owns_loop`` (``run``: the loop and the process
+        are the daemon's alone): what start-up made is frozen for the garbage collector
+        once the daemon is ready (``gc_pauses``); and the loop's own leftovers (tasks,
+        the thread pool's last jobs: a lost link's channels closing, an NCCL teardown)
+        are finished too, within ``FINISH_TIMEOUT_S``, so that nothing of the daemon's
+        runs after "kvd stopped" and the process exits right after it."""
         with contextlib.ExitStack() as outer:
-            await self._serve(outer, shutdown_trigger)
+            await self._serve(outer, shutdown_trigger, owns_loop)
             if owns_loop:
                 await self._finish_loop()
         log.info("kvd stopped%s", f" ({time.monotonic() - self._stopping_at:.2f}s after "
@@ -139,7 +142,7 @@ class Daemon:
                         time.monotonic() - began)
 
     async def _serve(self, outer: contextlib.ExitStack,
-                     shutdown_trigger: ShutdownTrigger | None) -> None:
+                     shutdown_trigger: ShutdownTrigger | None, owns_process: bool) -> None:
         async with contextlib.AsyncExitStack() as stack:
             await self._startup(stack)
             loop = asyncio.get_running_loop()
@@ -152,12 +155,16 @@ class Daemon:
                 trigger: Awaitable[Any] = self._stop.wait()
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
+            frozen = freeze_startup() if owns_process else 0
+            self.gc_pauses.install()  # (from here on: pauses while serving)
+            outer.callback(self.gc_pauses.remove)
             self.ready.set()
             assert self.peers is not None and self.http is not None
             self.steps.line(
                 f"kvd ready node={self.config.node_id} epoch={self.epoch} "
                 f"socket={self.config.socket_path} peer={self.peers.address} "
-                f"http={self.http.address} pool={self.config.pool_size_bytes}B")
+                f"http={self.http.address} pool={self.config.pool_size_bytes}B "
+                f"gc_frozen={frozen}")
             self.notifier.ready(f"serving on {self.config.socket_path}, peers on "
                                 f"{self.peers.address}")
             self.notifier.start_watchdog()
@@ -397,6 +404,7 @@ class Daemon:
             status["peer"] = peers.stats()
             status["transfers"] = transfers.stats()
         status["http"] = self.http.address if self.http is not None else ""
+        status["gc"] = self.gc_pauses.stats()
         status["ready"] = not self.not_ready_reasons()
         return status
 

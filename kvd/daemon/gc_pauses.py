@@ -1,0 +1,60 @@
+"""The garbage collector of a long-running daemon: what start-up made is frozen, and each
+collection's pause is timed.
+
+Importing torch, pyzmq, aiohttp and the rest leaves about 190,000 objects that live as long
+as the process, and each full collection of CPython's walks them all: 130-140 ms on the CPU
+machine, on the event loop, so every transfer through the daemon waits it out (in a mesh of
+64 daemons these pauses set the tail). Once the daemon is ready, ``freeze_startup`` takes
+them out of the collector's sight (``gc.freeze``): a later collection walks only what was
+made since, the daemon's working set. CPython's thresholds stay as they are: with start-up
+frozen, no collection has much to walk.
+
+``GcPauses`` times every collection (``gc.callbacks``) and keeps only counts and the
+longest pause: the callback runs at every young collection, several per transfer, so it
+does no more than read the clock. (A Prometheus histogram observed there doubled the fixed
+cost of a 1 MiB put on the GPU host: 2.4 ms against 1.4 in an alternated run.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any
+
+
+def freeze_startup() -> int:
+    """Collect what start-up left as garbage, then freeze everything left; the number of
+    objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class GcPauses:
+    """Each collection's pause, as it ends: counts by generation and the longest."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]  # by generation
+        self.longest_s = 0.0
+        self._began = 0.0
+
+    def install(self) -> None:
+        gc.callbacks.append(self._on_collection)
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._began
+        self.collections[info["generation"]] += 1
+        if pause > self.longest_s:
+            self.longest_s = pause
+
+    def stats(self) -> dict[str, Any]:
+        return {"collections": list(self.collections), "longest_pause_s": self.longest_s,
+                "frozen_objects": gc.get_freeze_count()}
