@@ -50,7 +50,9 @@ from kvd.errors import ProtocolError
 #  15 — 2026-12: leases: ``Renew`` and ``Release`` of a key lent at another daemon (or
 #        this one), ``LeaseRenew`` / ``LeaseRelease`` / ``LeaseAnswer`` between daemons;
 #        ``Get.sender`` (the daemon whose link the get watches).
-PROTOCOL_VERSION = 15
+#  16 — 2026-12: a release may keep a key's tail (``Release.skip``, ``LeaseRelease.skip``):
+#        a put of it sends only the blocks from there on (``Offer.first``).
+PROTOCOL_VERSION = 16
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
 # round through the data connection's threads costs more than the bytes' copy on the loops.
@@ -196,11 +198,13 @@ class Share(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     each all of a latent cache that every rank holds)."""
 
     part: Part = WHOLE
-    skip: Annotated[int, Meta(ge=0, lt=MAX_BLOCKS_PER_OP)] = 0
+    skip: Skip = 0
     readers: Annotated[int, Meta(ge=1, le=MAX_PARTS)] = 1
 
 
 ALL = Share()
+# A number of a key's first blocks (``Share.skip``, ``Release.skip``, ``Offer.first``).
+Skip = Annotated[int, Meta(ge=0, lt=MAX_BLOCKS_PER_OP)]
 
 
 # ---------------------------------------------------------------- requests
@@ -326,12 +330,18 @@ class Release(_Msg, tag="release", frozen=True):
     the key is dropped there now (its lend answers 0 bytes), pulls and gets waiting for it
     fail, a lend or put of it that comes later answers 0 at once (sending nothing), and
     bytes of it that arrive there are refused. A published or offloaded key is not
-    released."""
+    released.
+
+    ``skip`` (not 0): the reader has the key's first ``skip`` blocks (a prefix it has
+    cached) and will still read the rest: the key is not dropped, and a put of it from
+    ``src`` to another daemon, if it comes later, sends only its blocks from ``skip`` on
+    (all of them skipped: it answers 0 at once). A key held already is left as it is."""
 
     req_id: ReqId
     key: Key
     src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
     timeout_s: Seconds = 10.0
+    skip: Skip = 0
 
 
 class Unpublish(_Msg, tag="unpublish", frozen=True):
@@ -541,6 +551,7 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     # Decoded as a view of the received message, not a copy of it: the receiver copies
     # the bytes once, into their destination.
     inline: Annotated[memoryview, Meta(max_length=MAX_INLINE_BYTES)] = memoryview(b"")
+    first: Skip = 0
 
 
 class Accept(_PeerMsg, tag="accept", frozen=True):
@@ -627,11 +638,13 @@ class LeaseRenew(_PeerMsg, tag="lease_renew", frozen=True):
 
 
 class LeaseRelease(_PeerMsg, tag="lease_release", frozen=True):
-    """A reader tells the daemon that lent ``key`` that it will not come (``Release``);
-    answered by ``LeaseAnswer``."""
+    """A reader tells the daemon that lent ``key`` that it will not come (``Release``),
+    or, ``skip`` not 0, that it needs only the key's blocks from ``skip`` on; answered by
+    ``LeaseAnswer``."""
 
     call_id: CallId
     key: Key
+    skip: Skip = 0
 
 
 class LeaseAnswer(_PeerMsg, tag="lease_answer", frozen=True):

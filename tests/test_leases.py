@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvd
-from kvd import Region, Transfer, shared_zeros
+from kvd import Region, Share, Transfer, shared_zeros
 from kvd.protocol import PROTOCOL_VERSION, LeaseAnswer, PeerError, PeerWelcome
 from tests.conftest import wait_until
 from tests.test_peers import BLOCK, Node, Nodes, RawPeer, random_region
@@ -147,6 +147,55 @@ def test_a_pushed_key_its_reader_released_never_crosses_the_wire(nodes: Nodes) -
     assert b.client.stats()["leases"]["released"] == 2
 
 
+def test_a_key_released_in_part_sends_only_the_blocks_its_reader_lacks(nodes: Nodes) -> None:
+    """Push flow, decode with a prefix of a part cached: it releases the part's first
+    blocks at the daemon that will push it (``skip``), and the put sends only the others,
+    over TCP (3 blocks) and inline (1). Its answer and the receiver's counters say the
+    tail's bytes, and decode's get with that skip lands them byte for byte: stored first,
+    or straight into a get that waits. A get that skips fewer blocks than the receiver
+    holds fails cleanly, the key kept for the right one; a release that comes after the
+    whole key arrived leaves it whole, and the get with a skip still works."""
+    a, b = nodes(2)
+    src = random_region(5, 6)
+    r_src = a.client.register("kv", [src])
+    dst = shared_zeros((5, BLOCK), torch.uint8)
+    r_dst = b.client.register("kv", [dst])
+
+    def received() -> tuple[int, int]:
+        st = b.client.stats()
+        return st["bytes_in"], st["transfers"]["bytes_received"]
+
+    # Stored first: 2 of 5 blocks cached at decode, 3 cross.
+    assert b.client.release("tcp", a.address, skip=2).wait(5) == 0
+    assert leases(a)["released_head"] == 1 and leases(a)["released"] == 0
+    assert a.client.put("tcp", r_src, [4, 0, 3, 1, 2], to=b.address).wait(5) == 3 * BLOCK
+    assert received() == (3 * BLOCK, 3 * BLOCK)
+    with pytest.raises(kvd.BadRequest, match="holds its blocks from 2 on"):
+        b.client.get("tcp", r_dst, [0, 1, 2, 3], timeout_s=5, share=Share(skip=1))
+    assert b.client.get("tcp", r_dst, [2, 0], timeout_s=5, share=Share(skip=3)) == 2 * BLOCK
+    assert torch.equal(dst[2], src[1]) and torch.equal(dst[0], src[2])
+    assert b.client.stats()["keys"] == 0
+
+    # A get waiting with that skip takes the one block left (inline) into its blocks.
+    dst.zero_()
+    assert b.client.release("inline", a.address, skip=4).wait(5) == 0
+    get = b.client.start_get("inline", r_dst, [3], timeout_s=10, share=Share(skip=4))
+    wait_until(lambda: b.client.stats()["waiting_gets"] == 1)
+    assert a.client.put("inline", r_src, [0, 1, 2, 3, 4], to=b.address).wait(5) == BLOCK
+    assert get.wait(5) == BLOCK and torch.equal(dst[3], src[4])
+    assert received()[1] == 4 * BLOCK and not bool(dst[:3].any())
+    # Every block released: the put answers at once, sending nothing.
+    assert b.client.release("none", a.address, skip=2).wait(5) == 0
+    assert a.client.put("none", r_src, [0, 1], to=b.address).wait(5) == 0
+
+    # Released too late: the whole key is here, and stays whole for the get that skips.
+    assert a.client.put("late", r_src, [0, 1, 2], to=b.address).wait(5) == 3 * BLOCK
+    assert b.client.release("late", "local", skip=2).wait(5) == 0
+    assert b.client.release("late", a.address, skip=2).wait(5) == 0
+    assert b.client.get("late", r_dst, [4], timeout_s=5, share=Share(skip=2)) == BLOCK
+    assert torch.equal(dst[4], src[2]) and b.client.stats()["keys"] == 0
+
+
 def test_renewals_and_releases_that_cannot_be_are_refused(nodes: Nodes) -> None:
     """A key that is not there, one that is not lent (published, offloaded), one that is
     gone, a TTL out of bounds, a source nobody answers at: each is a clear error, and the
@@ -171,6 +220,8 @@ def test_renewals_and_releases_that_cannot_be_are_refused(nodes: Nodes) -> None:
             b.client.renew("lent", a.address, ttl_s=ttl_s).wait(5)
     with pytest.raises(kvd.ProtocolError, match="ttl_s"):  # refused as it is read
         b.client.renew("lent", a.address, ttl_s=-1).wait(5)
+    with pytest.raises(kvd.ProtocolError, match="skip"):
+        b.client.release("lent", a.address, skip=-1).wait(5)
     assert b.client.pull("lent", a.address, r_dst, [0], timeout_s=10) == BLOCK
     assert lent.wait(5) == BLOCK
     with pytest.raises(kvd.KeyGone, match="taken by its reader"):
@@ -184,8 +235,8 @@ def test_renewals_and_releases_that_cannot_be_are_refused(nodes: Nodes) -> None:
         b.client.renew("lent", f"127.0.0.1:{port}", ttl_s=5).wait(10)
     st = a.client.stats()
     assert st["keys"] == 2 and st["leases"] == {"renewed": 0, "released": 0, "expired": 0,
-                                                "sender_lost": 0}
-    assert b.client.stats()["bad_messages"].get("malformed") == 1
+                                                "sender_lost": 0, "released_head": 0}
+    assert b.client.stats()["bad_messages"].get("malformed") == 2  # (the two above)
 
 
 def test_bad_lease_messages_from_a_peer(nodes: Nodes) -> None:

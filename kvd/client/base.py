@@ -342,9 +342,9 @@ class RequestBuilder:
         msg = Renew(req_id=self.next_id(), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
-    def release(self, key: str, src: str, timeout_s: float | None) -> Call:
+    def release(self, key: str, src: str, timeout_s: float | None, skip: int = 0) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Release(req_id=self.next_id(), key=key, src=src, timeout_s=wait_s)
+        msg = Release(req_id=self.next_id(), key=key, src=src, timeout_s=wait_s, skip=skip)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,

@@ -303,10 +303,13 @@ class KvdClient:
         ``src`` has done it; ``UnknownKey`` if it holds no such key, ``KeyGone`` if it went."""
         return self._start(self._b.renew(key, src, ttl_s, timeout_s))
 
-    def release(self, key: str, src: str, *, timeout_s: float | None = None) -> Transfer:
+    def release(self, key: str, src: str, *, timeout_s: float | None = None,
+                skip: int = 0) -> Transfer:
         """Drop ``key``, lent at daemon ``src``, now: its reader will not come (its lender
-        gets its blocks back). The transfer ends (0 bytes) once ``src`` has done it."""
-        return self._start(self._b.release(key, src, timeout_s))
+        gets its blocks back). The transfer ends (0 bytes) once ``src`` has done it.
+        ``skip`` (not 0): the reader has the key's first ``skip`` blocks and still reads
+        the rest: a put of it from ``src`` sends only those (``Release.skip``)."""
+        return self._start(self._b.release(key, src, timeout_s, skip))
 
     def start_pull(self, key: str, src: str, region: Region | int, blocks: Iterable[int], *,
                    timeout_s: float | None = None, wait_for_key_s: float = 0.0,

@@ -84,14 +84,18 @@ def _sum_by(table: dict[tuple[str, str], int], part: int) -> dict[str, int]:
 
 def unfit(
     key: str, layout: Layout, num_blocks: int, region: Region, idx: torch.Tensor,
-    share: Share = ALL,
+    share: Share = ALL, first: int = 0,
 ) -> KvdError | None:
-    """Why ``share`` of data of ``layout`` x ``num_blocks`` cannot be written to ``idx``
-    of ``region``."""
-    if share.skip >= num_blocks:
-        return BadRequest(f"key {key!r} holds {num_blocks} blocks: a read cannot skip "
-                          f"{share.skip} of them")
-    num_blocks -= share.skip
+    """Why ``share`` of data of ``layout`` x ``num_blocks`` (the key's blocks from
+    ``first`` on) cannot be written to ``idx`` of ``region``."""
+    if share.skip < first:
+        return BadRequest(f"key {key!r} holds its blocks from {first} on (its reader "
+                          f"released the ones before): a read cannot take them from "
+                          f"{share.skip}")
+    if share.skip >= first + num_blocks:
+        return BadRequest(f"key {key!r} holds {first + num_blocks} blocks: a read cannot "
+                          f"skip {share.skip} of them")
+    num_blocks -= share.skip - first
     whole, layout = layout, part_layout(layout, share.part)
     if not layout:
         return BadRequest(f"key {key!r} (layout {describe_layout(whole)}) cannot be cut "
@@ -128,7 +132,7 @@ class Remote(Protocol):
     def address(self) -> str: ...
 
     async def push_blocks(self, key: str, region: Region, idx: torch.Tensor, to: str,
-                          ttl_s: float | None, timeout_s: float) -> int: ...
+                          ttl_s: float | None, timeout_s: float, first: int = 0) -> int: ...
 
     async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
                    timeout_s: float, wait_for_key_s: float = 0.0, share: Share = ALL,
@@ -301,7 +305,7 @@ class Engine:
             if waiter is None:
                 return
             problem = (unfit(item.key, item.layout, item.num_blocks, waiter.region, waiter.idx,
-                             waiter.share) or uncut(item, waiter.share))
+                             waiter.share, item.first) or uncut(item, waiter.share))
             if problem is not None:
                 waiter.settle(problem)
                 continue
@@ -323,6 +327,7 @@ class Engine:
                               share: Share = ALL) -> int:
         """Copy ``share`` of a claimed (and fitting) item into blocks; the claim is
         released whatever happens."""
+        share = item.held(share)
         try:
             nbytes = region.bytes_per_block * len(idx)
             if item.region is not None:
@@ -423,8 +428,8 @@ class Engine:
         region = region.part(into)
         item = self.store.find(key)
         if item is not None:
-            problem = unfit(key, item.layout, item.num_blocks, region, idx, share) or uncut(
-                item, share)
+            problem = unfit(key, item.layout, item.num_blocks, region, idx, share,
+                            item.first) or uncut(item, share)
             if problem is not None:
                 raise problem  # the item stays for a get that fits
             self.claim(item, share)
@@ -503,11 +508,18 @@ class Engine:
         if not self.here(to):
             if self.remote is None:
                 raise BadRequest(f"unknown destination {to!r}: this daemon has no peer plane")
-            return await self.remote.push_blocks(key, region, idx, to, ttl_s, timeout_s)
+            # Its reader may have released its first blocks (it has them): only the rest
+            # is sent, and the receiver stores the key as starting there.
+            first = self.store.tail(key)
+            if first >= len(idx):
+                log.info("put of a key its reader has whole answered at once key=%s", key)
+                return 0
+            return await self.remote.push_blocks(key, region, idx[first:], to, ttl_s,
+                                                 timeout_s, first)
         expires_at = self.ttl_deadline(ttl_s if ttl_s is not None else self.config.put_ttl_s)
         if self.store.exists(key):
             raise BadRequest(f"key {key!r} already exists")
-        while (waiter := self.store.next_waiter(key, whole=True)) is not None:
+        while (waiter := self.store.next_waiter(key, takes=ALL)) is not None:
             problem = unfit(key, region.layout, len(idx), waiter.region, waiter.idx)
             if problem is None:
                 return await self._deliver(key, region, idx, waiter)

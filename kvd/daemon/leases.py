@@ -17,6 +17,10 @@ daemon that holds it, it is dropped, and one that comes later is refused (its se
 put fails with ``KeyGone``); at the daemon that will push it, the put answers 0 at once
 and sends nothing. So decode, which learns of its prefix hit while prefill still
 computes, keeps the parts it has cached off the wire (the vLLM connector's push flow).
+A reader that has only a key's first blocks cached releases those (``skip``): the key is
+not dropped, and a put of it that comes later sends only the rest (``Engine.put``); the
+daemon it goes to stores it as starting there (``Item.first``), so the part that holds
+decode's first uncached block crosses the wire without the cached blocks before it.
 
 Only a key for one reader is renewed (a lent one) or released (lent or pushed): a
 published or offloaded one is refused (``BadRequest``). Whoever may pull a lent key may
@@ -53,7 +57,8 @@ class LeaseRemote(Protocol):
 
     async def renew(self, key: str, src: str, ttl_s: float, timeout_s: float) -> None: ...
 
-    async def release(self, key: str, src: str, timeout_s: float) -> None: ...
+    async def release(self, key: str, src: str, timeout_s: float, skip: int = 0
+                      ) -> None: ...
 
     async def watched(self, work: Awaitable[int], sender: str, timeout_s: float,
                       still_waiting: Callable[[], bool]) -> int: ...
@@ -63,6 +68,7 @@ class LeaseRemote(Protocol):
 class LeaseCounters:
     renewed: int = 0  # renewals taken here
     released: int = 0  # lent keys (or keys about to be) released here by their reader
+    released_head: int = 0  # keys to be put whose reader released their first blocks
     expired: int = 0  # lent keys whose lease ended unread (counted by the engine)
     sender_lost: int = 0  # gets failed at once: the daemon they waited on was gone
 
@@ -87,7 +93,8 @@ class Leases:
         self.counters.renewed += 1
         log.debug("lease renewed key=%s ttl_s=%g", key, ttl_s)
 
-    def release(self, key: str) -> None:
+    def release(self, key: str, skip: int = 0) -> None:
+        """``skip`` not 0: only the key's first ``skip`` blocks (``release_head``)."""
         item = self._store.find(key)
         if item is None:
             why = self._store.gone(key)
@@ -95,6 +102,9 @@ class Leases:
                 return  # (said twice)
             if why:
                 raise self._store.missing(key)  # taken, expired, withdrawn: nothing to do
+            if skip:
+                self._release_head(key, skip)
+                return
             # Not here yet (or its bytes are arriving): remembered, so that its lend or put
             # answers at once when it comes, and bytes that arrive are dropped.
             self._store.mark_gone(key, RELEASED)
@@ -108,9 +118,20 @@ class Leases:
         if not item.consume_once:
             raise BadRequest(f"key {key!r} is not for one reader (published or offloaded): "
                              "only a lent or pushed key can be released")
+        if skip:  # here already, whole or not: its reader's read skips what it has
+            log.info("key released in part, here already key=%s skip=%d", key, skip)
+            return
         self._store.remove(item, RELEASED)
         self.counters.released += 1
         log.info("key released by its reader key=%s bytes=%d", key, item.nbytes)
+
+    def _release_head(self, key: str, skip: int) -> None:
+        """The reader of ``key``, not here yet, has its first ``skip`` blocks: a put of it
+        from here sends only the others. (The gets and pulls waiting for it still wait: the
+        key still comes, and a read that skips less than ``skip`` of it fails then.)"""
+        self._store.keep_tail(key, skip)
+        self.counters.released_head += 1
+        log.info("key released in part before it came key=%s skip=%d", key, skip)
 
     def released(self, key: str) -> bool:
         """Whether ``key``'s reader released it before it came."""
@@ -143,12 +164,13 @@ class Leases:
         self._engine.ttl_deadline(ttl_s)  # (refused here rather than by the peer)
         await self._peers(f"source {src!r}", timeout_s).renew(key, src, ttl_s, timeout_s)
 
-    async def release_at(self, key: str, src: str, timeout_s: float) -> None:
+    async def release_at(self, key: str, src: str, timeout_s: float, skip: int = 0
+                         ) -> None:
         """A client's ``Release``: here, or at daemon ``src``."""
         if self._engine.here(src):
-            self.release(key)
+            self.release(key, skip)
             return
-        await self._peers(f"source {src!r}", timeout_s).release(key, src, timeout_s)
+        await self._peers(f"source {src!r}", timeout_s).release(key, src, timeout_s, skip)
 
     async def get_watching(self, get: Awaitable[int], session: int, req_id: int, key: str,
                            sender: str, timeout_s: float) -> int:

@@ -374,7 +374,7 @@ class LocalServer:
                         msg.key, msg.src, msg.ttl_s, msg.timeout_s))
                 case Release():
                     self._spawn(s, msg.req_id, op, e.leases.release_at(
-                        msg.key, msg.src, msg.timeout_s))
+                        msg.key, msg.src, msg.timeout_s, msg.skip))
                 case Offload():
                     self._spawn(s, msg.req_id, op, e.offload(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))

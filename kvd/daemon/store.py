@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from kvd.daemon.futures import settle_awaited
@@ -54,10 +55,21 @@ class Item:
     on_free: Callable[[Item], None] | None = field(default=None, repr=False)
     # A consumed item's reads so far, by the part each took (at most MAX_PARTS per cut).
     reads: dict[Part, int] = field(default_factory=dict, repr=False)
+    # The key's block that is this item's first: arrived without the blocks before it,
+    # which its reader released (it has them: ``Release.skip``). A read skips at least
+    # these (``held``).
+    first: int = 0
 
     @property
     def published(self) -> bool:
         return self.region is not None
+
+    def held(self, share: Share) -> Share:
+        """``share`` of the key as a cut of the blocks this item holds (``share.skip`` is
+        at least ``first``: ``engine.unfit`` says so first)."""
+        if not self.first:
+            return share
+        return msgspec.structs.replace(share, skip=share.skip - self.first)
 
     def count_read(self, share: Share, by: int = 1) -> bool:
         """Count a read of ``share`` (``by`` -1: one handed back unread); True once every
@@ -92,7 +104,7 @@ class Waiter:
     idx: torch.Tensor
     future: asyncio.Future[Any]
     blocks: BlockSet  # region's blocks idx in wire order, made (and mapped) ahead
-    share: Share = ALL  # what of the key it takes: only a whole one is delivered to it
+    share: Share = ALL  # what of the key it takes: bytes of just that are delivered to it
     delivering: bool = False  # a put is copying straight into our blocks
     # Set while a peer's bytes come straight into our blocks: a cancelled get calls it
     # to have the rest dropped (it still waits for a chunk being written).
@@ -127,6 +139,8 @@ class KeyStore:
         self._reserved: set[str] = set()  # keys whose bytes are being copied in
         self._waiters: dict[str, collections.deque[Waiter]] = {}
         self._gone: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        # Keys not here yet whose reader needs only their blocks from this one on.
+        self._tails: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
     # ---- items
 
@@ -187,6 +201,19 @@ class KeyStore:
         if len(self._gone) > GONE_REMEMBERED:
             self._gone.popitem(last=False)
 
+    def keep_tail(self, key: str, first: int) -> None:
+        """Remember that ``key``'s reader needs only its blocks from ``first`` on (it has
+        the others), as many keys as gone ones."""
+        name = _name_hash(key)
+        self._tails[name] = max(first, self._tails.get(name, 0))
+        self._tails.move_to_end(name)
+        if len(self._tails) > GONE_REMEMBERED:
+            self._tails.popitem(last=False)
+
+    def tail(self, key: str) -> int:
+        """The first of ``key``'s blocks its reader needs (``keep_tail``); 0: all."""
+        return self._tails.get(_name_hash(key), 0)
+
     def items(self) -> list[Item]:
         return list(self._items.values())
 
@@ -207,15 +234,16 @@ class KeyStore:
         if not queue:
             del self._waiters[key]
 
-    def waiters(self, key: str, whole: bool = False) -> list[Waiter]:
+    def waiters(self, key: str, takes: Share | None = None) -> list[Waiter]:
         """The gets still waiting for ``key``, oldest first (they stay in the queue);
-        ``whole``: only those that take all of it (bytes may be delivered to them)."""
+        ``takes``: only those that take exactly that of it (the bytes of that cut may be
+        delivered to them)."""
         return [w for w in self._waiters.get(key, ())
-                if not w.future.done() and not (whole and w.share != ALL)]
+                if not w.future.done() and not (takes is not None and w.share != takes)]
 
-    def next_waiter(self, key: str, whole: bool = False) -> Waiter | None:
-        """The oldest waiter for ``key`` still waiting (``whole``: of those that take all
-        of it), removed from the queue."""
+    def next_waiter(self, key: str, takes: Share | None = None) -> Waiter | None:
+        """The oldest waiter for ``key`` still waiting (``takes``: of those that take
+        exactly that of it), removed from the queue."""
         queue = self._waiters.get(key)
         if not queue:
             return None
@@ -225,7 +253,7 @@ class KeyStore:
             waiter = queue.popleft()
             if waiter.future.done():
                 continue
-            if whole and waiter.share != ALL:
+            if takes is not None and waiter.share != takes:
                 kept.append(waiter)
                 continue
             found = waiter

@@ -48,6 +48,7 @@ class Arrival:
     pool_block: PoolBlock | None = None  # else pool memory (host or GPU), stored as the key
     pool: HostPool | None = None
     region: Region | None = None  # a pull: the puller's blocks
+    first: int = 0  # the key's block the bytes begin with (Offer.first)
 
     @property
     def device(self) -> torch.device:
@@ -65,11 +66,12 @@ class Arrivals:
         self.engine = engine
 
     def arrival(self, key: str, layout: Layout, num_blocks: int, ttl_s: float | None,
-                gpu: str | None = None) -> Arrival:
-        """Where bytes for ``key`` from a peer go: the blocks of the oldest fitting get
-        that waits for it, else new pool memory — GPU staging on ``gpu`` first when the
-        bytes come over NCCL, then the host pool (``PoolExhausted`` if none: the sender
-        is told BUSY). Gets that wait but cannot take it fail with the reason."""
+                gpu: str | None = None, first: int = 0) -> Arrival:
+        """Where bytes for ``key`` from a peer go (its blocks from ``first`` on): the
+        blocks of the oldest fitting get that waits for just those, else new pool memory
+        — GPU staging on ``gpu`` first when the bytes come over NCCL, then the host pool
+        (``PoolExhausted`` if none: the sender is told BUSY). Gets that wait for them but
+        cannot take them fail with the reason."""
         self.engine.check_accepting()
         if self.engine.leases.released(key):  # its reader will not come for it
             raise self.engine.store.missing(key, f" on {self.engine.config.node_id}")
@@ -77,25 +79,31 @@ class Arrivals:
             raise BadRequest(f"key {key!r} already exists on {self.engine.config.node_id}")
         config = self.engine.config
         expires_at = self.engine.ttl_deadline(ttl_s if ttl_s is not None else config.put_ttl_s)
-        while (waiter := self.engine.store.next_waiter(key, whole=True)) is not None:
-            problem = unfit(key, layout, num_blocks, waiter.region, waiter.idx)
+        # A get that takes the key from ``first`` on, whole blocks, takes these bytes as
+        # they are (the vLLM connector's decode, past its prefix hit).
+        takes = Share(skip=first)
+        while (waiter := self.engine.store.next_waiter(key, takes)) is not None:
+            problem = unfit(key, layout, num_blocks, waiter.region, waiter.idx, takes, first)
             if problem is None:
                 waiter.delivering = True
                 return Arrival(key, layout, num_blocks, expires_at, waiter.blocks,
-                               waiter=waiter)
+                               waiter=waiter, first=first)
             waiter.settle(problem)
         _, packed = packed_offsets(layout, num_blocks)
         pool, block = self._staging_for(max(packed, 1), gpu)
         self.engine.store.reserve(key)
         blocks = BlockSet.packed(pool.view(block), layout, num_blocks)
         return Arrival(key, layout, num_blocks, expires_at, blocks, pool_block=block,
-                       pool=pool)
+                       pool=pool, first=first)
 
-    def get_waits_for(self, key: str, layout: Layout, num_blocks: int) -> bool:
-        """Whether a get waits for ``key`` in blocks that fit ``num_blocks`` of ``layout``:
-        ``arrival`` puts such bytes there, whatever room the pools have."""
-        return any(unfit(key, layout, num_blocks, w.region, w.idx) is None
-                   for w in self.engine.store.waiters(key, whole=True))
+    def get_waits_for(self, key: str, layout: Layout, num_blocks: int, first: int = 0
+                      ) -> bool:
+        """Whether a get waits for ``key`` in blocks that fit ``num_blocks`` of ``layout``
+        (its blocks from ``first`` on): ``arrival`` puts such bytes there, whatever room
+        the pools have."""
+        takes = Share(skip=first)
+        return any(unfit(key, layout, num_blocks, w.region, w.idx, takes, first) is None
+                   for w in self.engine.store.waiters(key, takes))
 
     def _staging_for(self, nbytes: int, gpu: str | None) -> tuple[HostPool, PoolBlock]:
         """GPU staging on ``gpu`` if it has room, else the host pool (spill)."""
@@ -122,7 +130,7 @@ class Arrivals:
                 key=arrival.key, layout=arrival.layout, num_blocks=arrival.num_blocks,
                 nbytes=packed, owner=None, expires_at=arrival.expires_at, consume_once=True,
                 pool_block=arrival.pool_block, pool=arrival.pool,
-                on_free=self.engine.free_pool_item))
+                on_free=self.engine.free_pool_item, first=arrival.first))
 
     def arrival_failed(self, arrival: Arrival, error: KvdError) -> None:
         if arrival.waiter is not None:
@@ -136,6 +144,7 @@ class Arrivals:
     def source_blocks(self, item: Item, share: Share = ALL) -> BlockSet:
         """``share`` of the bytes of a stored or published item, wire order (the caller
         holds a read)."""
+        share = item.held(share)
         if share == ALL and item.blocks is not None:
             return item.blocks
         if item.region is not None:
@@ -158,16 +167,17 @@ class Arrivals:
         item = self.engine.store.find(key)
         if item is None:
             raise self.engine.store.missing(key, f" on {self.engine.config.node_id}")
-        if share.skip >= item.num_blocks:
-            raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks: a read cannot "
-                             f"skip {share.skip} of them")
+        if share.skip < item.first or share.skip >= item.first + item.num_blocks:
+            raise BadRequest(f"key {key!r} holds its blocks from {item.first} to "
+                             f"{item.first + item.num_blocks}: a read cannot skip "
+                             f"{share.skip} of them")
         taken = part_layout(item.layout, share.part)
         if taken != layout:
             cut = f", cut in {share.part.count}," if share.part.count > 1 else ""
             raise LayoutMismatch(
                 f"key {key!r}{cut} has layout {describe_layout(taken or item.layout)}, the "
                 f"puller's region has {describe_layout(layout)}")
-        if item.num_blocks - share.skip != num_blocks:
+        if item.first + item.num_blocks - share.skip != num_blocks:
             raise BadRequest(f"key {key!r} holds {item.num_blocks} blocks, "
                              f"{num_blocks} asked for (after {share.skip} skipped)")
         if problem := uncut(item, share):

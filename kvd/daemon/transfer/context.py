@@ -73,6 +73,7 @@ class Push:
     state: Outgoing[PeerLink]
     source: Source
     deadline: float  # loop time
+    first: int = 0  # the key's block the source's first is (Offer.first)
     tcp: TcpSendRoute | None = None  # our data connection, if TCP may be chosen
     eager_tcp: Moving | None = None  # bytes sent with the first offer (TCP)
     tcp_job: Moving | None = None  # the bytes the ACCEPT took over TCP

@@ -48,9 +48,9 @@ class Leasing(TransferPart):
         await self._call(src, timeout_s, f"renewal of key {key!r}",
                          lambda cid: LeaseRenew(call_id=cid, key=key, ttl_s=ttl_s))
 
-    async def release(self, key: str, src: str, timeout_s: float) -> None:
+    async def release(self, key: str, src: str, timeout_s: float, skip: int = 0) -> None:
         await self._call(src, timeout_s, f"release of key {key!r}",
-                         lambda cid: LeaseRelease(call_id=cid, key=key))
+                         lambda cid: LeaseRelease(call_id=cid, key=key, skip=skip))
 
     async def _call(self, src: str, timeout_s: float, what: str,
                     message: Callable[[int], LeaseCall]) -> None:
@@ -100,7 +100,7 @@ class Leasing(TransferPart):
             if isinstance(msg, LeaseRenew):
                 self.leases.renew(msg.key, msg.ttl_s)
             else:
-                self.leases.release(msg.key)
+                self.leases.release(msg.key, msg.skip)
         except KvdError as err:
             log.info("lease %s refused key=%s from=%s: [%s] %s",
                      msg.__struct_config__.tag, msg.key, link.address, err.code, err.message)

@@ -414,7 +414,7 @@ class TransferMachine(Generic[L]):
                 f"offer of {offer.nbytes} bytes exceeds the whole pool "
                 f"({facts.pool_capacity_bytes} bytes)"))
         if pull is not None and (offer.key != pull.key or layout != pull.layout
-                                 or offer.num_blocks != pull.num_blocks):
+                                 or offer.num_blocks != pull.num_blocks or offer.first):
             return Refusal(ProtocolError("offer does not match the pull it answers"), None)
         return None
 

@@ -145,7 +145,8 @@ class Receiver(TransferPart):
         facts = OfferFacts(
             self.config.node_id, self.nccl is not None, self.engine.pool.capacity_bytes,
             get_waits=(offer.nbytes > self.engine.pool.capacity_bytes
-                       and self.arrivals.get_waits_for(offer.key, layout, offer.num_blocks)))
+                       and self.arrivals.get_waits_for(offer.key, layout, offer.num_blocks,
+                                                       offer.first)))
         refusal = self.machine.check_offer(link, offer, facts,
                                            self._waiting_pulls.holds(link, tid))
         if refusal is not None:
@@ -161,7 +162,7 @@ class Receiver(TransferPart):
                 staging = (str(eager_nccl.channel.device) if eager_nccl is not None
                            else self._staging_gpu() if offer.src_gpu else None)
                 arrival = self.arrivals.arrival(offer.key, layout, offer.num_blocks,
-                                                offer.ttl_s, gpu=staging)
+                                                offer.ttl_s, gpu=staging, first=offer.first)
         except PoolExhausted:
             self.counters.busy_replies += 1
             self.plane.send(link, Busy(transfer_id=tid, retry_after_s=BUSY_RETRY_S))

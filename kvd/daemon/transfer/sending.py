@@ -96,22 +96,23 @@ class Sender(TransferPart):
         self.engine.copies.hold_regions(push.source.regions, ended(job.future))
 
     async def push_blocks(self, key: str, region: Region, idx: torch.Tensor, to: str,
-                          ttl_s: float | None, timeout_s: float) -> int:
-        """A client's put to another daemon."""
+                          ttl_s: float | None, timeout_s: float, first: int = 0) -> int:
+        """A client's put to another daemon: ``idx``, the key's blocks from ``first`` on
+        (its reader has the ones before)."""
         deadline = self._loop.time() + timeout_s
         link = await self.plane.link_to(to, timeout_s)
         source = Source(BlockSet(region.tensors, idx.numpy()), region.layout, len(idx),
                         [region])
-        return await self.push(link, new_id(), key, source, ttl_s, deadline)
+        return await self.push(link, new_id(), key, source, ttl_s, deadline, first)
 
     async def push(self, link: PeerLink, tid: int, key: str, source: Source,
-                   ttl_s: float | None, deadline: float) -> int:
+                   ttl_s: float | None, deadline: float, first: int = 0) -> int:
         self._check_gpu_route(link, source)
         nccl = self.nccl is not None and any(d.startswith("cuda") for d in link.devices)
         out = Outgoing(tid, key, link, source.layout, source.num_blocks,
                        from_gpu=source.gpu is not None, nccl=nccl,
                        src_dev=(source.gpu or self.plane.gpus[0]) if nccl else CPU_DEVICE)
-        push = Push(out, source, deadline)
+        push = Push(out, source, deadline, first)
         self._pushes[tid] = push
         self.machine.send_begins(out)
         nbytes = source.nbytes
@@ -239,7 +240,7 @@ class Sender(TransferPart):
                      dst_dev="any", nbytes=out.nbytes, num_blocks=out.num_blocks,
                      layout=list(out.layout), ttl_s=ttl_s, src_gpu=out.from_gpu,
                      one_run=out.from_gpu and push.source.blocks is not None
-                     and push.source.blocks.one_run())
+                     and push.source.blocks.one_run(), first=push.first)
 
     def _send_inline(self, push: Push, offer: Offer) -> None:
         """Send ``offer`` with the bytes in it, read from the client's blocks as it is

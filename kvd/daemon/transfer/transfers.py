@@ -113,9 +113,9 @@ class PeerTransfers(TransferPart):
         return self.plane.address
 
     async def push_blocks(self, key: str, region: Region, idx: torch.Tensor, to: str,
-                          ttl_s: float | None, timeout_s: float) -> int:
-        """A client's put to another daemon."""
-        return await self.sender.push_blocks(key, region, idx, to, ttl_s, timeout_s)
+                          ttl_s: float | None, timeout_s: float, first: int = 0) -> int:
+        """A client's put to another daemon (``idx``: the key's blocks from ``first`` on)."""
+        return await self.sender.push_blocks(key, region, idx, to, ttl_s, timeout_s, first)
 
     # ------------------------------------------------------------ actions
 
