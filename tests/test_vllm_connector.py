@@ -527,7 +527,9 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
     first time (its own earlier request), 9 the second (the first one's). Decode loads
     only the parts past its hit, byte for byte, and releases the parts it has cached.
     When it learns its hit before prefill pushes (the proxy sent both requests at once,
-    naming prefill's daemon), those parts never leave prefill; when it learns it after
+    naming prefill's daemon), those parts never leave prefill, nor does the cached block
+    of the part that straddles the hit: only the blocks decode lacks cross the wire.
+    When it learns it after
     the parts are in its daemon (sent with prefill's answer), they are dropped there at
     once. Either way its daemon holds nothing right after, not until prefill's 30 s lease
     ends."""
@@ -550,23 +552,33 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
         d.add("warm", [*prompt[:80], 1])  # decode computes and caches 5 blocks itself
         d.step(worker=dw)
         discarded: list[str] = []
+        heads: list[tuple[str, int]] = []  # parts straddling the hit: their cached blocks
+
+        def released_at_prefill() -> tuple[int, int]:
+            leases = prefill_daemon.stats()["leases"]
+            return leases["released"], leases["released_head"]
+
         for rnd, hit in enumerate((5, 9)):
             rid, key = f"r{rnd}", f"proxy/{rnd}"
             d_params = {"do_remote_prefill": True, "kvd_flow": "push", "kvd_key": key,
                         "kvd_source": prefill_address}
-            sent_before = (pw._mover.stats.bytes_sent, pw._mover.stats.sends_released)
+            sent_before = (pw._mover.stats.bytes_sent, pw._mover.stats.sends_released,
+                           pw._mover.stats.bytes_unsent)
             if decode_first:
                 d.add(rid, prompt, max_tokens=2, params=d_params)
                 # Decode schedules it (a step ahead of prefill, as when prefill computes)
-                # and releases the parts it has cached at prefill's daemon.
-                released = prefill_daemon.stats()["leases"]["released"]
+                # and releases the parts it has cached at prefill's daemon, and the first
+                # block of the part that straddles its hit.
+                released, released_head = released_at_prefill()
                 _, meta = d.step(worker=dw)
-                discarded += [o.key for o in meta.discards]
+                discarded += [o.key for o in meta.discards if not o.skip]
+                heads += [(o.key, o.skip) for o in meta.discards if o.skip]
+                assert heads[-1] == (f"{key}#p{hit // 2}", 1)
                 assert [lo.key for lo in meta.loads] == [
                     f"{key}#p{j}" for j in range(hit // 2, 5)]
                 d_ids = list(d.s.kv_cache_manager.get_block_ids(rid)[0])
                 deadline = time.monotonic() + 5
-                while prefill_daemon.stats()["leases"]["released"] < released + hit // 2:
+                while released_at_prefill() < (released + hit // 2, released_head + 1):
                     assert time.monotonic() < deadline, prefill_daemon.stats()["leases"]
                     d.step(worker=dw)
             p.add(rid, prompt, params={"do_remote_decode": True, "kvd_key": key,
@@ -587,7 +599,7 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
                 if rid not in d.s.requests:
                     continue
                 _, meta = d.step(worker=dw)
-                discarded += [o.key for o in meta.discards]
+                discarded += [o.key for o in meta.discards if not o.skip]
                 if not d_ids:
                     d_ids = list(d.s.kv_cache_manager.get_block_ids(rid)[0])
                     assert [lo.key for lo in meta.loads] == [
@@ -598,10 +610,11 @@ def test_push_parts_decode_has_cached_leave_its_pool_at_once(
                 assert time.monotonic() < deadline, f"keys, waiting gets, pool bytes: {left}"
                 d.step(worker=dw)
             assert sorted(discarded[-(hit // 2):]) == [f"{key}#p{j}" for j in range(hit // 2)]
-            if decode_first:  # only the parts past the hit crossed the wire
+            if decode_first:  # only the blocks past the hit crossed the wire
                 assert (pw._mover.stats.bytes_sent - sent_before[0],
-                        pw._mover.stats.sends_released - sent_before[1]) == (
-                    (5 - hit // 2) * 2 * block_bytes, hit // 2)
+                        pw._mover.stats.sends_released - sent_before[1],
+                        pw._mover.stats.bytes_unsent - sent_before[2]) == (
+                    (10 - hit) * block_bytes, hit // 2, hit * block_bytes)
             p_ids = [b for j in range(5) for b in sends[f"{key}#p{j}"]]
             for name in LAYERS:  # the blocks past the hit came from prefill, byte-exact;
                 for j in range(10):  # the cached ones were not written

@@ -141,10 +141,12 @@ def refused_loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[i
 def loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
           ) -> tuple[list[LoadOrder], list[DiscardOrder]]:
     """The loads of a request (``ids``: its block list in each group), and the pushed
-    parts it releases (full-attention parts wholly inside the local prefix hit).
+    parts it releases (full-attention parts wholly inside the local prefix hit, and the
+    cached blocks of the one that straddles the hit, at prefill's daemon when known).
     ``BadRequest`` when a group has not allocated a block it would load into."""
     orders: list[LoadOrder] = []
     dropped: Keys = []
+    heads: list[DiscardOrder] = []
     for g, (group, parts) in enumerate(zip(groups, keys_of(groups, ld.key, ld.tokens,
                                                            ld.part_blocks), strict=True)):
         if group.kind != FULL:
@@ -163,5 +165,11 @@ def loads(groups: Sequence[Group], ld: Loading, ids: Sequence[Sequence[int]],
             orders.append(LoadOrder(ld.req_id, key, ld.source, hi - lo, max(ld.first - lo, 0),
                                     into, ld.timeout_s, parts=len(wanted),
                                     their_tp=ld.their_tp, group=g, sender=ld.sender))
-    return orders, (discards(groups, dropped, ld.req_id, ld.sender, ld.their_tp)
-                    if ld.source is None else [])
+            if lo < ld.first and ld.sender is not None:
+                # The part that holds the first block not cached here: prefill's daemon
+                # is told to send only its blocks from there on.
+                heads.append(DiscardOrder(ld.req_id, key, ld.sender, their_tp=ld.their_tp,
+                                          group=g, skip=ld.first - lo))
+    if ld.source is not None:
+        return orders, []
+    return orders, discards(groups, dropped, ld.req_id, ld.sender, ld.their_tp) + heads

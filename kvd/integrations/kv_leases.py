@@ -55,7 +55,7 @@ class LeaseCalls:
         if ("release", order.key, order.source) in self._calls:
             return
         self._start(("release", order.key, order.source), order, lambda: client.release(
-            order.key, order.source, timeout_s=CALL_TIMEOUT_S))
+            order.key, order.source, timeout_s=CALL_TIMEOUT_S, skip=order.skip))
 
     def _start(self, ident: tuple[str, str, str], order: RenewOrder | ReleaseOrder,
                call: Callable[[], Transfer]) -> None:
@@ -86,6 +86,9 @@ class LeaseCalls:
             else:
                 if isinstance(order, RenewOrder):
                     self._stats.leases_renewed += 1
+                elif order.skip:  # a pushed key's cached blocks: the rest still comes
+                    self.log.debug("kvd: request %s has key %s's first %d blocks: released "
+                                   "at %s", order.req_id, order.key, order.skip, order.source)
                 elif order.source == "local":  # a pushed key, at this engine's daemon
                     self.log.debug("kvd: request %s will not load key %s: released here",
                                    order.req_id, order.key)

@@ -114,6 +114,7 @@ class _Send:
     started: float = field(default_factory=time.monotonic)
     slots: list[int] | None = None
     transfer: Transfer | None = None
+    nbytes: int = 0  # the key's bytes, all of them
 
 
 @dataclass(eq=False)
@@ -355,6 +356,9 @@ class KvMover:
                     nbytes = 0  # pushed: refused by decode's daemon, released there
                 self.stats.sends += 1
                 self.stats.bytes_sent += nbytes
+                if nbytes < send.nbytes and (order.push_to is not None or nbytes
+                                             or time.monotonic() < send.deadline):
+                    self.stats.bytes_unsent += send.nbytes - nbytes  # (unread: not these)
                 self.stats.send_samples.append([time.monotonic() - send.started, nbytes])
                 if nbytes == 0:
                     if order.push_to is not None or time.monotonic() < send.deadline:
@@ -389,6 +393,7 @@ class KvMover:
             self._stage(order.block_ids, slots, inward=True)
             self._requests.release(order)  # the bytes are in staging: the blocks are free
             region, blocks = self._staging_region, slots
+        send.nbytes = len(blocks) * sum(e.bytes_per_block for e in region.layout)
         if order.push_to is None:
             send.transfer = self.client.lend(order.key, region, blocks, ttl_s=left)
         else:
@@ -485,7 +490,14 @@ class KvMover:
         """Release a pushed key this engine will not load, here and at its sender (never
         raises: a failure is logged). Only the bytes decode does not have cross the wire:
         prefill's daemon, told first, sends nothing; what came already, or comes anyway,
-        is dropped here."""
+        is dropped here. With ``order.skip``, the key's first blocks only, at its sender:
+        the load of the rest goes on."""
+        if order.skip:
+            if self.connected and order.sender is not None:
+                self._leases.release(self.client, ReleaseOrder(
+                    order.req_id, order.key, order.sender, order.their_tp, order.group,
+                    order.skip))
+            return
         if order.key in self._loads:
             self.log.error("kvd discard of %r: a key being loaded: not releasing it",
                            order.key)

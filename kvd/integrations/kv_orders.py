@@ -68,13 +68,18 @@ class DiscardOrder:
     """Request ``req_id`` will not load ``key``, pushed (or still to be) to this daemon by
     ``sender`` (None: not known), a part of a prompt that this engine has cached itself:
     the key is released at this daemon (dropped if it is here, refused if it comes) and at
-    the sender (its put then sends nothing)."""
+    the sender (its put then sends nothing).
+
+    ``skip`` (not 0): only the key's first ``skip`` blocks are cached here, and the
+    request loads the rest: they are released at the sender alone, whose put then sends
+    only the others (what comes here whole, if it was sent already, is loaded anyway)."""
 
     req_id: str
     key: str
     sender: str | None = None
     their_tp: int = 0
     group: int = 0
+    skip: int = 0
 
 
 @dataclass
@@ -100,6 +105,7 @@ class ReleaseOrder:
     source: str
     their_tp: int = 0
     group: int = 0
+    skip: int = 0  # not 0: only the key's first blocks (a DiscardOrder's ``skip``)
 
 
 @dataclass
@@ -121,6 +127,9 @@ class MoverStats:
     sends_unread: int = 0  # lent, and nobody pulled them before the lease ended
     sends_released: int = 0  # released by decode (aborted, or cached there): lent unread, or
     # pushed without a byte
+    # Bytes of keys sent that did not cross the wire as decode had them cached or would not
+    # load them: the released sends', and the cached blocks of a part it loaded the rest of.
+    bytes_unsent: int = 0
     send_failures: int = 0
     loads: int = 0
     load_failures: int = 0
