@@ -155,7 +155,8 @@ class Daemon:
                 trigger: Awaitable[Any] = self._stop.wait()
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
-            frozen = freeze_startup() if owns_process else 0
+            if owns_process:
+                self.gc_pauses.frozen_objects = freeze_startup()
             self.gc_pauses.install()  # (from here on: pauses while serving)
             outer.callback(self.gc_pauses.remove)
             self.ready.set()
@@ -164,7 +165,7 @@ class Daemon:
                 f"kvd ready node={self.config.node_id} epoch={self.epoch} "
                 f"socket={self.config.socket_path} peer={self.peers.address} "
                 f"http={self.http.address} pool={self.config.pool_size_bytes}B "
-                f"gc_frozen={frozen}")
+                f"gc_frozen={self.gc_pauses.frozen_objects}")
             self.notifier.ready(f"serving on {self.config.socket_path}, peers on "
                                 f"{self.peers.address}")
             self.notifier.start_watchdog()
