@@ -233,6 +233,7 @@ def test_a_decode_abort_frees_prefills_blocks_within_a_second(pair: Pair) -> Non
     print(f"decode aborted: prefill's daemon empty in {took * 1000:.0f} ms")
 
 
+@pytest.mark.extra  # (CI: a multiprocess decode with this policy in the TP tests)
 @pytest.mark.timeout(300)  # one more engine
 def test_multiprocess_decode_and_the_fail_policy(pair: Pair) -> None:
     prompt = list(range(40, 110))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,6 +122,23 @@ def test_decode_reads_its_heads_from_prefill_ranks(engines: Engines, prefill_tp:
     # Two reads of half the heads each: rank by rank (2, 2), both halves into one rank
     # (2, 1), or each rank its half of the one lender's blocks (1, 2).
     assert (done - before[0], nbytes - before[1]) == (2, 2 * 3 * BLOCK_BYTES // 2)
+
+
+def test_kv_that_never_comes_ends_the_request_with_an_error(engines: Engines) -> None:
+    """Decode as `vllm serve` runs it (its engine core in a process of its own) with
+    kv_load_failure_policy=fail: KV that never comes (no such key at prefill's daemon)
+    ends the request with an error once load_timeout_s has passed (a key not lent yet may
+    still come), instead of decoding on blocks nobody wrote."""
+    prefill = engines.get("kv_producer", 2)
+    decode = engines.get("kv_consumer", 1)
+    prompt = list(range(40, 110))
+    handed = prefill.generate([{"prompt_token_ids": prompt}],
+                              greedy(1, {"do_remote_decode": True}))[0]
+    lost = {**handed.kv_transfer_params, "kvd_key": "no-such-key"}
+    started = time.monotonic()
+    out = decode.generate([{"prompt_token_ids": prompt}], greedy(5, lost))[0]
+    assert time.monotonic() - started < 15  # load_timeout_s (5 s), not a hang
+    assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) == 0
 
 
 @pytest.mark.extra
