@@ -360,9 +360,11 @@ class KvdDaemons:
 
     def close(self) -> None:
         if self.started and not self.failed:  # (stats: the daemons' own status)
+            CHILDREN.signal(self.daemons, signal.SIGCONT)  # (paused while others ran)
             with contextlib.suppress(Exception):
                 self.gc_longest_pause_ms = round(1e3 * max(
-                    c.stats()["gc"]["longest_pause_s"] for c in (self.tx, self.watch)), 2)
+                    c.stats(timeout_s=10.0)["gc"]["longest_pause_s"]
+                    for c in (self.tx, self.watch)), 2)
         for c in ("tx", "rx", "watch"):
             with contextlib.suppress(Exception):
                 getattr(self, c).close()
