@@ -129,6 +129,14 @@ GONE_REMEMBERED = 65536
 RELEASED = "released by its reader"
 
 
+def _remember(table: collections.OrderedDict[bytes, Any], name: bytes, value: Any) -> None:
+    """``table[name] = value``, newest last, the oldest forgotten past GONE_REMEMBERED."""
+    table[name] = value
+    table.move_to_end(name)
+    if len(table) > GONE_REMEMBERED:
+        table.popitem(last=False)
+
+
 def _name_hash(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
@@ -195,20 +203,13 @@ class KeyStore:
         self._went(key, why)
 
     def _went(self, key: str, why: str) -> None:
-        name = _name_hash(key)
-        self._gone[name] = why
-        self._gone.move_to_end(name)
-        if len(self._gone) > GONE_REMEMBERED:
-            self._gone.popitem(last=False)
+        _remember(self._gone, _name_hash(key), why)
 
     def keep_tail(self, key: str, first: int) -> None:
         """Remember that ``key``'s reader needs only its blocks from ``first`` on (it has
         the others), as many keys as gone ones."""
         name = _name_hash(key)
-        self._tails[name] = max(first, self._tails.get(name, 0))
-        self._tails.move_to_end(name)
-        if len(self._tails) > GONE_REMEMBERED:
-            self._tails.popitem(last=False)
+        _remember(self._tails, name, max(first, self._tails.get(name, 0)))
 
     def tail(self, key: str) -> int:
         """The first of ``key``'s blocks its reader needs (``keep_tail``); 0: all."""
