@@ -38,6 +38,7 @@ from kvd.loop_socket import NOBLOCK, descriptor, has_message
 from kvd.protocol import Bye, Reply
 
 _MAIN_THREAD = threading.main_thread().ident  # (signal handlers run in it: wait_reply)
+_HAND_OVER: list[bytes] = []  # (_receive: the main thread leaves the reading to another)
 
 
 class SharedDealer:
@@ -293,15 +294,12 @@ class SharedDealer:
                         else:
                             self._sleep(left)
                 left = 0.0 if poll_only else deadline - time.monotonic()
-                ready = self._ready(left)
-                if ready and main and self._others:  # (read again under the lock)
-                    with self._replies_lock:
-                        if self._others:  # they came while it waited: one of them reads
-                            self._reading = reading = False
-                            self._wake()
-                            continue
-                payloads = self._receive() if ready else []
+                payloads = self._receive(main) if self._ready(left) else []
                 with self._replies_lock:
+                    if payloads is _HAND_OVER:  # others came while it waited: one reads
+                        self._reading = reading = False
+                        self._wake()
+                        continue
                     # Taken in the order read, before another thread may read on: a
                     # request's reply is stashed before its cancel's (``KvdClient._stop``).
                     if self._take(payloads):
@@ -346,12 +344,21 @@ class SharedDealer:
                     pass
         return bool(ready)
 
-    def _receive(self) -> list[bytes] | None:
+    def _receive(self, main: bool) -> list[bytes] | None:
         """The replies waiting (it is ready): [] if none after all, None once the daemon
-        is gone (its lifeline closed) and nothing is left to read."""
+        is gone (its lifeline closed) and nothing is left to read, ``_HAND_OVER`` if
+        ``main`` and another thread waits.
+
+        The main thread's check that no other thread waits is made under the write lock,
+        which ``send`` holds while it counts its caller as waiting: no other thread's
+        request goes between the check and the read, so what the main thread reads is
+        no waiting thread's reply. What it read is kept if a signal handler's exception
+        strikes while it reads."""
         assert self._sock is not None and self._lifeline is not None
         payloads: list[bytes] = []
         with self._write_lock:
+            if main and self._others:
+                return _HAND_OVER
             try:
                 # The monitor first: a connection's end comes after its last reply, so
                 # the replies read next include all of them.
@@ -361,6 +368,10 @@ class SharedDealer:
                     payloads.append(self._sock.recv(NOBLOCK))
             except zmq.ZMQError:  # (closed: the client is shutting down)
                 return None
+            except BaseException:
+                with self._replies_lock:
+                    self._take(payloads)
+                raise
         if payloads:
             return payloads
         if not self._gone_at and self._lifeline.gone():
