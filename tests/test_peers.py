@@ -943,6 +943,11 @@ def test_frozen_peer_is_declared_dead_by_heartbeats(nodes: object) -> None:
     dst = shared_zeros((2, BLOCK), torch.uint8)
     b.client.get("again", b.client.register("kv", [dst]), [0, 1], timeout_s=5)
     assert torch.equal(dst, small)
+    # The frozen side's receive of "big" failed too, its memory given back (one aborted
+    # while a chunk was being written stayed in flight, and its stop waited it out).
+    stats = wait_until(lambda: (s := b.client.stats())["transfers"]["in_flight_in"] == 0
+                       and s, timeout_s=5)
+    assert stats["pool"]["used_bytes"] == 0 and stats["keys"] == 0
 
 
 def test_receiver_frees_memory_when_sender_dies(nodes: object) -> None:

@@ -436,11 +436,15 @@ class RecvChannel(Channel):
             return True
 
     def _end_write(self, job: RecvJob) -> None:
+        """The chunk is in: a job given up, or one on a channel aborted while the chunk
+        was written (``_fail_pending`` leaves that one to us), fails now."""
         with self._lock:
             self._writing = False
-            abandoned = job.abandoned
+            abandoned, error = job.abandoned, self._error
         if abandoned:
             _settle(job.future, error=Cancelled(f"transfer {job.transfer_id} cancelled"))
+        elif error is not None:
+            _settle(job.future, error=error)
 
     def _release(self) -> None:
         self._scratch = None
