@@ -19,22 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 
 from kvd.daemon.futures import wait_out
 from kvd.daemon.leases import Leases
 from kvd.daemon.peer_link import PeerLink
-from kvd.daemon.transfer.context import TransferContext, TransferPart, log, new_id
+from kvd.daemon.peers import PeerPlane
+from kvd.daemon.transfer.machine import new_id
 from kvd.errors import KvdError, KvdTimeout, PeerUnreachable, error_from_code
 from kvd.protocol import LeaseAnswer, LeaseRelease, LeaseRenew, PeerMessage
+
+log = logging.getLogger("kvd.daemon.transfer.leasing")
 
 LeaseCall = LeaseRenew | LeaseRelease
 
 
-class Leasing(TransferPart):
-    def __init__(self, ctx: TransferContext, leases: Leases) -> None:
-        super().__init__(ctx)
+class Leasing:
+    def __init__(self, plane: PeerPlane, leases: Leases,
+                 count_bad: Callable[[str], None]) -> None:
+        self.plane = plane
         self.leases = leases
+        self._count_bad = count_bad
+        self._loop = asyncio.get_running_loop()
         # Our calls awaiting their answer: the link each went on, and its answer.
         self._calls: dict[int, tuple[PeerLink, asyncio.Future[LeaseAnswer | KvdError]]] = {}
 

@@ -1,84 +1,89 @@
-"""Transfers between daemons: the driver around the transfer machine.
+"""Transfers between daemons: the driver of the transfer machine.
 
-``PeerTransfers`` is the driver of ``machine.TransferMachine``: it feeds it the peer's
-messages and the transfers' events, carries out the actions it returns (hand a reply to a
-send, queue bytes on a route, tell the peer), and runs our pulls. Its parts run the other
-coroutines a transfer lives in: ``sending.Sender`` (a push), ``receiving.Receiver`` (an
-offer and its bytes), ``serving.PullServer`` (a peer's pull); ``context`` holds what they
-share. Bytes move on routes
-(``routes``): our data connection or an NCCL channel, chosen by the ACCEPT for a send and
-by the destination's memory for a receive.
+``PeerTransfers`` feeds ``machine.TransferMachine`` every input — a client's put or pull
+and its cancel, a peer's message, a route's completion, a timer, a lost link — and carries
+out the actions it returns, in order: messages to peers, jobs on routes (``routes``: our
+data connection or an NCCL channel), the keys' side (``Arrivals``: where incoming bytes
+land, what a peer may read), timers, and the answers to the requests waiting here. Where
+carrying out an action finds something the machine must know (a route that cannot take
+the bytes, where an offer's bytes go, whether a pulled key is here), it reports it back
+as the machine's next input. It decides nothing: the protocol is the machine's.
 
-The exchange. Sender: ``push`` offers the bytes (key, layout, block count, size). The
-receiver picks the destination (``Arrivals``: a waiting get's blocks, else pool memory,
-else BUSY), queues the receive on its route, and ACCEPTs. The sender then queues the bytes
-on the route the ACCEPT names; the receiver answers XFER_DONE once they are in place (or
-XFER_FAILED). BUSY makes the sender retry with backoff until its deadline, then fail with
-``PoolExhausted``.
-
-Eager sends skip the wait for the ACCEPT: host memory goes right behind its first offer on
-the data connection; GPU memory, when an NCCL channel to the peer is live (and
-``TransferMachine.may_send_eager_nccl`` allows), is queued on it as the OFFER (naming the
-channel) goes out, and the receiver queues the matching receive when the OFFER arrives
-whatever it answers: into the destination if it ACCEPTs, into staging and dropped if not.
-
-Pull: the puller sends PULL_REQUEST with a transfer id; the owner claims a read of the key
-and pushes it with that id; the puller recognises its id and takes the bytes into the
-blocks it asked for. The pulls an owner serves at once are bounded, per peer and for all:
-past that it refuses with the retriable PoolExhausted.
-
-Every log line carries the transfer id and key. A lost link fails every transfer with that
-peer (``PeerUnreachable``); late bytes never land in memory that was given back: discarded
-receives drop their bytes, and a cancelled send waits for its bytes. A cancel never
-contradicts the receiver: a push cancelled once all its bytes went reports what the
-receiver answers to its XFER_CANCEL (``_verdict``).
+Every job's end reaches the loop through ``call_soon`` (``call_soon_threadsafe`` from a
+route's thread), never inside the action that stopped it: the machine is never fed while
+a list of its actions is half carried out, except by reports those actions ask for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
+from kvd import timeline
+from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Engine
-from kvd.daemon.futures import wait_out
+from kvd.daemon.futures import on_loop, settle_awaited, wait_out
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
 from kvd.daemon.peers import PeerPlane
-from kvd.daemon.transfer.context import (
-    Pull,
-    TransferContext,
-    TransferPart,
-    log,
-    new_id,
-)
+from kvd.daemon.store import Item
+from kvd.daemon.transfer.arrivals import Arrival, Arrivals
 from kvd.daemon.transfer.leasing import Leasing
 from kvd.daemon.transfer.machine import (
+    JOBS_GRACE_S,
     Action,
-    Answer,
+    CancelTimer,
+    Claimed,
     Count,
-    Deliver,
     Discard,
-    EagerTcpAccepted,
-    FailPull,
-    PullState,
+    DropEager,
+    EndRead,
+    EndReceive,
+    Finish,
+    Halt,
+    Job,
+    Landed,
+    NoChannel,
+    NoRoom,
+    Offering,
+    PrepareTcp,
+    Receiving,
+    Send,
+    SendOffer,
     SendZeros,
+    Serve,
+    SettlePull,
     StartSend,
-    StopEagerTcp,
+    Take,
+    TakeResult,
     Tell,
+    Timer,
+    TimerKey,
+    TransferMachine,
+    new_id,
 )
 from kvd.daemon.transfer.nccl_links import NcclLinks
-from kvd.daemon.transfer.receiving import Receiver
-from kvd.daemon.transfer.routes import Source
-from kvd.daemon.transfer.sending import Sender
-from kvd.daemon.transfer.serving import PullServer
-from kvd.errors import KvdError, KvdTimeout
+from kvd.daemon.transfer.routes import Moving, ReceiveRoute, Routes, Source, TcpSendRoute
+from kvd.errors import (
+    BadRequest,
+    Cancelled,
+    KvdError,
+    KvdTimeout,
+    PoolExhausted,
+    TransferFailed,
+)
 from kvd.memory.regions import Region
 from kvd.protocol import (
     ALL,
-    Accept,
-    Busy,
     ChannelDown,
     ChannelWarm,
     LeaseAnswer,
@@ -87,76 +92,114 @@ from kvd.protocol import (
     Offer,
     PeerMessage,
     PullRequest,
-    Refuse,
     Share,
-    XferCancel,
-    XferDone,
-    XferFailed,
 )
 from kvd.transport.chunks import BlockSet
 
+log = logging.getLogger("kvd.daemon.transfer.transfers")
 
-class PeerTransfers(TransferPart):
+
+@dataclass(eq=False)
+class Outbound:
+    """What one send moves: its source and offer, its jobs, and its answer."""
+
+    link: PeerLink
+    source: Source
+    offer: Offer  # as first offered; eager and inline offers are variants of it
+    deadline: float  # loop time
+    future: asyncio.Future[int]  # settled at Finish: what the requester gets
+    wake: asyncio.Future[int]  # what the requester awaits (a cancel cancels only this)
+    requested: float = field(default_factory=time.monotonic)
+    tcp: TcpSendRoute | None = None
+    jobs: dict[Job, Moving] = field(default_factory=dict)
+    inline: bool = False  # its bytes went in the offer
+
+
+@dataclass(eq=False)
+class Inbound:
+    """A receive in progress: where its bytes land, and its job."""
+
+    arrival: Arrival
+    job: Moving
+    nbytes: int
+    offered: float = field(default_factory=time.monotonic)
+
+    @property
+    def regions(self) -> list[Region]:
+        """The client regions the bytes land in (a pull's, or a waiting get's)."""
+        waiter = self.arrival.waiter
+        return [r for r in (self.arrival.region, waiter.region if waiter else None)
+                if r is not None]
+
+
+@dataclass(eq=False)
+class Pulling:
+    """One of our pulls: where its bytes go, and its answer (``future``, settled once;
+    ``wake``, what its task awaits)."""
+
+    region: Region
+    blocks: BlockSet
+    future: asyncio.Future[int]
+    wake: asyncio.Future[int]
+
+
+class PeerTransfers:
     def __init__(self, engine: Engine, plane: PeerPlane, nccl: NcclLinks | None = None
                  ) -> None:
-        super().__init__(TransferContext(engine, plane, nccl))
-        self.sender = Sender(self.ctx)
-        self.receiver = Receiver(self.ctx)
-        self.server = PullServer(self.ctx, self.sender)
-        engine.key_listeners.append(self.server.key_appeared)
-        self.leasing = Leasing(self.ctx, engine.leases)
+        config = engine.config
+        self.engine, self.config, self.plane, self.nccl = engine, config, plane, nccl
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self.arrivals = Arrivals(engine)
+        self.routes = Routes(nccl, engine.busy_poll, config.nccl_chunk_bytes,
+                             config.peer_grace_s, list(plane.gpus))
+        self.machine: TransferMachine[PeerLink] = TransferMachine(
+            config.node_id, has_nccl=nccl is not None,
+            nccl_chunk_bytes=config.nccl_chunk_bytes,
+            max_waiting_pulls=config.max_waiting_pulls, max_wait_s=config.max_wait_s,
+            peer_grace_s=config.peer_grace_s)
+        self._out: dict[int, Outbound] = {}
+        self._in: dict[tuple[PeerLink, int], Inbound] = {}
+        self._pulls: dict[int, Pulling] = {}
+        self._reads: dict[int, Item] = {}  # the served pulls' reads of their keys
+        self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._warn_pull_limit = Throttled(log)
+        self.leasing = Leasing(plane, engine.leases, self._count_bad)
         engine.leases.remote = self.leasing
-        engine.leases.gone_listeners.append(self.server.key_went)
+        engine.key_listeners.append(
+            lambda key: self._act(self.machine.key_appeared(key)))
+        engine.leases.gone_listeners.append(self._key_went)
 
     @property
     def address(self) -> str:
         return self.plane.address
 
+    # ============================================================== a client's requests
+
     async def push_blocks(self, key: str, region: Region, idx: torch.Tensor, to: str,
                           ttl_s: float | None, timeout_s: float, first: int = 0) -> int:
-        """A client's put to another daemon (``idx``: the key's blocks from ``first`` on)."""
-        return await self.sender.push_blocks(key, region, idx, to, ttl_s, timeout_s, first)
-
-    # ------------------------------------------------------------ actions
-
-    def _act(self, link: PeerLink, actions: list[Action[PeerLink]]) -> None:
-        """Carry out what the machine decided, in its order."""
-        for action in actions:
-            match action:
-                case Deliver(tid, reply):
-                    self._deliver(tid, reply)
-                case StartSend(tid, accept):
-                    self.sender.start_accepted(link, tid, accept)
-                case EagerTcpAccepted(tid, accept):
-                    push = self._pushes[tid]
-                    push.tcp_job = push.eager_tcp
-                    push.replies.put_nowait(accept)
-                case SendZeros(gone, accept):
-                    self.sender.send_zeros(gone.link, gone.src_dev, accept, Source(
-                        None, gone.layout, gone.num_blocks))
-                case StopEagerTcp(tid):
-                    push = self._pushes[tid]
-                    if push.eager_tcp is not None:
-                        push.eager_tcp.halt()
-                case Tell(to, message):
-                    self.plane.send(to, message)
-                case FailPull(tid, error):
-                    self._fail_pull(tid, error)
-                case Discard(tid):
-                    receive = self._receives.get((id(link), tid))
-                    if receive is not None:
-                        receive.job.discard()
-                case Count(kind, tid):
-                    self._count_bad(kind)
-                    log.info("message for unknown transfer_id=%d from %s ignored", tid,
-                             link.address)
-
-    def _deliver(self, tid: int, reply: Answer | KvdError) -> None:
-        push = self._pushes.get(tid)
-        if push is not None:
-            push.replies.put_nowait(reply)
-
-    # ------------------------------------------------------------ pulling
+        """A client's put to another daemon (``idx``: the key's blocks from ``first`` on;
+        its reader has the ones before)."""
+        deadline = self._loop.time() + timeout_s
+        link = await self.plane.link_to(to, timeout_s)
+        source = Source(BlockSet(region.tensors, idx.numpy()), region.layout, len(idx),
+                        [region])
+        self._check_gpu_route(link, source)
+        tid = new_id()
+        run = self._outbound(link, tid, key, source, ttl_s, deadline, first)
+        self._act(self.machine.send(self._send_of(run), self._loop.time()))
+        try:
+            return await run.wake
+        except asyncio.CancelledError:
+            # The machine ends it (its timers bound every wait); a second cancel does not
+            # cut this short: what the receiver kept, not the cancel, is the answer.
+            self._act(self.machine.cancel_send(tid, self._loop.time()))
+            await wait_out(run.future, JOBS_GRACE_S + 4 * self.config.peer_grace_s)
+            if not run.future.done() or isinstance(run.future.exception(), Cancelled):
+                raise
+            _uncancel()
+            return run.future.result()  # (kept though cancelled, or why it failed)
 
     async def pull(self, key: str, src: str, region: Region, idx: torch.Tensor,
                    timeout_s: float, wait_for_key_s: float = 0.0, share: Share = ALL,
@@ -165,56 +208,43 @@ class PeerTransfers(TransferPart):
         if self.engine.draining:  # (it may have begun while we linked) nothing waits
             wait_for_key_s = 0.0
         tid = new_id()
-        pull = Pull(PullState(key, link, region.layout, len(idx)), region,
-                    self._loop.create_future(), BlockSet(region.tensors, idx.numpy()))
-        self._pulls[tid] = pull
-        self.machine.pull_begins(tid, pull.state)
+        future = self._loop.create_future()
+        run = Pulling(region, BlockSet(region.tensors, idx.numpy()), future,
+                      self._loop.create_future())
+        self._pulls[tid] = run
         try:
-            self.plane.send(link, PullRequest(transfer_id=tid, key=key, dst_dev=CPU_DEVICE,
-                                              num_blocks=len(idx), layout=list(region.layout),
-                                              wait_for_key_s=wait_for_key_s, share=share))
+            self._act(self.machine.pull(tid, link, key, region.layout, len(idx),
+                                        wait_for_key_s, share))
             # While the request is out (a round trip, and the owner's work): what the
             # receive needs of the destination, so that it is not made once bytes come.
-            self.engine.prepare_gpu_blocks(pull.blocks, region.layout)
-
-            def lost(_link: PeerLink, err: KvdError) -> None:
-                pull.settle(err)
-
-            link.on_lost.append(lost)
+            self.engine.prepare_gpu_blocks(run.blocks, region.layout)
             try:
                 async with asyncio.timeout(timeout_s):
-                    return await pull.wake
+                    return await run.wake
             except TimeoutError:
                 raise KvdTimeout(f"pull {tid} of key {key!r} from {src} did not complete "
                                  f"within {timeout_s:g}s") from None
-            finally:
-                with contextlib.suppress(ValueError):
-                    link.on_lost.remove(lost)
         except BaseException:
-            # Stop the owner, and make sure no bytes land in the blocks after we return:
-            # bytes not yet arriving are discarded; bytes arriving now are waited for.
-            self.plane.send(link, XferCancel(transfer_id=tid))
-            receive = self._receives.get((id(link), tid))
-            if receive is not None:
-                receive.job.discard()
-                await wait_out(pull.future, 60.0)
+            # No bytes land in the blocks after we return: those not yet arriving are
+            # dropped; those arriving now are waited for.
+            self._act(self.machine.cancel_pull(tid))
+            await wait_out(run.future, JOBS_GRACE_S)
             raise
         finally:
             self._pulls.pop(tid, None)
-            self.machine.pull_ends(tid)
 
-    # ------------------------------------------------------------ messages
+    def refuse_waiting_pulls(self, err: KvdError) -> int:
+        """Draining: the peers' pulls waiting here for a key, and our pulls no owner has
+        answered yet, fail now, as gets waiting for a key do. Returns how many."""
+        actions, refused = self.machine.drain(err)
+        self._act(actions)
+        return refused
+
+    # ============================================================== a peer's messages
 
     def on_message(self, link: PeerLink, msg: PeerMessage) -> None:
         self.engine.busy_poll.touch()
-        if isinstance(msg, Offer):
-            self.receiver.on_offer(link, msg)
-        elif isinstance(msg, PullRequest):
-            self.server.on_pull_request(link, msg)
-        elif isinstance(msg, XferCancel):
-            self._waiting_pulls.drop(link, msg.transfer_id)
-            self._act(link, self.machine.on_cancel(link, msg.transfer_id))
-        elif isinstance(msg, ChannelDown):
+        if isinstance(msg, ChannelDown):
             if self.nccl is not None:
                 self.nccl.on_channel_down(link, msg)
         elif isinstance(msg, ChannelWarm):
@@ -223,59 +253,436 @@ class PeerTransfers(TransferPart):
             else:
                 self.plane.send(link, ChannelDown(channel=msg.channel, reason=(
                     f"{self.config.node_id} has no NCCL")))
-        elif isinstance(msg, Accept | Busy | Refuse | XferDone | XferFailed):
-            self._act(link, self.machine.on_answer(link, msg))
         elif isinstance(msg, LeaseRenew | LeaseRelease | LeaseAnswer):
             self.leasing.on_message(link, msg)
+        else:
+            self._act(self.machine.message(link, msg, self._loop.time()))
 
     def on_link_up(self, link: PeerLink) -> None:
         if self.nccl is not None:
             self.nccl.warm_up(link)
 
     def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
-        """Everything of the link ends with it: its waiting pulls are dropped, its sends
-        fail (their tasks end, releasing their reads), its receives fail as their channels
-        are aborted, and offers given up are forgotten."""
-        self._waiting_pulls.drop_link(link)
-        self._act(link, self.machine.on_link_lost(link, error))
+        """Everything of the link ends with it: its sends fail (waiting for their jobs),
+        its receives fail as their channels are aborted, its waiting pulls are dropped."""
+        self._act(self.machine.link_lost(link, error, self._loop.time()))
         if self.nccl is not None:
             self.nccl.on_link_lost(link, error)
 
-    def refuse_waiting_pulls(self, err: KvdError) -> int:
-        """Draining: the pulls our clients made that no owner has answered yet (they may
-        be waiting there for their key), and the peers' pulls waiting here for a key, fail
-        now, as gets waiting for a key do. Returns how many."""
-        refused = self.server.refuse_waiting(err)
-        for tid in list(self.machine.pulls_not_offered()):
-            pull = self._pulls.get(tid)
-            if pull is not None and not pull.future.done():
-                pull.settle(err)  # (its task tells the owner: XferCancel)
-                refused += 1
-        return refused
+    def _key_went(self, key: str) -> None:
+        if self.machine.waits_for(key):
+            self._act(self.machine.key_went(key, self.engine.store.missing(key)))
 
-    # ------------------------------------------------------------ status
+    # ============================================================== actions
+
+    def _act(self, actions: list[Action[PeerLink]]) -> None:
+        """Carry out what the machine decided, in its order."""
+        for action in actions:
+            match action:
+                case Tell(link, message, soon):
+                    if soon:
+                        self._loop.call_soon(self.plane.send, link, message)
+                    else:
+                        self.plane.send(link, message)
+                case SendOffer(tid, how):
+                    self._send_offer(tid, how)
+                case StartSend(tid, accept):
+                    run = self._out.get(tid)
+                    if run is None:
+                        continue
+                    try:
+                        route = self.routes.accepted_send(run.link, run.offer.src_dev,
+                                                          accept, run.tcp)
+                        job = route.send(tid, run.source, run.deadline)
+                    except KvdError as err:
+                        self._act(self.machine.start_failed(tid, accept, err))
+                        continue
+                    self._job_started(tid, run, Job.NCCL if accept.channel else Job.TCP, job)
+                case Halt(tid, job_name):
+                    run = self._out.get(tid)
+                    if run is not None and job_name in run.jobs:
+                        run.jobs[job_name].halt()
+                case Finish(tid, result, label):
+                    self._finish(tid, result, label)
+                case Take(link, offer, pull):
+                    self._act(self.machine.took(link, offer, self._take(link, offer, pull)))
+                case EndReceive(link, tid, result):
+                    self._end_receive(link, tid, result)
+                case Discard(link, tid):
+                    if (inbound := self._in.get((link, tid))) is not None:
+                        inbound.job.discard()
+                case DropEager(link, offer):  # read into nothing (NCCL: into staging)
+                    into: ReceiveRoute | None = (
+                        self.routes.eager_receive(link, offer) if offer.channel
+                        else self.routes.dropped_eager_tcp(link))
+                    if into is not None:
+                        into.receive(offer, None)
+                case SettlePull(tid, result):
+                    if (pulling := self._pulls.get(tid)) is not None:
+                        settle_awaited(pulling.future, pulling.wake, result)
+                case Serve(link, req, until):
+                    self._serve(link, req, until)
+                case EndRead(tid, nbytes):
+                    if (item := self._reads.pop(tid, None)) is not None:
+                        item.bytes_read += nbytes
+                        item.end_read()
+                case PrepareTcp(tid):
+                    self._prepare_tcp(tid)
+                case SendZeros(gone, accept):
+                    try:
+                        route = self.routes.accepted_send(gone.link, gone.src_dev, accept, None)
+                        route.send(accept.transfer_id, Source(None, gone.layout,
+                                                              gone.num_blocks),
+                                   self._loop.time() + self.routes.receive_timeout(0))
+                    except KvdError as err:
+                        self.plane.send(gone.link, ChannelDown(channel=accept.channel,
+                                                               reason=err.message[:4000]))
+                case Timer(key, at):
+                    if (old := self._timers.pop(key, None)) is not None:
+                        old.cancel()
+                    self._timers[key] = self._loop.call_at(at, self._timer, key)
+                case CancelTimer(key):
+                    if (handle := self._timers.pop(key, None)) is not None:
+                        handle.cancel()
+                case Count(kind, note):
+                    self._count_bad(kind)
+                    if kind == "pull_limit":
+                        self._warn_pull_limit.warning("%s", note)
+                    else:
+                        log.info("%s", note)
+
+    def _timer(self, key: TimerKey) -> None:
+        self._timers.pop(key, None)
+        self._act(self.machine.timer(key, self._loop.time()))
+
+    def _count_bad(self, kind: str) -> None:
+        self.plane.bad_messages[kind] = self.plane.bad_messages.get(kind, 0) + 1
+
+    # -------------------------------------------------------------- sends
+
+    def _outbound(self, link: PeerLink, tid: int, key: str, source: Source,
+                  ttl_s: float | None, deadline: float, first: int = 0) -> Outbound:
+        nccl = self.nccl is not None and any(d.startswith("cuda") for d in link.devices)
+        gpu = source.gpu is not None
+        offer = Offer(transfer_id=tid, key=key,
+                      src_dev=(source.gpu or self.plane.gpus[0]) if nccl else CPU_DEVICE,
+                      dst_dev="any", nbytes=source.nbytes, num_blocks=source.num_blocks,
+                      layout=list(source.layout), ttl_s=ttl_s, src_gpu=gpu,
+                      one_run=gpu and source.blocks is not None and source.blocks.one_run(),
+                      first=first)
+        run = self._out[tid] = Outbound(link, source, offer, deadline,
+                                        self._loop.create_future(),
+                                        self._loop.create_future())
+        return run
+
+    def _send_of(self, run: Outbound) -> Send[PeerLink]:
+        """The machine's record of a send, from its first offer."""
+        o = run.offer
+        return Send(o.transfer_id, run.link, o.key, tuple(o.layout), o.num_blocks,
+                    o.nbytes, run.deadline, o.src_gpu, o.src_dev != CPU_DEVICE, o.src_dev)
+
+    def _prepare_tcp(self, tid: int) -> None:
+        run = self._out[tid]
+        channel = run.link.send_channel
+        if channel is not None:
+            run.tcp = self.routes.tcp_send(channel)
+            self._act(self.machine.tcp_ready(tid, None))
+            return
+
+        async def connect() -> None:
+            try:
+                async with asyncio.timeout_at(run.deadline):
+                    run.tcp = self.routes.tcp_send(await self.plane.send_channel(run.link))
+            except TimeoutError:
+                return  # (the machine's deadline ends the send)
+            except KvdError as err:
+                self._act(self.machine.tcp_ready(tid, err))
+                return
+            self._act(self.machine.tcp_ready(tid, None))
+
+        task = self._loop.create_task(connect())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _send_offer(self, tid: int, how: Offering) -> None:
+        run = self._out.get(tid)
+        if run is None:
+            return
+        link, offer, source = run.link, run.offer, run.source
+        if how is Offering.INLINE:
+            # The bytes read from the client's blocks as the offer is encoded: nothing of
+            # them is kept while the answer is awaited.
+            assert source.blocks is not None
+            views = source.blocks.views()
+            payload = views[0] if len(views) == 1 else memoryview(b"".join(views))
+            run.inline = True
+            self.plane.send(link, msgspec.structs.replace(offer, inline=payload))
+            timeline.mark("transfer.sent")
+            return
+        if how is Offering.EAGER_NCCL:
+            route = self.routes.eager_send(link, offer.src_dev)
+            if route is not None:
+                # Queued now, in OFFER order: the receiver queues its side when the OFFER
+                # arrives, whatever it answers (machine.may_send_eager_nccl: why the
+                # orders match).
+                chunk = self.config.nccl_chunk_bytes
+                self.plane.send(link, msgspec.structs.replace(
+                    offer, dst_dev=str(route.channel.device), channel=route.channel_id,
+                    chunk_bytes=chunk))
+                if self._out.get(tid) is run:  # (not ended by a link lost in that send)
+                    self.machine.offered_eager(tid, route.channel_id)
+                    self._job_started(tid, run, Job.EAGER_NCCL,
+                                      route.send(tid, source, run.deadline))
+                return
+        if how is Offering.EAGER_TCP:
+            assert run.tcp is not None
+            self.plane.send(link, msgspec.structs.replace(offer, eager=True))
+            if self._out.get(tid) is run:
+                self._job_started(tid, run, Job.EAGER_TCP,
+                                  run.tcp.send(tid, source, run.deadline, eager=True))
+            return
+        self.plane.send(link, offer)
+        blocks = source.blocks
+        if source.gpu is not None and blocks is not None and not offer.one_run:
+            # The copy kernel's map of the blocks to gather, made while the offer is out
+            # instead of after the ACCEPT (see Engine.get for the receiver).
+            blocks.block_map(blocks.tensors[0].device)
+
+    def _job_started(self, tid: int, run: Outbound, name: Job, job: Moving) -> None:
+        """A send job now reads the client's regions: they stay mapped until it ends."""
+        run.jobs[name] = job
+        self.engine.copies.hold_regions(run.source.regions, _ended(job.future))
+
+        def ended(fut: concurrent.futures.Future[int]) -> None:
+            error = None
+            sent_all = not fut.cancelled() and fut.exception() is None
+            if not sent_all and not fut.cancelled():
+                error = _as_kvd_error(fut.exception(), f"transfer {tid}")
+            self._act(self.machine.sent(tid, name, sent_all, error, self._loop.time()))
+
+        self._when_done(job.future, ended)
+
+    def _finish(self, tid: int, result: int | KvdError, label: str) -> None:
+        run = self._out.pop(tid, None)
+        for kind in ("deadline", "grace", "retry", "verdict"):
+            if (handle := self._timers.pop((kind, None, tid), None)) is not None:
+                handle.cancel()
+        if run is None:
+            return
+        for job in run.jobs.values():
+            job.confirmed()
+        moved = next((run.jobs[j] for j in (Job.NCCL, Job.EAGER_NCCL, Job.TCP, Job.EAGER_TCP)
+                      if j in run.jobs), None)
+        started = moved.started_at if moved is not None and moved.started_at else None
+        self.engine.metrics.transfer(
+            peer=run.link.address, direction="send",
+            transport=(moved.transport if moved is not None
+                       else "inline" if run.inline else "tcp"),
+            outcome=label, nbytes=run.source.nbytes,
+            queue_s=None if started is None else started - run.requested,
+            wire_s=None if started is None else time.monotonic() - started)
+        if isinstance(result, KvdError) and not isinstance(result, Cancelled):
+            log.info("transfer failed transfer_id=%d key=%s to=%s: [%s] %s", tid,
+                     run.offer.key, run.link.address, result.code, result.message)
+        settle_awaited(run.future, run.wake, result)
+
+    # -------------------------------------------------------------- receives
+
+    def _take(self, link: PeerLink, offer: Offer, pull: bool) -> TakeResult:
+        """Where ``offer``'s bytes go; their receive queued (or, in the offer, copied)."""
+        tid = offer.transfer_id
+        eager = None
+        if offer.channel:
+            eager = self.routes.eager_receive(link, offer)
+            if eager is None:
+                return NoChannel()
+        pulling = self._pulls.get(tid) if pull else None
+        capacity = self.engine.pool.capacity_bytes
+        if (pulling is None and offer.nbytes > capacity and not offer.src_gpu
+                and not self.arrivals.get_waits_for(offer.key, tuple(offer.layout),
+                                                    offer.num_blocks, offer.first)):
+            # No room for it, ever: unless a get waits for it (its blocks are the room),
+            # or GPU staging may take it.
+            return PoolExhausted(f"offer of {offer.nbytes} bytes exceeds the whole pool "
+                                 f"({capacity} bytes)")
+        try:
+            arrival = self._arrival(offer, pulling, eager)
+        except PoolExhausted:
+            return NoRoom()
+        except KvdError as err:
+            return err
+        if offer.inline:
+            return self._land_inline(link, offer, arrival)
+        try:
+            route, accept = self.routes.for_receive(link, offer, arrival, eager)
+            job = route.receive(offer, arrival)
+        except KvdError as err:
+            self.arrivals.arrival_failed(arrival, err)
+            return err
+        inbound = self._in[(link, tid)] = Inbound(arrival, job, offer.nbytes)
+        # The job may start writing before its end is seen: hold the regions from now on.
+        self.engine.copies.hold_regions(inbound.regions, _ended(job.future))
+        if arrival.waiter is not None:  # a cancelled get drops the rest (Engine.get)
+            arrival.waiter.stop_delivery = job.discard
+
+        def ended(fut: concurrent.futures.Future[int]) -> None:
+            result = (fut.result() if not fut.cancelled() and fut.exception() is None
+                      else _as_kvd_error(fut.exception() if not fut.cancelled()
+                                         else asyncio.CancelledError(), f"transfer {tid}"))
+            self._act(self.machine.received(link, tid, result))
+
+        self._when_done(job.future, ended)
+        return Receiving(accept, arrival.waiter is not None)
+
+    def _arrival(self, offer: Offer, pulling: Pulling | None, eager: Any) -> Arrival:
+        if pulling is not None:
+            return self.arrivals.arrival_into(offer.key, pulling.region, pulling.blocks)
+        # Bytes already queued on a channel land next to it, if anywhere on a GPU.
+        staging = (str(eager.channel.device) if eager is not None
+                   else self._staging_gpu() if offer.src_gpu else None)
+        return self.arrivals.arrival(offer.key, tuple(offer.layout), offer.num_blocks,
+                                     offer.ttl_s,
+                                     gpu=staging, first=offer.first)
+
+    def _staging_gpu(self) -> str | None:
+        """The GPU whose staging has the most room (arrivals nobody waits for yet)."""
+        pools = self.engine.gpu_pools
+        return max(pools, key=lambda d: pools[d].largest_free_bytes) if pools else None
+
+    def _land_inline(self, link: PeerLink, offer: Offer, arrival: Arrival) -> TakeResult:
+        """An offer carrying its bytes: copied now, on the loop (at most
+        MAX_INLINE_BYTES of host memory)."""
+        if arrival.device.type != "cpu":
+            err = BadRequest(f"the destination blocks are on {arrival.device}, and "
+                             f"{link.address} sent host memory without NCCL")
+            self.arrivals.arrival_failed(arrival, err)
+            return err
+        offered = time.monotonic()
+        data, at = offer.inline, 0
+        for view in arrival.wire_views():
+            view[:] = data[at:at + len(view)]
+            at += len(view)
+        timeline.mark("transfer.received")
+        self.arrivals.arrived(arrival, offer.nbytes)
+        self.engine.metrics.transfer(
+            peer=link.address, direction="recv", transport="inline", outcome="done",
+            nbytes=offer.nbytes, queue_s=None, wire_s=time.monotonic() - offered)
+        return Landed(offer.nbytes, arrival.waiter is not None)
+
+    def _end_receive(self, link: PeerLink, tid: int, result: int | KvdError) -> None:
+        inbound = self._in.pop((link, tid), None)
+        if inbound is None:
+            return
+        if isinstance(result, KvdError):
+            self.arrivals.arrival_failed(inbound.arrival, result)
+            log.info("receive failed transfer_id=%d key=%s from=%s: [%s] %s", tid,
+                     inbound.arrival.key, link.address, result.code, result.message)
+            outcome = "cancelled" if isinstance(result, Cancelled) else "failed"
+        else:
+            timeline.mark("transfer.received")
+            self.arrivals.arrived(inbound.arrival, result)
+            outcome = "done"
+        started = inbound.job.started_at or None
+        self.engine.metrics.transfer(
+            peer=link.address, direction="recv", transport=inbound.job.transport,
+            outcome=outcome, nbytes=inbound.nbytes,
+            queue_s=None if started is None else started - inbound.offered,
+            wire_s=None if started is None else time.monotonic() - started)
+
+    # -------------------------------------------------------------- pulls we serve
+
+    def _serve(self, link: PeerLink, req: PullRequest, until: float | None) -> None:
+        """Claim a read of what a peer's pull asks for, and tell the machine."""
+        now = self._loop.time()
+        try:
+            item = self.arrivals.readable(req.key, tuple(req.layout), req.num_blocks,
+                                          req.share)
+        except KvdError as err:
+            self._act(self.machine.claimed(link, req, err, now, until))
+            return
+        try:
+            source = Source(self.arrivals.source_blocks(item, req.share), tuple(req.layout),
+                            req.num_blocks, [item.region] if item.region is not None else [])
+            self._check_gpu_route(link, source)  # (GPU bytes for a puller without NCCL)
+        except KvdError as err:
+            item.end_read()
+            self._act(self.machine.claimed(link, req, err, now, until))
+            return
+        tid = req.transfer_id
+        run = self._outbound(link, tid, req.key, source, None, now + self.config.max_wait_s)
+        self._reads[tid] = item
+        s = self._send_of(run)
+        self._act(self.machine.claimed(link, req, Claimed(
+            s.layout, s.num_blocks, s.nbytes, s.from_gpu, s.nccl, s.src_dev, s.deadline),
+            now, until))
+
+    def _check_gpu_route(self, link: PeerLink, source: Source) -> None:
+        if source.gpu is None:
+            return
+        if self.nccl is None:
+            raise BadRequest(f"blocks on {source.gpu} need NCCL to leave this daemon, and "
+                             f"{self.config.node_id} runs without it")
+        if not any(d.startswith("cuda") for d in link.devices):
+            raise BadRequest(f"blocks on {source.gpu} cannot go to {link.address}: it has "
+                             "no GPU with NCCL (GPU memory does not go over TCP)")
+
+    # -------------------------------------------------------------- status
+
+    def _when_done(self, cfut: concurrent.futures.Future[int],
+                   fn: Callable[[concurrent.futures.Future[int]], None]) -> None:
+        """``fn(cfut)`` on the loop once ``cfut`` settles, always in a later turn."""
+        loop, loop_thread = self._loop, self._loop_thread
+
+        def settled(fut: concurrent.futures.Future[int]) -> None:
+            if threading.get_ident() == loop_thread:
+                loop.call_soon(fn, fut)
+            elif not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                    loop.call_soon_threadsafe(fn, fut)
+
+        cfut.add_done_callback(settled)
 
     @property
     def waiting_pulls(self) -> int:
-        return len(self._waiting_pulls)
+        return len(self.machine.waiting)
 
     def in_flight(self) -> dict[str, tuple[int, int]]:
         """Transfers with peers in progress, by direction: how many, how many bytes."""
-        return {"send": (len(self._pushes),
-                         sum(p.state.nbytes for p in self._pushes.values())),
-                "recv": (len(self._receives),
-                         sum(r.nbytes for r in self._receives.values()))}
+        return {"send": (len(self._out), sum(r.source.nbytes for r in self._out.values())),
+                "recv": (len(self._in), sum(r.nbytes for r in self._in.values()))}
 
     def pending_tasks(self) -> list[asyncio.Task[Any]]:
-        return [t for t in self.ctx.tasks if not t.done()]
+        return [t for t in self._tasks if not t.done()]
 
     def stats(self) -> dict[str, Any]:
-        c = self.counters
+        c = self.machine.counters
         return {"sent": dict(c.sent), "received": dict(c.received),
                 "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
-                "busy_replies": c.busy_replies, "in_flight_out": len(self._pushes),
+                "busy_replies": c.busy_replies, "in_flight_out": len(self._out),
                 "pulls_waiting_for_key": self.waiting_pulls,
                 "eager_nccl_sent": c.eager_nccl_sent,
                 "eager_nccl_dropped": c.eager_nccl_dropped,
-                "in_flight_in": len(self._receives),
+                "in_flight_in": len(self._in),
                 "nccl": self.nccl.stats() if self.nccl is not None else None}
+
+
+def _as_kvd_error(exc: BaseException | None, what: str) -> KvdError:
+    if isinstance(exc, KvdError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return Cancelled(f"{what} cancelled")
+    return TransferFailed(f"{what}: {exc!r}")
+
+
+def _ended(cfut: concurrent.futures.Future[Any]) -> asyncio.Future[Any]:
+    """A loop future that settles when ``cfut`` does, for what waits only for the end
+    (regions held while a job runs); its error is the machine's to report."""
+    afut = on_loop(cfut)
+    afut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return afut
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
+        task.uncancel()
