@@ -34,12 +34,9 @@ from kvd.settings_help import add_config_arguments
 DEFAULT_KEY_DIR = "/etc/kvd"
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _setup_logging() -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -48,8 +45,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvd.daemon.notify import StartupSteps
 
     began = time.monotonic()
+    _setup_logging()  # (reading the config may warn)
     config = config_from_args(args)  # a bad config fails before the second it takes to
-    _setup_logging(config.log_level)  # import the daemon (torch)
+    logging.getLogger().setLevel(config.log_level.upper())  # import the daemon (torch)
     steps = StartupSteps()
     steps.done("config read", began)
     began = time.monotonic()

@@ -13,9 +13,11 @@ defaults < TOML file < ``KVD_<KEY>`` environment < ``--<key>`` flags.
       (an empty ``KVD_CONFIG`` counts as unset). TOML values must have the field's type: an
       integer for an integer, a number for seconds, a boolean for a boolean, a string for a
       string. Size fields (``*_bytes``) also take a size string such as ``"512MiB"``.
-    * Environment: ``KVD_<FIELD_NAME_UPPER>``, e.g. ``KVD_POOL_SIZE_BYTES=2GiB``. Any other
-      ``KVD_*`` variable except ``KVD_CONFIG``, ``KVD_DEV`` and ``KVD_TIMELINE_DIR`` (the
-      timeline marks, kvd/timeline.py) is an error (it is almost always a typo).
+    * Environment: ``KVD_<FIELD_NAME_UPPER>``, e.g. ``KVD_POOL_SIZE_BYTES=2GiB``. Another
+      ``KVD_*`` variable (but ``KVD_CONFIG``, ``KVD_DEV`` and ``KVD_TIMELINE_DIR``, the
+      timeline marks of kvd/timeline.py) that is close to a setting's (a typo), or names a
+      setting that is gone, is an error; one that is like none is another program's, and is
+      ignored with a warning.
     * Flags: ``--<field-name-with-dashes> VALUE``, parsed from text like the environment.
 
 The daemon (``kvd serve``) reads all of these. A client command reads only the socket path,
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
 import socket
 import sys
@@ -83,6 +86,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CONFIG_ENV", "DEVELOPMENT_SETTINGS", "DEV_ENV", "ENV_PREFIX", "MAX_SOCKET_PATH_BYTES",
            "OPERATOR_SETTINGS", "Config", "check_socket_path",
@@ -455,8 +460,13 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                 raise _development_setting(key, source)
             if key in _REMOVED:
                 raise _gone(key, source, var)
+            if key in _DEV_REMOVED:
+                raise ConfigError(f"{var} (from env) is gone: {_DEV_REMOVED[key]}")
             # (matched without the prefix, which every name shares)
             suggestion = _did_you_mean([_env_var(name) for name in _closest(key, list(_OPERATOR))])
+            if not suggestion:  # like no setting of ours: another program's variable
+                log.warning("ignoring %s (from env): not a kvd setting", var)
+                continue
             raise ConfigError(f"unknown variable {var} (from env){suggestion}")
         values[key] = (_parse(key, source, _spec(_OPERATOR[key]).from_text, env[var]), source)
     return values
