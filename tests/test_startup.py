@@ -26,9 +26,10 @@ STEP = re.compile(r"kvd\.startup: \+(\d+\.\d+)s (.*?)(?: \(took (\d+\.\d+)s\))?$
 # The steps of a CPU-only start, in order (a prefix of each line's text).
 STEPS_IN_ORDER = [
     "config read", "imports done", "socket path claimed", "http listening on",
-    "no GPU seen", "allocating the host pool: 2GiB, not pinned, every page touched",
+    "no GPU seen", "nccl", "peer ports claimed: 127.0.0.1:",
+    "allocating the host pool: 2GiB, not pinned, every page touched",
     "host pool: touching pages", "host pool allocated: 2GiB, not pinned, touching",
-    "nccl", "engine and peer plane set up", "local socket listening at",
+    "engine and peer plane set up", "local socket listening at",
     "peer socket listening at", "kvd ready node=",
 ]
 
@@ -116,6 +117,29 @@ def test_startup_steps_logged_in_order_with_times_and_pool_progress(sock_dir: st
         reader.join(5)
         listener.close()
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("flag", ["--peer-port", "--data-port", "--http-port"])
+def test_a_port_in_use_fails_the_start_before_the_pool_is_taken(sock_dir: str,
+                                                                flag: str) -> None:
+    """Every port is claimed before the host pool is allocated (and before the local
+    socket is made): one in use costs no memory and leaves nothing behind."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    d = ProcessDaemon(sock_dir, flag, str(port), "--pool-size-bytes", "1GiB")
+    try:
+        code = d.proc.wait(READY_TIMEOUT_S)
+    finally:
+        d.stop()
+        taken.close()
+    log = d.log()
+    setting = flag[2:].replace("-", "_")
+    assert code == 2, log
+    assert log.endswith(f"kvd: config error: {setting}: cannot listen on 127.0.0.1:{port}: "
+                        "Address already in use\n"), log
+    assert "allocating the host pool" not in log and not os.path.exists(d.socket_path), log
 
 
 def stopped_to_exit_s(d: ProcessDaemon) -> float:
