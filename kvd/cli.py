@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -40,8 +41,6 @@ def _setup_logging() -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import time
-
     from kvd.daemon.notify import StartupSteps
 
     began = time.monotonic()
@@ -98,8 +97,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         _print_json(st)
         return 0
     pool, peer, xfer = st["pool"], st.get("peer", {}), st.get("transfers", {})
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(st["started_at"]))
     rows = [
         ("node", f"{st['node_id']} (epoch {st['epoch']})"),
+        ("version", f"kvd {st['version']}"),
+        ("up", f"{_duration(st['uptime_s'])}, since {started}"),
         ("ready", "yes" if st.get("ready") else "no" + (" (draining)" if st["draining"] else "")),
         ("local socket", _client_socket(args)),
         ("peer address", f"{peer.get('address', '-')} (data port {peer.get('data_port', '-')})"),
@@ -190,6 +192,14 @@ def _size(n: int) -> str:
     from kvd.config import format_size
 
     return format_size(int(n)) if n else "0"
+
+
+def _duration(seconds: float) -> str:
+    """``2d 3h``, ``5m 12s``, ``7s``: the two largest units."""
+    s = int(seconds)
+    units = [(s // 86400, "d"), (s // 3600 % 24, "h"), (s // 60 % 60, "m"), (s % 60, "s")]
+    first = next((i for i, (n, _) in enumerate(units) if n), 3)
+    return " ".join(f"{n}{unit}" for n, unit in units[first:first + 2])
 
 
 def _outcomes(table: dict[str, int]) -> str:

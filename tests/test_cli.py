@@ -19,11 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvd import __version__ as kvd_version
 from kvd.bench import Progress
 from kvd.config import OPERATOR_SETTINGS
 from tests.conftest import ProcessDaemon, start_daemons
@@ -262,6 +265,31 @@ def test_bench_to_a_peer_that_does_not_answer_fails_before_its_set_up(
                  "--size", "1GiB", "--json")
     assert result.returncode == 1 and json_error(result)["code"] == "peer_unreachable"
     assert time.monotonic() - t0 < 30
+
+
+# --------------------------------------------------------------------------- the daemon's facts
+
+
+def test_status_says_the_daemons_version_and_uptime_and_metrics_its_process(
+        two_daemons: list[ProcessDaemon]) -> None:
+    """What redis INFO and node_exporter tell: the version, since when it runs, and the
+    process's memory, CPU and descriptors (prometheus_client's process collector)."""
+    a, _ = two_daemons
+    result = kvd("status", "--socket-path", a.socket_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"version             kvd {kvd_version}", result.stdout
+    assert re.fullmatch(r"up                  (\d+[dhm] \d+[hms]|\d+s), since "
+                        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+", lines[2]), result.stdout
+    st = json.loads(kvd("status", "--socket-path", a.socket_path, "--json").stdout)
+    assert st["version"] == kvd_version and st["started_at"] == st["epoch"] / 1e9
+    assert st["uptime_s"] > 0
+    with urllib.request.urlopen(f"http://{st['http']}/v1/status", timeout=10) as r:
+        assert json.loads(r.read())["version"] == kvd_version
+    with urllib.request.urlopen(f"http://{st['http']}/metrics", timeout=10) as r:
+        names = {f.name for f in text_string_to_metric_families(r.read().decode())}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds",
+            "process_max_fds", "process_start_time_seconds"} <= names, names
 
 
 # --------------------------------------------------------------------------- keygen

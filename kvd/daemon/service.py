@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvd import timeline
+from kvd import __version__, timeline
 from kvd.config import Config, check_socket_path, development_overrides, format_size
 from kvd.daemon.auth import check_exposure
 from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
@@ -403,11 +403,14 @@ class Daemon:
         """The daemon's status report (``kvd status``, ``/v1/status``, the Stats request):
         assembled here, from each part's own figures."""
         engine, local, peers, transfers = self.engine, self.local, self.peers, self.transfers
+        started = self.epoch / 1e9  # (the epoch is the start's time)
+        facts = {"node_id": self.config.node_id, "epoch": self.epoch, "version": __version__,
+                 "started_at": started, "uptime_s": round(time.time() - started, 3)}
         if engine is None or local is None:
-            return {"node_id": self.config.node_id, "epoch": self.epoch, "starting": True}
+            return {**facts, "starting": True}
         status = engine.stats()
         status.update(local.stats())
-        status["epoch"] = self.epoch
+        status.update(facts)
         if peers is not None and transfers is not None:
             status["peer"] = peers.stats()
             status["transfers"] = transfers.stats()
