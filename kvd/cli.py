@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from kvd import __version__
 from kvd.config import client_socket_path, config_from_args, parse_size
 from kvd.errors import ConfigError, KvdError
-from kvd.protocol import PROTOCOL_VERSION
+from kvd.protocol import CLI_CLIENT_NAME, PROTOCOL_VERSION
 from kvd.settings_help import add_config_arguments
 
 # Where `kvd keygen` writes without --dir: the directory the systemd unit and the sample
@@ -76,7 +76,7 @@ def _client_socket(args: argparse.Namespace) -> str:
 def _client(args: argparse.Namespace) -> Any:
     from kvd.client import KvdClient
 
-    return KvdClient(_client_socket(args), name="kvd-cli", timeout_s=args.timeout)
+    return KvdClient(_client_socket(args), name=CLI_CLIENT_NAME, timeout_s=args.timeout)
 
 
 def _print_json(obj: Any) -> None:

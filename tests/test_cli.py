@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd import KvdClient
 from kvd import __version__ as kvd_version
 from kvd.bench import Progress
 from kvd.config import OPERATOR_SETTINGS
-from tests.conftest import ProcessDaemon, start_daemons
+from tests.conftest import ProcessDaemon, start_daemons, wait_until
 
 CLIENT_COMMANDS = ("ping", "stats", "status", "peers", "drain", "bench")
 CLIENT_OPTIONS = {"--help", "--socket-path", "--config", "--timeout", "--json"}
@@ -290,6 +291,24 @@ def test_status_says_the_daemons_version_and_uptime_and_metrics_its_process(
         names = {f.name for f in text_string_to_metric_families(r.read().decode())}
     assert {"process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds",
             "process_max_fds", "process_start_time_seconds"} <= names, names
+
+
+def test_the_clis_sessions_are_logged_at_debug_level_an_engines_at_info(
+        two_daemons: list[ProcessDaemon]) -> None:
+    """`watch kvd status` leaves nothing in an info-level journal; a real client's session
+    is still told when it comes and goes."""
+    a, _ = two_daemons
+    for command in ("status", "ping", "stats", "peers"):
+        assert kvd(command, "--socket-path", a.socket_path).returncode == 0
+    with KvdClient(a.socket_path, name="engine") as client:
+        client.ping()
+    connected = wait_until(lambda: re.search(
+        r" INFO kvd\.daemon\.local_server: client connected session=(\d+) "
+        rf"pid={os.getpid()} name=engine\n", a.log()))
+    log = wait_until(lambda: f"client gone session={connected[1]} " in a.log() and a.log())
+    assert f" INFO kvd.daemon.local_server: client gone session={connected[1]} " \
+           f"pid={os.getpid()} reason=client said bye\n" in log
+    assert "kvd-cli" not in log, log
 
 
 # --------------------------------------------------------------------------- keygen
