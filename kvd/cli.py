@@ -25,7 +25,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvd import __version__
-from kvd.config import client_socket_path, config_from_args, parse_size
+from kvd.config import (
+    OPERATOR_SETTINGS,
+    client_socket_path,
+    config_from_args,
+    format_size,
+    parse_size,
+    settings_from_args,
+)
 from kvd.errors import ConfigError, KvdError
 from kvd.protocol import CLI_CLIENT_NAME, PROTOCOL_VERSION
 from kvd.settings_help import add_config_arguments
@@ -45,6 +52,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     began = time.monotonic()
     _setup_logging()  # (reading the config may warn)
+    if args.check:
+        return _check_settings(args)
     config = config_from_args(args)  # a bad config fails before the second it takes to
     logging.getLogger().setLevel(config.log_level.upper())  # import the daemon (torch)
     steps = StartupSteps()
@@ -61,6 +70,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _check_settings(args: argparse.Namespace) -> int:
+    """``kvd serve --check``: each setting as a config-file line, with where it came from."""
+    from kvd.daemon.auth import check_exposure
+
+    config, sources = settings_from_args(args, check_paths=False)
+    check_exposure(config)
+    for name, value in config.as_dict().items():
+        if name in OPERATOR_SETTINGS or name in sources:  # (KVD_DEV's too)
+            shown = json.dumps(value)
+            if name.endswith("_bytes") and parse_size(format_size(value)) == value:
+                shown = json.dumps(format_size(value))  # ("1GiB", where it is exact)
+            print(f"{name} = {shown}  # {sources.get(name, 'default')}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -189,8 +213,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _size(n: int) -> str:
-    from kvd.config import format_size
-
     return format_size(int(n)) if n else "0"
 
 
@@ -376,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the kvd daemon in the foreground. Its settings are the flags below, "
                     "the same keys in a TOML file (--config) or KVD_<KEY> variables; "
                     "docs/operations.md explains each.")
+    serve.add_argument("--check", action="store_true",
+                       help="check the settings, print each as a config-file line with "
+                            "where it came from, and exit (0; 2 and the error if one is "
+                            "wrong); nothing is started, the socket's directory is not "
+                            "checked")
     add_config_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 

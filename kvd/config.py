@@ -93,7 +93,7 @@ __all__ = ["CONFIG_ENV", "DEVELOPMENT_SETTINGS", "DEV_ENV", "ENV_PREFIX", "MAX_S
            "OPERATOR_SETTINGS", "Config", "check_socket_path",
            "client_socket_path", "config_from_args", "default_socket_path",
            "development_overrides", "fallback_socket_dir", "format_size", "load_config",
-           "parse_size", "socket_dir_problem"]
+           "parse_size", "settings_from_args", "socket_dir_problem"]
 
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
@@ -438,7 +438,7 @@ def load_config(
         env=os.environ if env is None else env,
         overrides=overrides or {},
         check_paths=check_paths,
-    )
+    )[0]
 
 
 def _from_file(config_file: str, origin: str) -> dict[str, tuple[Any, str]]:
@@ -518,7 +518,8 @@ def _load(
     env: Mapping[str, str],
     overrides: Mapping[str, object],
     check_paths: bool,
-) -> Config:
+) -> tuple[Config, dict[str, str]]:
+    """The config, and where each setting not at its fixed default came from."""
     if config_file is None and env.get(CONFIG_ENV):
         config_file, file_origin = env[CONFIG_ENV], f" (from env {CONFIG_ENV})"
     found: dict[str, tuple[Any, str]] = {}  # key -> (value, source); later sources win
@@ -539,7 +540,7 @@ def _load(
         if problem:
             source = found["socket_path"][1]
             raise ConfigError(f"socket_path: {problem} (from {source})")
-    return config
+    return config, {key: source for key, (_value, source) in found.items()}
 
 
 # --------------------------------------------------------------------------- for the CLI
@@ -577,6 +578,17 @@ def config_from_args(
     check_paths: bool = True,
 ) -> Config:
     """Load the config for a namespace parsed with ``settings_help.add_config_arguments``."""
+    return settings_from_args(args, env, check_paths=check_paths)[0]
+
+
+def settings_from_args(
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    *,
+    check_paths: bool = True,
+) -> tuple[Config, dict[str, str]]:
+    """:func:`config_from_args`, and where each setting came from (``file PATH``, ``env
+    VAR``, ``flag --name``; a setting not named is at its default)."""
     config_file = getattr(args, "config", None)
     return _load(
         config_file=config_file,

@@ -94,7 +94,7 @@ def test_serve_help_gives_each_setting_a_value_name_a_description_and_a_default(
     result = kvd("serve", "--help")
     assert result.returncode == 0, result.stderr
     flags = {"--" + name.replace("_", "-") for name in OPERATOR_SETTINGS}
-    assert options_listed(result.stdout) == flags | {"--help", "--config"}
+    assert options_listed(result.stdout) == flags | {"--help", "--config", "--check"}
     usage = result.stdout.split("\n\n", 1)[0]
     for bare in ("STRING", "INTEGER", "BOOLEAN"):  # types, not what a value is
         assert bare not in result.stdout, bare
@@ -309,6 +309,65 @@ def test_the_clis_sessions_are_logged_at_debug_level_an_engines_at_info(
     assert f" INFO kvd.daemon.local_server: client gone session={connected[1]} " \
            f"pid={os.getpid()} reason=client said bye\n" in log
     assert "kvd-cli" not in log, log
+
+
+# --------------------------------------------------------------------------- serve --check
+
+
+def test_serve_check_prints_each_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    """Like `nginx -t`: the effective settings, as config-file lines, and their sources."""
+    toml = tmp_path / "kvd.toml"
+    toml.write_text('node_id = "gpu-01"\npool_size_bytes = "2GiB"\npeers = "10.0.0.2:14579"\n')
+    result = kvd("serve", "--config", str(toml), "--peer-port", "1", "--socket-path",
+                 "/run/kvd/kvd.sock", "--check", env=clean_env(KVD_HTTP_PORT="9500"))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == f"""\
+socket_path = "/run/kvd/kvd.sock"  # flag --socket-path
+node_id = "gpu-01"  # file {toml}
+peer_host = "127.0.0.1"  # default
+peer_port = 1  # flag --peer-port
+data_port = 14580  # default
+advertise_host = ""  # default
+peers = "10.0.0.2:14579"  # file {toml}
+http_host = "127.0.0.1"  # default
+http_port = 9500  # env KVD_HTTP_PORT
+curve_secret_key_file = ""  # default
+curve_allowed_keys_file = ""  # default
+encrypt_data = true  # default
+allow_unauthenticated_peers = false  # default
+pool_size_bytes = "2GiB"  # file {toml}
+nccl = true  # default
+gpu_staging_bytes = "1GiB"  # default
+nccl_max_channels = 8  # default
+max_message_bytes = "1MiB"  # default
+max_ttl_s = 86400.0  # default
+put_ttl_s = 300.0  # default
+max_wait_s = 3600.0  # default
+max_waiting_pulls = 4096  # default
+heartbeat_interval_s = 1.0  # default
+peer_grace_s = 3.0  # default
+peer_connect_timeout_s = 5.0  # default
+nccl_init_timeout_s = 30.0  # default
+drain_grace_s = 30.0  # default
+log_level = "info"  # default
+"""
+    # What it prints is a config file kvd takes, to the same settings.
+    again = tmp_path / "again.toml"
+    again.write_text(result.stdout)
+    assert kvd("serve", "--config", str(again), "--check").stdout == \
+        re.sub(r"  # .*", f"  # file {again}", result.stdout)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pool-size-bytes", "lots"], "pool_size_bytes: expected a size"),
+    (["--peer-host", "10.1.1.1"], "peer_host: 10.1.1.1 is not a loopback address and no "
+                                  "CurveZMQ keys are set"),
+])
+def test_serve_check_refuses_what_serve_would(args: list[str], message: str) -> None:
+    result = kvd("serve", *args, "--check")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith(f"kvd: config error: {message}")
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 # --------------------------------------------------------------------------- keygen

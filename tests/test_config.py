@@ -778,7 +778,7 @@ def test_serve_help_shows_each_operator_setting_with_what_it_allows() -> None:
     """Every operator setting has a flag whose help is one line: what it sets, then
     [allowed values; default; env variable]."""
     helps = {a.dest: a.help for a in serve_parser()._actions if a.help != argparse.SUPPRESS}
-    assert set(helps) == OPERATOR_SETTINGS | {"help", "config"}
+    assert set(helps) == OPERATOR_SETTINGS | {"help", "config", "check"}
     for name in OPERATOR_SETTINGS:
         text = helps[name]
         assert text is not None and "\n" not in text
@@ -794,7 +794,7 @@ def test_serve_help_names_no_development_setting() -> None:
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     listed = set(re.findall(r"^  (?:-h, )?(--[a-z-]+)", result.stdout, re.MULTILINE))
-    assert listed == {"--help", "--config"} | {"--" + n.replace("_", "-")
+    assert listed == {"--help", "--config", "--check"} | {"--" + n.replace("_", "-")
                                                 for n in OPERATOR_SETTINGS}
     for name in DEVELOPMENT:
         for spelling in (name, name.replace("_", "-"), f"KVD_{name.upper()}"):
