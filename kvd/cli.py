@@ -361,6 +361,8 @@ def _int(text: str) -> int:
 _SECONDS = _checked(_float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
 _GRACE = _checked(_float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0")
 _SIZE = _checked(parse_size, lambda v: v > 0, "a size > 0")
+_FILE_NAME = _checked(str, lambda v: v not in ("", ".", "..") and "/" not in v,
+                      "a file name, with no /, in --dir")
 
 
 def _at_least(low: int) -> Callable[[str], Any]:
@@ -427,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"where to write the keys, created if missing [default "
                              f"{DEFAULT_KEY_DIR}, when this user may write there; else "
                              f"required]")
-    keygen.add_argument("--name", default="kvd", metavar="NAME",
-                        help="the files' name stem [default kvd]")
+    keygen.add_argument("--name", default="kvd", metavar="NAME", type=_FILE_NAME,
+                        help="the files' name stem, a file name (no /) [default kvd]")
     keygen.add_argument("--json", action="store_true",
                         help="one line of JSON (the paths, the public key, the allow-list "
                              "line); an error too")

@@ -8,6 +8,7 @@ subprocess; daemons are real ``kvd serve`` processes."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq.auth
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd import KvdClient
@@ -402,6 +404,38 @@ def test_keygen_refuses_to_overwrite_and_says_how_to_proceed(tmp_path: Path) -> 
     result = kvd("keygen", "--dir", str(tmp_path), "--name", "n", "--json")
     assert result.returncode == 2 and json_error(result)["code"] == "key_exists"
     assert (tmp_path / "n.key_secret").read_bytes() == before
+
+
+def test_keygen_makes_its_directory_0750_and_files_with_kvds_own_header(
+        tmp_path: Path) -> None:
+    keys = tmp_path / "etc" / "kvd"
+    result = kvd("keygen", "--dir", str(keys), "--name", "node", "--json")
+    assert result.returncode == 0, result.stderr
+    public = json.loads(result.stdout)["public_key"]
+    assert oct(keys.stat().st_mode)[-3:] == "750"  # (docs/operations.md: root:kvd 0750)
+    assert oct((keys / "node.key_secret").stat().st_mode)[-3:] == "600"
+    today = datetime.date.today()
+    assert (keys / "node.key").read_text() == (
+        f"#   kvd public key, made by kvd keygen on {today}: its line on the allow-list "
+        "(curve_allowed_keys_file) is '<public-key> HOST:PORT'\n\n"
+        f'metadata\ncurve\n    public-key = "{public}"\n')
+    secret = (keys / "node.key_secret").read_text()
+    assert secret.startswith(f"#   kvd secret key, made by kvd keygen on {today}: the "
+                             "curve_secret_key_file of one daemon, readable by its user "
+                             "alone\n\nmetadata\ncurve\n")
+    assert zmq.auth.load_certificate(keys / "node.key_secret")[0] == public.encode()
+    assert "pyzmq" not in secret and "home directory" not in (keys / "node.key").read_text()
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "..", ".", ""])
+def test_keygen_names_stay_in_their_directory(tmp_path: Path, name: str) -> None:
+    keys = tmp_path / "keys"
+    result = kvd("keygen", "--dir", str(keys), "--name", name)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("usage: kvd keygen [-h] [--dir DIR] [--name NAME] [--json]\n"
+                             "kvd keygen: error: argument --name: must be a file name, with no "
+                             f"/, in --dir, got {name}\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def keygen_with_default_dir(default_dir: str, *args: str) -> subprocess.CompletedProcess[str]:
