@@ -212,6 +212,7 @@ class Daemon:
         claim = PathClaim(self.config.socket_path)
         claim.take()
         stack.callback(claim.release)  # last: after the sockets are removed
+        steps.tell.append(claim.say)  # (clients that come early are told: socket_files.py)
         steps.done(f"socket path claimed: {self.config.socket_path}")
         if tuning := development_overrides(self.config):
             log.warning("development settings (KVD_DEV): %s",
@@ -289,6 +290,8 @@ class Daemon:
         steps.begin("opening the peer socket")
         peers.start()
         steps.done(f"peer socket listening at {peers.address}")
+        steps.tell.remove(claim.say)
+        claim.say("")
 
     async def _take_pool(self, pin: bool) -> HostPool:
         """The host pool, taken in a worker thread while the loop answers HTTP (and
