@@ -9,7 +9,7 @@
 #
 #   bash benchmarks/install_peers.sh [VENV_DIR]
 #
-# VENV_DIR defaults to $KVD_PEERS_VENV, else .venv-peers in the repository. Idempotent: a
+# VENV_DIR defaults to $BENCH_PEERS_VENV, else .venv-peers in the repository. Idempotent: a
 # system already installed is kept. Each competitor is installed on its own; one that cannot
 # be installed (or imported afterwards) is reported with the reason, and peers.py skips it
 # with that reason (it reads VENV_DIR/peers-status.txt, one "name: ok|why" a line).
@@ -20,10 +20,10 @@ set -uo pipefail
 TORCH_REQ="torch==2.13.0"   # the CPU wheel this machine's image keeps on disk
 NIXL_REQ="nixl-cu12==1.5.1"
 MOONCAKE_REQ="mooncake-transfer-engine-non-cuda==0.3.13.post1"
-PYTHON="${KVD_PEERS_PYTHON:-python3.11}"
+PYTHON="${BENCH_PEERS_PYTHON:-python3.11}"
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-venv="${1:-${KVD_PEERS_VENV:-$repo/.venv-peers}}"
+venv="${1:-${BENCH_PEERS_VENV:-$repo/.venv-peers}}"
 case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac
 log="$venv.log"
 py="$venv/bin/python"

@@ -20,13 +20,21 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvd import __version__
-from kvd.config import client_socket_path, config_from_args, parse_size
+from kvd.config import (
+    OPERATOR_SETTINGS,
+    client_socket_path,
+    config_from_args,
+    format_size,
+    parse_size,
+    settings_from_args,
+)
 from kvd.errors import ConfigError, KvdError
-from kvd.protocol import PROTOCOL_VERSION
+from kvd.protocol import CLI_CLIENT_NAME, PROTOCOL_VERSION
 from kvd.settings_help import add_config_arguments
 
 # Where `kvd keygen` writes without --dir: the directory the systemd unit and the sample
@@ -34,22 +42,20 @@ from kvd.settings_help import add_config_arguments
 DEFAULT_KEY_DIR = "/etc/kvd"
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _setup_logging() -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import time
-
     from kvd.daemon.notify import StartupSteps
 
     began = time.monotonic()
+    _setup_logging()  # (reading the config may warn)
+    if args.check:
+        return _check_settings(args)
     config = config_from_args(args)  # a bad config fails before the second it takes to
-    _setup_logging(config.log_level)  # import the daemon (torch)
+    logging.getLogger().setLevel(config.log_level.upper())  # import the daemon (torch)
     steps = StartupSteps()
     steps.done("config read", began)
     began = time.monotonic()
@@ -66,6 +72,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def _check_settings(args: argparse.Namespace) -> int:
+    """``kvd serve --check``: each setting as a config-file line, with where it came from."""
+    from kvd.daemon.auth import check_exposure
+
+    config, sources = settings_from_args(args, check_paths=False)
+    check_exposure(config)
+    for name, value in config.as_dict().items():
+        if name in OPERATOR_SETTINGS or name in sources:  # (KVD_DEV's too)
+            shown = json.dumps(value)
+            if name.endswith("_bytes") and parse_size(format_size(value)) == value:
+                shown = json.dumps(format_size(value))  # ("1GiB", where it is exact)
+            print(f"{name} = {shown}  # {sources.get(name, 'default')}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvd.demo import run_demo
 
@@ -79,7 +100,7 @@ def _client_socket(args: argparse.Namespace) -> str:
 def _client(args: argparse.Namespace) -> Any:
     from kvd.client import KvdClient
 
-    return KvdClient(_client_socket(args), name="kvd-cli", timeout_s=args.timeout)
+    return KvdClient(_client_socket(args), name=CLI_CLIENT_NAME, timeout_s=args.timeout)
 
 
 def _print_json(obj: Any) -> None:
@@ -100,8 +121,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         _print_json(st)
         return 0
     pool, peer, xfer = st["pool"], st.get("peer", {}), st.get("transfers", {})
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(st["started_at"]))
     rows = [
         ("node", f"{st['node_id']} (epoch {st['epoch']})"),
+        ("version", f"kvd {st['version']}"),
+        ("up", f"{_duration(st['uptime_s'])}, since {started}"),
         ("ready", "yes" if st.get("ready") else "no" + (" (draining)" if st["draining"] else "")),
         ("local socket", _client_socket(args)),
         ("peer address", f"{peer.get('address', '-')} (data port {peer.get('data_port', '-')})"),
@@ -189,9 +213,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _size(n: int) -> str:
-    from kvd.config import format_size
-
     return format_size(int(n)) if n else "0"
+
+
+def _duration(seconds: float) -> str:
+    """``2d 3h``, ``5m 12s``, ``7s``: the two largest units."""
+    s = int(seconds)
+    units = [(s // 86400, "d"), (s // 3600 % 24, "h"), (s // 60 % 60, "m"), (s % 60, "s")]
+    first = next((i for i, (n, _) in enumerate(units) if n), 3)
+    return " ".join(f"{n}{unit}" for n, unit in units[first:first + 2])
 
 
 def _outcomes(table: dict[str, int]) -> str:
@@ -331,6 +361,8 @@ def _int(text: str) -> int:
 _SECONDS = _checked(_float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
 _GRACE = _checked(_float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0")
 _SIZE = _checked(parse_size, lambda v: v > 0, "a size > 0")
+_FILE_NAME = _checked(str, lambda v: v not in ("", ".", "..") and "/" not in v,
+                      "a file name, with no /, in --dir")
 
 
 def _at_least(low: int) -> Callable[[str], Any]:
@@ -368,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the kvd daemon in the foreground. Its settings are the flags below, "
                     "the same keys in a TOML file (--config) or KVD_<KEY> variables; "
                     "docs/operations.md explains each.")
+    serve.add_argument("--check", action="store_true",
+                       help="check the settings, print each as a config-file line with "
+                            "where it came from, and exit (0; 2 and the error if one is "
+                            "wrong); nothing is started, the socket's directory is not "
+                            "checked")
     add_config_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -392,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"where to write the keys, created if missing [default "
                              f"{DEFAULT_KEY_DIR}, when this user may write there; else "
                              f"required]")
-    keygen.add_argument("--name", default="kvd", metavar="NAME",
-                        help="the files' name stem [default kvd]")
+    keygen.add_argument("--name", default="kvd", metavar="NAME", type=_FILE_NAME,
+                        help="the files' name stem, a file name (no /) [default kvd]")
     keygen.add_argument("--json", action="store_true",
                         help="one line of JSON (the paths, the public key, the allow-list "
                              "line); an error too")

@@ -13,9 +13,11 @@ defaults < TOML file < ``KVD_<KEY>`` environment < ``--<key>`` flags.
       (an empty ``KVD_CONFIG`` counts as unset). TOML values must have the field's type: an
       integer for an integer, a number for seconds, a boolean for a boolean, a string for a
       string. Size fields (``*_bytes``) also take a size string such as ``"512MiB"``.
-    * Environment: ``KVD_<FIELD_NAME_UPPER>``, e.g. ``KVD_POOL_SIZE_BYTES=2GiB``. Any other
-      ``KVD_*`` variable except ``KVD_CONFIG``, ``KVD_DEV`` and ``KVD_TIMELINE_DIR`` (the
-      timeline marks, kvd/timeline.py) is an error (it is almost always a typo).
+    * Environment: ``KVD_<FIELD_NAME_UPPER>``, e.g. ``KVD_POOL_SIZE_BYTES=2GiB``. Another
+      ``KVD_*`` variable (but ``KVD_CONFIG``, ``KVD_DEV`` and ``KVD_TIMELINE_DIR``, the
+      timeline marks of kvd/timeline.py) that is close to a setting's (a typo), or names a
+      setting that is gone, is an error; one that is like none is another program's, and is
+      ignored with a warning.
     * Flags: ``--<field-name-with-dashes> VALUE``, parsed from text like the environment.
 
 The daemon (``kvd serve``) reads all of these. A client command reads only the socket path,
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
 import socket
 import sys
@@ -84,11 +87,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CONFIG_ENV", "DEVELOPMENT_SETTINGS", "DEV_ENV", "ENV_PREFIX", "MAX_SOCKET_PATH_BYTES",
            "OPERATOR_SETTINGS", "Config", "check_socket_path",
            "client_socket_path", "config_from_args", "default_socket_path",
            "development_overrides", "fallback_socket_dir", "format_size", "load_config",
-           "parse_size", "socket_dir_problem"]
+           "parse_size", "settings_from_args", "socket_dir_problem"]
 
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
@@ -433,7 +438,7 @@ def load_config(
         env=os.environ if env is None else env,
         overrides=overrides or {},
         check_paths=check_paths,
-    )
+    )[0]
 
 
 def _from_file(config_file: str, origin: str) -> dict[str, tuple[Any, str]]:
@@ -455,8 +460,13 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                 raise _development_setting(key, source)
             if key in _REMOVED:
                 raise _gone(key, source, var)
+            if key in _DEV_REMOVED:
+                raise ConfigError(f"{var} (from env) is gone: {_DEV_REMOVED[key]}")
             # (matched without the prefix, which every name shares)
             suggestion = _did_you_mean([_env_var(name) for name in _closest(key, list(_OPERATOR))])
+            if not suggestion:  # like no setting of ours: another program's variable
+                log.warning("ignoring %s (from env): not a kvd setting", var)
+                continue
             raise ConfigError(f"unknown variable {var} (from env){suggestion}")
         values[key] = (_parse(key, source, _spec(_OPERATOR[key]).from_text, env[var]), source)
     return values
@@ -508,7 +518,8 @@ def _load(
     env: Mapping[str, str],
     overrides: Mapping[str, object],
     check_paths: bool,
-) -> Config:
+) -> tuple[Config, dict[str, str]]:
+    """The config, and where each setting not at its fixed default came from."""
     if config_file is None and env.get(CONFIG_ENV):
         config_file, file_origin = env[CONFIG_ENV], f" (from env {CONFIG_ENV})"
     found: dict[str, tuple[Any, str]] = {}  # key -> (value, source); later sources win
@@ -529,7 +540,7 @@ def _load(
         if problem:
             source = found["socket_path"][1]
             raise ConfigError(f"socket_path: {problem} (from {source})")
-    return config
+    return config, {key: source for key, (_value, source) in found.items()}
 
 
 # --------------------------------------------------------------------------- for the CLI
@@ -567,6 +578,17 @@ def config_from_args(
     check_paths: bool = True,
 ) -> Config:
     """Load the config for a namespace parsed with ``settings_help.add_config_arguments``."""
+    return settings_from_args(args, env, check_paths=check_paths)[0]
+
+
+def settings_from_args(
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    *,
+    check_paths: bool = True,
+) -> tuple[Config, dict[str, str]]:
+    """:func:`config_from_args`, and where each setting came from (``file PATH``, ``env
+    VAR``, ``flag --name``; a setting not named is at its default)."""
     config_file = getattr(args, "config", None)
     return _load(
         config_file=config_file,

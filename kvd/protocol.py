@@ -210,6 +210,11 @@ Skip = Annotated[int, Meta(ge=0, lt=MAX_BLOCKS_PER_OP)]
 # ---------------------------------------------------------------- requests
 
 
+# The name the `kvd` command's client says in its hello: the daemon logs its sessions (one
+# per `kvd status`, `kvd ping`) at debug level.
+CLI_CLIENT_NAME = "kvd-cli"
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     req_id: ReqId
     protocol_version: int

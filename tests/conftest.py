@@ -41,7 +41,7 @@ FORKS = Forks()
 READY_TIMEOUT_S = 90.0
 # Every process the tests start inherits this variable, set to the session's pid: how the
 # end of the session finds the daemons they left behind, even those whose parent is gone.
-# (Not a KVD_* name: kvd refuses those it does not know.)
+# (Not a KVD_* name: the daemon would warn that it ignores it.)
 _SESSION_MARK = "PYTEST_KVD_SESSION"
 os.environ[_SESSION_MARK] = str(os.getpid())
 

@@ -8,6 +8,7 @@ subprocess; daemons are real ``kvd serve`` processes."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
@@ -19,14 +20,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq.auth
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvd import KvdClient
+from kvd import __version__ as kvd_version
 from kvd.bench import Progress
 from kvd.config import OPERATOR_SETTINGS
-from tests.conftest import ProcessDaemon, start_daemons
+from tests.conftest import ProcessDaemon, start_daemons, wait_until
 
 CLIENT_COMMANDS = ("ping", "stats", "status", "peers", "drain", "bench")
 CLIENT_OPTIONS = {"--help", "--socket-path", "--config", "--timeout", "--json"}
@@ -90,7 +96,7 @@ def test_serve_help_gives_each_setting_a_value_name_a_description_and_a_default(
     result = kvd("serve", "--help")
     assert result.returncode == 0, result.stderr
     flags = {"--" + name.replace("_", "-") for name in OPERATOR_SETTINGS}
-    assert options_listed(result.stdout) == flags | {"--help", "--config"}
+    assert options_listed(result.stdout) == flags | {"--help", "--config", "--check"}
     usage = result.stdout.split("\n\n", 1)[0]
     for bare in ("STRING", "INTEGER", "BOOLEAN"):  # types, not what a value is
         assert bare not in result.stdout, bare
@@ -264,6 +270,108 @@ def test_bench_to_a_peer_that_does_not_answer_fails_before_its_set_up(
     assert time.monotonic() - t0 < 30
 
 
+# --------------------------------------------------------------------------- the daemon's facts
+
+
+def test_status_says_the_daemons_version_and_uptime_and_metrics_its_process(
+        two_daemons: list[ProcessDaemon]) -> None:
+    """What redis INFO and node_exporter tell: the version, since when it runs, and the
+    process's memory, CPU and descriptors (prometheus_client's process collector)."""
+    a, _ = two_daemons
+    result = kvd("status", "--socket-path", a.socket_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"version             kvd {kvd_version}", result.stdout
+    assert re.fullmatch(r"up                  (\d+[dhm] \d+[hms]|\d+s), since "
+                        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+", lines[2]), result.stdout
+    st = json.loads(kvd("status", "--socket-path", a.socket_path, "--json").stdout)
+    assert st["version"] == kvd_version and st["started_at"] == st["epoch"] / 1e9
+    assert st["uptime_s"] > 0
+    with urllib.request.urlopen(f"http://{st['http']}/v1/status", timeout=10) as r:
+        assert json.loads(r.read())["version"] == kvd_version
+    with urllib.request.urlopen(f"http://{st['http']}/metrics", timeout=10) as r:
+        names = {f.name for f in text_string_to_metric_families(r.read().decode())}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds",
+            "process_max_fds", "process_start_time_seconds"} <= names, names
+
+
+def test_the_clis_sessions_are_logged_at_debug_level_an_engines_at_info(
+        two_daemons: list[ProcessDaemon]) -> None:
+    """`watch kvd status` leaves nothing in an info-level journal; a real client's session
+    is still told when it comes and goes."""
+    a, _ = two_daemons
+    for command in ("status", "ping", "stats", "peers"):
+        assert kvd(command, "--socket-path", a.socket_path).returncode == 0
+    with KvdClient(a.socket_path, name="engine") as client:
+        client.ping()
+    connected = wait_until(lambda: re.search(
+        r" INFO kvd\.daemon\.local_server: client connected session=(\d+) "
+        rf"pid={os.getpid()} name=engine\n", a.log()))
+    log = wait_until(lambda: f"client gone session={connected[1]} " in a.log() and a.log())
+    assert f" INFO kvd.daemon.local_server: client gone session={connected[1]} " \
+           f"pid={os.getpid()} reason=client said bye\n" in log
+    assert "kvd-cli" not in log, log
+
+
+# --------------------------------------------------------------------------- serve --check
+
+
+def test_serve_check_prints_each_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    """Like `nginx -t`: the effective settings, as config-file lines, and their sources."""
+    toml = tmp_path / "kvd.toml"
+    toml.write_text('node_id = "gpu-01"\npool_size_bytes = "2GiB"\npeers = "10.0.0.2:14579"\n')
+    result = kvd("serve", "--config", str(toml), "--peer-port", "1", "--socket-path",
+                 "/run/kvd/kvd.sock", "--check", env=clean_env(KVD_HTTP_PORT="9500"))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == f"""\
+socket_path = "/run/kvd/kvd.sock"  # flag --socket-path
+node_id = "gpu-01"  # file {toml}
+peer_host = "127.0.0.1"  # default
+peer_port = 1  # flag --peer-port
+data_port = 14580  # default
+advertise_host = ""  # default
+peers = "10.0.0.2:14579"  # file {toml}
+http_host = "127.0.0.1"  # default
+http_port = 9500  # env KVD_HTTP_PORT
+curve_secret_key_file = ""  # default
+curve_allowed_keys_file = ""  # default
+encrypt_data = true  # default
+allow_unauthenticated_peers = false  # default
+pool_size_bytes = "2GiB"  # file {toml}
+nccl = true  # default
+gpu_staging_bytes = "1GiB"  # default
+nccl_max_channels = 8  # default
+max_message_bytes = "1MiB"  # default
+max_ttl_s = 86400.0  # default
+put_ttl_s = 300.0  # default
+max_wait_s = 3600.0  # default
+max_waiting_pulls = 4096  # default
+heartbeat_interval_s = 1.0  # default
+peer_grace_s = 3.0  # default
+peer_connect_timeout_s = 5.0  # default
+nccl_init_timeout_s = 30.0  # default
+drain_grace_s = 30.0  # default
+log_level = "info"  # default
+"""
+    # What it prints is a config file kvd takes, to the same settings.
+    again = tmp_path / "again.toml"
+    again.write_text(result.stdout)
+    assert kvd("serve", "--config", str(again), "--check").stdout == \
+        re.sub(r"  # .*", f"  # file {again}", result.stdout)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pool-size-bytes", "lots"], "pool_size_bytes: expected a size"),
+    (["--peer-host", "10.1.1.1"], "peer_host: 10.1.1.1 is not a loopback address and no "
+                                  "CurveZMQ keys are set"),
+])
+def test_serve_check_refuses_what_serve_would(args: list[str], message: str) -> None:
+    result = kvd("serve", *args, "--check")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith(f"kvd: config error: {message}")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
 # --------------------------------------------------------------------------- keygen
 
 
@@ -296,6 +404,38 @@ def test_keygen_refuses_to_overwrite_and_says_how_to_proceed(tmp_path: Path) -> 
     result = kvd("keygen", "--dir", str(tmp_path), "--name", "n", "--json")
     assert result.returncode == 2 and json_error(result)["code"] == "key_exists"
     assert (tmp_path / "n.key_secret").read_bytes() == before
+
+
+def test_keygen_makes_its_directory_0750_and_files_with_kvds_own_header(
+        tmp_path: Path) -> None:
+    keys = tmp_path / "etc" / "kvd"
+    result = kvd("keygen", "--dir", str(keys), "--name", "node", "--json")
+    assert result.returncode == 0, result.stderr
+    public = json.loads(result.stdout)["public_key"]
+    assert oct(keys.stat().st_mode)[-3:] == "750"  # (docs/operations.md: root:kvd 0750)
+    assert oct((keys / "node.key_secret").stat().st_mode)[-3:] == "600"
+    today = datetime.date.today()
+    assert (keys / "node.key").read_text() == (
+        f"#   kvd public key, made by kvd keygen on {today}: its line on the allow-list "
+        "(curve_allowed_keys_file) is '<public-key> HOST:PORT'\n\n"
+        f'metadata\ncurve\n    public-key = "{public}"\n')
+    secret = (keys / "node.key_secret").read_text()
+    assert secret.startswith(f"#   kvd secret key, made by kvd keygen on {today}: the "
+                             "curve_secret_key_file of one daemon, readable by its user "
+                             "alone\n\nmetadata\ncurve\n")
+    assert zmq.auth.load_certificate(keys / "node.key_secret")[0] == public.encode()
+    assert "pyzmq" not in secret and "home directory" not in (keys / "node.key").read_text()
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "..", ".", ""])
+def test_keygen_names_stay_in_their_directory(tmp_path: Path, name: str) -> None:
+    keys = tmp_path / "keys"
+    result = kvd("keygen", "--dir", str(keys), "--name", name)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("usage: kvd keygen [-h] [--dir DIR] [--name NAME] [--json]\n"
+                             "kvd keygen: error: argument --name: must be a file name, with no "
+                             f"/, in --dir, got {name}\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def keygen_with_default_dir(default_dir: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -354,8 +494,6 @@ def test_client_commands_ignore_the_daemons_settings_in_the_environment(
 
 
 @pytest.mark.parametrize(("var", "message"), [
-    ("KVD_FOO", "kvd: config error: unknown variable KVD_FOO (from env)\n"),
-    ("KVD_X", "kvd: config error: unknown variable KVD_X (from env)\n"),
     ("KVD_POOL_SIZ", "kvd: config error: unknown variable KVD_POOL_SIZ (from env); did you "
                      "mean KVD_POOL_SIZE_BYTES?\n"),
     ("KVD_POOL", "kvd: config error: unknown variable KVD_POOL (from env); did you mean "
@@ -363,11 +501,35 @@ def test_client_commands_ignore_the_daemons_settings_in_the_environment(
     ("KVD_HTTP", "kvd: config error: unknown variable KVD_HTTP (from env); did you mean "
                  "KVD_HTTP_HOST or KVD_HTTP_PORT?\n"),
 ])
-def test_serve_refuses_an_unknown_variable_with_the_closest_real_name_or_none(
+def test_serve_refuses_a_misspelt_setting_with_the_closest_real_names(
         var: str, message: str, tmp_path: Path) -> None:
     result = kvd("serve", "--socket-path", str(tmp_path / "s.sock"), env=clean_env(**{var: "1"}),
                  timeout=30)
     assert result.returncode == 2 and result.stderr == message
+
+
+def test_serve_ignores_another_programs_kvd_variables_and_says_so(sock_dir: str) -> None:
+    """A ``KVD_*`` variable like no setting is not a typo of one: the daemon starts, and
+    says once, at warning level, that it ignores it."""
+    stray = {"KVD_VLLM_VENV": "/opt/venv", "KVD_FOO": "1"}
+    d = ProcessDaemon(sock_dir, env=stray)
+    try:
+        d.wait_ready()
+        log = d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+    for var in sorted(stray):
+        assert log.count(f" WARNING kvd.config: ignoring {var} (from env): not a kvd "
+                         "setting\n") == 1, log
+
+
+def test_the_projects_own_scripts_use_no_kvd_variable() -> None:
+    """The daemon's prefix is the daemon's: a script's variable left in the environment of
+    `kvd serve` would be read as a setting."""
+    root = Path(__file__).parent.parent
+    for script in [*root.glob(".ci/*"), *root.glob("benchmarks/*.sh")]:
+        named = set(re.findall(r"\bKVD_[A-Z_]+", script.read_text()))
+        assert named <= {"KVD_SOCKET_PATH", "KVD_CONFIG", "KVD_DEV"}, (script, named)
 
 
 def test_demo_runs_with_a_stray_variable_in_the_environment() -> None:

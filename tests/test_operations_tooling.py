@@ -190,6 +190,28 @@ def bad_message_reasons_counted() -> dict[str, set[str]]:
     return counted
 
 
+def test_every_label_value_on_metrics_is_in_the_operators_guide(two_nodes: Any) -> None:
+    """A small put (its bytes inline in the offer), a larger one (TCP), an offload (a
+    local move): each label value they make is documented."""
+    a, b = two_nodes
+    move_some_data(a, b)
+    small = a.client.register("small", [random_region(2, 3, block_bytes=4096)])
+    a.client.put("k3", small, [0], to=b.address).wait(10)
+    status, text = http_get(f"http://{a.client.stats()['http']}/metrics")
+    assert status == 200
+    with open(os.path.join(REPO, "docs", "operations.md")) as f:
+        guide = f.read().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    seen: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for label in ("direction", "transport", "outcome", "state", "event", "socket"):
+                if label in sample.labels:
+                    seen.setdefault(label, set()).add(sample.labels[label])
+    assert "inline" in seen["transport"] and "tcp" in seen["transport"], seen
+    assert {(label, value) for label, values in seen.items() for value in values
+            if f"`{value}`" not in guide} == set()
+
+
 def test_every_bad_message_reason_the_code_counts_is_exported_from_the_start() -> None:
     counted = bad_message_reasons_counted()
     assert len(counted["local"]) >= 10 and len(counted["peer"]) >= 15, counted  # it reads

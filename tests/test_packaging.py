@@ -4,6 +4,7 @@ against the code they describe."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -196,6 +197,21 @@ def test_readme_configuration_table_lists_every_operator_setting() -> None:
     section = read("README.md").split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z_]+)`", section))
     assert named >= OPERATOR_SETTINGS, sorted(OPERATOR_SETTINGS - named)
+
+
+def test_readme_explains_every_reason_a_test_skips() -> None:
+    """Not only the GPU tests': each skip reason, as pytest prints it, is in the README with
+    what it needs."""
+    section = read("README.md").split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    reasons = set()
+    for path in glob.glob(os.path.join(REPO, "tests", "*.py")):
+        with open(path) as f:
+            text = f.read()
+        reasons |= set(re.findall(r'(?:reason=|\bskip\()"([^"]+)"', text))
+        reasons |= {f"could not import '{name}'"
+                    for name in re.findall(r'importorskip\("(\w+)"\)', text)}
+    assert len(reasons) >= 10, reasons
+    assert {r for r in reasons if f"`{r}`" not in section} == set()
 
 
 def test_operations_guide_states_the_protocol_version() -> None:

@@ -1010,15 +1010,18 @@ def test_timeline_marks_follow_a_transfer_through_both_daemons(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("mode", [[], ["--pull"]])
-def test_timeline_tool_runs_both_flows(mode: list[str]) -> None:
+def test_timeline_tool_runs_both_flows(mode: list[str], sock_dir: str) -> None:
     """tools/timeline.py, as .ci/gpu runs it on the GPU host (there with --device cuda):
-    a put into a waiting get, or a pull of lent blocks, each step of it in the output."""
+    a put into a waiting get, or a pull of lent blocks, each step of it in the output; and
+    nothing left in the temporary directory."""
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "tools", "timeline.py")
     out = subprocess.run([sys.executable, tool, "--repeat", "5", "--tensors", "2", "--blocks",
                           "3", "--block-bytes", "4096", "--json", *mode],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": sock_dir})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert os.listdir(sock_dir) == []
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["total_median_us"] > 0
     marks = found["marks_median_us"]

@@ -8,11 +8,15 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +30,10 @@ STEP = re.compile(r"kvd\.startup: \+(\d+\.\d+)s (.*?)(?: \(took (\d+\.\d+)s\))?$
 # The steps of a CPU-only start, in order (a prefix of each line's text).
 STEPS_IN_ORDER = [
     "config read", "imports done", "socket path claimed", "http listening on",
-    "no GPU seen", "allocating the host pool: 2GiB, not pinned, every page touched",
+    "no GPU seen", "nccl", "peer ports claimed: 127.0.0.1:",
+    "allocating the host pool: 2GiB, not pinned, every page touched",
     "host pool: touching pages", "host pool allocated: 2GiB, not pinned, touching",
-    "nccl", "engine and peer plane set up", "local socket listening at",
+    "engine and peer plane set up", "local socket listening at",
     "peer socket listening at", "kvd ready node=",
 ]
 
@@ -116,6 +121,58 @@ def test_startup_steps_logged_in_order_with_times_and_pool_progress(sock_dir: st
         reader.join(5)
         listener.close()
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("flag", ["--peer-port", "--data-port", "--http-port"])
+def test_a_port_in_use_fails_the_start_before_the_pool_is_taken(sock_dir: str,
+                                                                flag: str) -> None:
+    """Every port is claimed before the host pool is allocated (and before the local
+    socket is made): one in use costs no memory and leaves nothing behind."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    d = ProcessDaemon(sock_dir, flag, str(port), "--pool-size-bytes", "1GiB")
+    try:
+        code = d.proc.wait(READY_TIMEOUT_S)
+    finally:
+        d.stop()
+        taken.close()
+    log = d.log()
+    setting = flag[2:].replace("-", "_")
+    assert code == 2, log
+    assert log.endswith(f"kvd: config error: {setting}: cannot listen on 127.0.0.1:{port}: "
+                        "Address already in use\n"), log
+    assert "allocating the host pool" not in log and not os.path.exists(d.socket_path), log
+
+
+def test_a_client_is_told_a_daemon_is_starting_and_how_far(sock_dir: str) -> None:
+    """`kvd ping` while the daemon takes its pool: not "no daemon", but which one and where
+    its start stands. (The daemon is held still by SIGSTOP while the client asks.)"""
+    d = ProcessDaemon(sock_dir, "--pool-size-bytes", "2GiB")
+    starting = Path(d.socket_path + ".starting")
+    try:
+        wait_until(lambda: starting.exists() and "touching pages" in starting.read_text(),
+                   timeout_s=READY_TIMEOUT_S, interval_s=0.002)
+        d.signal(signal.SIGSTOP)
+        try:
+            step = starting.read_text().split(" ", 1)[1].strip()
+            result = subprocess.run([sys.executable, "-m", "kvd.cli", "ping", "--socket-path",
+                                     d.socket_path], capture_output=True, text=True,
+                                    timeout=60)
+        finally:
+            d.signal(signal.SIGCONT)
+        assert re.fullmatch(r"allocating the host pool: 2GiB, not pinned, every page touched: "
+                            r"host pool: touching pages \d+% \(\S+ of 2GiB\)", step), step
+        assert (result.returncode, result.stdout) == (1, "")
+        assert result.stderr == (f"kvd: daemon_unavailable: a kvd daemon is starting at "
+                                 f"{d.socket_path} (pid {d.proc.pid}): {step}; it answers "
+                                 "once it is ready\n")
+        d.wait_ready()
+        assert not starting.exists()  # (it serves: the file is gone)
+    finally:
+        assert d.stop() == 0, d.log()
+    assert not starting.exists()
 
 
 def stopped_to_exit_s(d: ProcessDaemon) -> float:

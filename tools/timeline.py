@@ -32,6 +32,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -150,8 +151,11 @@ def main() -> int:
                          "--daemon-flag=--gpu-staging-bytes=2GiB")
     args = ap.parse_args()
     EXTRA_FLAGS.extend(args.daemon_flag)
-    tdir = tempfile.mkdtemp(prefix="kvd-timeline-")
-    root = tempfile.mkdtemp(prefix="kvd-timeline-daemons-", dir="/tmp")
+    # The daemons' folders and the marks; removed once read (a failed run leaves it, and
+    # says where, for the daemons' logs).
+    root = tempfile.mkdtemp(prefix="kvd-timeline-")
+    tdir = os.path.join(root, "marks")
+    os.mkdir(tdir)
     # The daemons inherit this environment (gpu_transfer.start_daemon).
     os.environ["KVD_TIMELINE_DIR"] = tdir
     os.environ["KVD_DEV"] = ",".join(
@@ -205,6 +209,7 @@ def main() -> int:
     roles = {p.pid: role for p, role in zip(procs, "AB", strict=False)}
     per = offsets(tdir, {**roles, os.getpid(): "X"}, keys,
                   "pull.start" if args.pull else "put.start")
+    shutil.rmtree(root)
     rows = sorted(((statistics.median(v), name, len(v)) for name, v in per.items()
                    if len(v) > args.repeat // 2))
     what = (("lend, then pull from the same daemon" if args.local else "lend on A, pull from B")

@@ -268,6 +268,10 @@ class RequestBuilder:
         return next(self._ids)
 
     def check_socket(self) -> None:
+        from kvd.daemon.socket_files import daemon_starting
+
+        if starting := daemon_starting(self.socket_path):
+            raise DaemonUnavailable(f"{starting}; it answers once it is ready")
         if not os.path.exists(self.socket_path):
             raise DaemonUnavailable(
                 f"no kvd daemon at {self.socket_path} (socket missing); start one with "

@@ -29,7 +29,9 @@ Without keys anyone who reaches the peer port can link and move data: a daemon w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import grp
 import hashlib
 import ipaddress
 import logging
@@ -180,8 +182,10 @@ class KeyFileExists(FileExistsError):
 
 def write_keys(directory: str, name: str) -> tuple[str, str, str]:
     """Create ``NAME.key`` and ``NAME.key_secret`` (mode 0600) in ``directory`` (made if
-    missing); returns both absolute paths and the public key (z85). Raises
-    :class:`KeyFileExists`, writing nothing, if either file is there."""
+    missing: mode 0750, group ``kvd`` where there is one, as docs/operations.md sets up
+    /etc/kvd); returns both absolute paths and the public key (z85). Raises
+    :class:`KeyFileExists`, writing nothing, if either file is there. The files are
+    ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them)."""
     directory = os.path.abspath(directory)
     found = [path for path in (os.path.join(directory, name + suffix)
                                for suffix in (".key", ".key_secret"))
@@ -192,14 +196,25 @@ def write_keys(directory: str, name: str) -> tuple[str, str, str]:
             f"overwriting a key. To keep it, use it as it is; to replace it, remove "
             f"{name}.key and {name}.key_secret first (and update the allow-lists that name "
             f"its public key); or choose another --name or --dir")
-    os.makedirs(directory, exist_ok=True)
-    # The secret file is made 0600 before the key goes in: no moment where others read it.
-    secret_path = os.path.join(directory, name + ".key_secret")
-    os.close(os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    public_file, secret_file = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret_file, 0o600)
-    public, _ = zmq.auth.load_certificate(public_file)
-    return public_file, secret_file, public.decode()
+    if not os.path.isdir(directory):
+        os.makedirs(directory)
+        os.chmod(directory, 0o750)
+        with contextlib.suppress(KeyError, OSError):  # (no such group, or not ours to give)
+            os.chown(directory, -1, grp.getgrnam("kvd").gr_gid)
+    public, secret = (key.decode() for key in zmq.curve_keypair())
+    made = f"made by kvd keygen on {datetime.date.today()}"
+    paths = [os.path.join(directory, name + suffix) for suffix in (".key", ".key_secret")]
+    for path, mode, about, keys in (
+            (paths[1], 0o600, f"kvd secret key, {made}: the curve_secret_key_file of one "
+                              "daemon, readable by its user alone",
+             f'    public-key = "{public}"\n    secret-key = "{secret}"\n'),
+            (paths[0], 0o644, f"kvd public key, {made}: its line on the allow-list "
+                              "(curve_allowed_keys_file) is '<public-key> HOST:PORT'",
+             f'    public-key = "{public}"\n')):
+        # Made with its mode before the key goes in: no moment where others read a secret.
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as f:
+            f.write(f"#   {about}\n\nmetadata\ncurve\n{keys}")
+    return paths[0], paths[1], public
 
 
 # --------------------------------------------------------------------------- data TLS

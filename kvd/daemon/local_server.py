@@ -56,6 +56,7 @@ from kvd.errors import (
 )
 from kvd.loop_socket import LoopSocket
 from kvd.protocol import (
+    CLI_CLIENT_NAME,
     PROTOCOL_VERSION,
     Bye,
     Cancel,
@@ -129,6 +130,11 @@ class Session:
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
     segments: dict[int, int] = field(default_factory=dict)  # descriptors by segment id
+
+
+def _level(session: Session) -> int:
+    """A session's comings and goings are news, but the CLI's (one a `kvd status`)."""
+    return logging.DEBUG if session.name == CLI_CLIENT_NAME else logging.INFO
 
 
 class LocalServer:
@@ -271,7 +277,8 @@ class LocalServer:
         self._next_sid += 1
         self.sessions[identity] = session
         self._by_lifeline[lifeline] = session
-        log.info("client connected session=%d pid=%d name=%s", session.sid, msg.pid, msg.name)
+        log.log(_level(session), "client connected session=%d pid=%d name=%s", session.sid,
+                msg.pid, msg.name)
         self._send(identity, Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
             node_id=self.config.node_id, epoch=self.epoch, daemon_version=__version__,
@@ -502,7 +509,8 @@ class LocalServer:
             os.close(fd)
         self._budget.give(PER_SEGMENT * len(session.segments))
         session.segments.clear()
-        log.info("client gone session=%d pid=%d reason=%s", session.sid, session.pid, reason)
+        log.log(_level(session), "client gone session=%d pid=%d reason=%s", session.sid,
+                session.pid, reason)
         if reply_to is not None:
             if any(not t.done() for t in tasks):  # not confirmed: the client says so
                 self._send(session.identity, ErrorReply(

@@ -16,12 +16,17 @@ Names follow ``kvd_<noun>_<unit>``; docs/operations.md lists them with one line 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -86,7 +91,7 @@ class Metrics:
         # process, and in tests nothing wants the creation times either.)
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.started = time.time()
+        ProcessCollector(registry=self.registry)  # process_*: memory, CPU, descriptors, start
         self._transfers = Counter(
             "kvd_transfers", "Transfers finished, by peer, direction, transport and outcome.",
             ["peer", "direction", "transport", "outcome"], registry=self.registry)

@@ -19,7 +19,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("kvd.startup")
@@ -147,7 +147,8 @@ class StartupSteps:
 
     def __init__(self, notifier: Notifier | None = None,
                  logger: logging.Logger | None = None) -> None:
-        self._notifier = notifier
+        # Who is told each step's status: systemd, and whoever the daemon adds.
+        self.tell: list[Callable[[str], None]] = [notifier.status] if notifier else []
         self._log = logger or startup_log
         self._lock = threading.Lock()
         self._step = ""
@@ -206,5 +207,5 @@ class StartupSteps:
         self._status(f"{step}: {text}")
 
     def _status(self, status: str) -> None:
-        if self._notifier is not None:
-            self._notifier.status(status)
+        for tell in self.tell:
+            tell(status)

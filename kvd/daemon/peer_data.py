@@ -73,14 +73,20 @@ class DataPort:
         self.port = 0
 
     def listen(self, host: str, port: int) -> None:
+        """Claim the port; connections wait in its backlog until ``start``."""
         self._listener = _listen(host, port, "data_port")
         self.port = self._listener.getsockname()[1]
+
+    def start(self) -> None:
+        assert self._listener is not None
         self._acceptor = Acceptor(self._listener, "data_port", self._take)
 
     async def close(self) -> None:
         """Stop accepting, end the connections being admitted and the warm-ups."""
         if self._acceptor is not None:
             self._acceptor.close()
+        elif self._listener is not None:
+            self._listener.close()
         tasks = [*self._warmups, *self._admitting]
         for task in tasks:
             task.cancel()
@@ -291,7 +297,8 @@ def _listen(host: str, port: int, setting: str) -> socket.socket:
         listener.bind((host, port))
     except OSError as exc:
         listener.close()
-        raise ConfigError(f"{setting}: cannot listen on {host}:{port}: {exc}") from None
+        raise ConfigError(f"{setting}: cannot listen on {host}:{port}: "
+                          f"{exc.strerror or exc}") from None
     listener.listen(128)
     listener.setblocking(False)
     return listener

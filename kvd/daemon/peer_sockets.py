@@ -168,8 +168,8 @@ class PeerRouter:
             try:
                 router.bind(f"tcp://{host}:{port}")
             except zmq.ZMQError as exc:
-                raise ConfigError(f"peer_port: cannot listen on {host}:{port}: {exc}"
-                                  ) from None
+                raise ConfigError(f"peer_port: cannot listen on {host}:{port}: "
+                                  f"{zmq.strerror(exc.errno or 0)}") from None
         except BaseException:
             self._close_helpers()
             router.close(linger=0)
@@ -177,7 +177,10 @@ class PeerRouter:
         endpoint = router.getsockopt(zmq.LAST_ENDPOINT)
         assert isinstance(endpoint, bytes)
         self.port = int(endpoint.decode().rsplit(":", 1)[1])
+        # (what comes before ``start`` waits in ZeroMQ's queue)
         self._sock = LoopSocket(router, self._on_frames, what="peer socket", copy=False)
+
+    def start(self) -> None:
         self._sock.start()
 
     def send(self, routing_id: bytes, data: bytes) -> bool:

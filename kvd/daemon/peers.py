@@ -101,7 +101,8 @@ class _NoHandler:
 
 
 class PeerPlane:
-    """Construct, ``handle_with`` the component that takes the links' events, ``bind``."""
+    """Construct, ``listen`` (the ports are claimed), ``handle_with`` the component that
+    takes the links' events, ``start``."""
 
     def __init__(self, config: Config, ctx: zmq.Context[Any], epoch: int,
                  gpus: Sequence[str] = (), nccl_blocking_calls: bool = False) -> None:
@@ -139,21 +140,27 @@ class PeerPlane:
     # ------------------------------------------------------------ lifecycle
 
     def handle_with(self, events: LinkEvents) -> None:
-        """Where the links' messages and ups and downs go: set once, before ``bind``
+        """Where the links' messages and ups and downs go: set once, before ``start``
         (the component that takes them is built with this plane)."""
         if not isinstance(self._events, _NoHandler):
             raise RuntimeError("the peer plane's events have a handler already")
         self._events = events
 
-    def bind(self) -> None:
-        if isinstance(self._events, _NoHandler):
-            raise RuntimeError("PeerPlane.handle_with must come before bind")
+    def listen(self) -> None:
+        """Claim the peer and data ports: what peers send waits until ``start``."""
         cfg = self.config
         self._router = PeerRouter(self.ctx, self.keys, self._bad,
                                   self._on_router_message, self._on_disconnected,
                                   cfg.peer_host, cfg.peer_port)
         self.address = f"{cfg.advertise_host or cfg.peer_host}:{self._router.port}"
         self._data.listen(cfg.peer_host, cfg.data_port)
+
+    def start(self) -> None:
+        if isinstance(self._events, _NoHandler):
+            raise RuntimeError("PeerPlane.handle_with must come before start")
+        assert self._router is not None
+        self._router.start()
+        self._data.start()
         self._tasks = [
             self._loop.create_task(self._heartbeat_loop(), name="kvd-peer-heartbeat")]
         log.info("peer socket listening address=%s data_port=%d curve=%s encrypt_data=%s",

@@ -1,8 +1,9 @@
 """The daemon's life: start up, serve until told to stop, drain, shut down.
 
-Startup acquires in order (the socket path's claim, the HTTP port, the host pool, GPU
-kernels and staging, the copy worker, the engine, the peer plane, the local socket) on an
-``AsyncExitStack``, so teardown runs in reverse whatever failed. The daemon composes its
+Startup acquires in order (the socket path's claim, the HTTP port, the peer ports, the
+host pool, GPU kernels and staging, the copy worker, the engine, the local socket, then the
+peer plane starts reading) on an ``AsyncExitStack``, so teardown runs in reverse whatever
+failed: every port is claimed before the pool is taken. The daemon composes its
 parts (``parts.DaemonParts``) through constructor arguments; the servers that answer for
 the whole daemon get its ``status`` and ``drain_on_request`` as callables. ``serve`` takes an
 injectable ``shutdown_trigger`` (tests pass ``event.wait``); without one it installs
@@ -23,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvd import timeline
+from kvd import __version__, timeline
 from kvd.config import Config, check_socket_path, development_overrides, format_size
 from kvd.daemon.auth import check_exposure
 from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
@@ -211,6 +212,7 @@ class Daemon:
         claim = PathClaim(self.config.socket_path)
         claim.take()
         stack.callback(claim.release)  # last: after the sockets are removed
+        steps.tell.append(claim.say)  # (clients that come early are told: socket_files.py)
         steps.done(f"socket path claimed: {self.config.socket_path}")
         if tuning := development_overrides(self.config):
             log.warning("development settings (KVD_DEV): %s",
@@ -232,13 +234,24 @@ class Daemon:
                    else "no GPU seen: the host pool is not pinned")
         budget = DescriptorBudget.from_limit()
         _report_limits(budget, pinned=sees_gpu)
+        steps.begin("looking for NCCL")
+        gpus, nccl_said = await asyncio.to_thread(self._nccl_gpus)
+        steps.done(nccl_said)
+        # The ports before the pool: one in use fails the start before it takes memory.
+        # (Read from once the daemon serves; the local socket's path is claimed already.)
+        steps.begin("claiming the peer ports")
+        # One ZeroMQ context, one I/O thread, for the local socket and the peer plane.
+        zmq_context = new_context()
+        stack.callback(zmq_context.destroy, 0)  # (after the planes closed their sockets)
+        peers = PeerPlane(self.config, zmq_context, self.epoch, gpus=gpus,
+                          nccl_blocking_calls=bool(gpus) and self._blocking_calls())
+        stack.push_async_callback(peers.close)  # (a start that fails before the pool's)
+        peers.listen()
+        steps.done(f"peer ports claimed: {peers.address}, data port {peers.data_port}")
         # Pinned where the daemon sees a GPU: host <-> GPU copies of pinned memory run at
         # PCIe speed (~55 GB/s on H200, against 6-13 GB/s pageable).
         pool = await self._take_pool(pin=sees_gpu)
         stack.callback(pool.close)
-        steps.begin("looking for NCCL")
-        gpus, nccl_said = await asyncio.to_thread(self._nccl_gpus)
-        steps.done(nccl_said)
         if gpus:
             steps.begin(f"loading GPU kernels on {', '.join(gpus)}", announce=True)
             await asyncio.to_thread(_warm_kernels, gpus)
@@ -259,17 +272,12 @@ class Daemon:
         engine = self.parts.engine = Engine(
             self.config, pool, worker, self.metrics, gpu_pools,
             busy_poll_window_s(sees_gpu))
-        # One ZeroMQ context, one I/O thread, for the local socket and the peer plane.
-        zmq_context = new_context()
-        stack.callback(zmq_context.destroy, 0)  # (after the planes closed their sockets)
-        peers = self.parts.peers = PeerPlane(
-            self.config, zmq_context, self.epoch, gpus=gpus,
-            nccl_blocking_calls=bool(gpus) and self._blocking_calls())
+        self.parts.peers = peers
         nccl = NcclLinks(self.config, peers) if gpus else None
         remote = self.parts.transfers = PeerTransfers(engine, peers, nccl)
         peers.handle_with(remote)
         engine.remote = remote
-        stack.push_async_callback(peers.close)
+        stack.push_async_callback(peers.close)  # (before the pool's: links end first)
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
         local = self.parts.local = LocalServer(self.config, engine, zmq_context, self.epoch,
@@ -280,8 +288,10 @@ class Daemon:
         await local.bind()
         steps.done(f"local socket listening at {self.config.socket_path}")
         steps.begin("opening the peer socket")
-        peers.bind()
+        peers.start()
         steps.done(f"peer socket listening at {peers.address}")
+        steps.tell.remove(claim.say)
+        claim.say("")
 
     async def _take_pool(self, pin: bool) -> HostPool:
         """The host pool, taken in a worker thread while the loop answers HTTP (and
@@ -396,11 +406,14 @@ class Daemon:
         """The daemon's status report (``kvd status``, ``/v1/status``, the Stats request):
         assembled here, from each part's own figures."""
         engine, local, peers, transfers = self.engine, self.local, self.peers, self.transfers
+        started = self.epoch / 1e9  # (the epoch is the start's time)
+        facts = {"node_id": self.config.node_id, "epoch": self.epoch, "version": __version__,
+                 "started_at": started, "uptime_s": round(time.time() - started, 3)}
         if engine is None or local is None:
-            return {"node_id": self.config.node_id, "epoch": self.epoch, "starting": True}
+            return {**facts, "starting": True}
         status = engine.stats()
         status.update(local.stats())
-        status["epoch"] = self.epoch
+        status.update(facts)
         if peers is not None and transfers is not None:
             status["peer"] = peers.stats()
             status["transfers"] = transfers.stats()

@@ -27,6 +27,26 @@ def lock_path(socket_path: str) -> str:
     return socket_path + ".lock"
 
 
+def starting_path(socket_path: str) -> str:
+    """``<pid> <step>`` while the daemon that holds the path starts (``PathClaim.say``);
+    no file once it serves. Readable by clients, unlike the lock, which one could hold."""
+    return socket_path + ".starting"
+
+
+def daemon_starting(socket_path: str) -> str | None:
+    """What a client is told while the daemon of ``socket_path`` starts; None when none
+    does (no file, or its process is gone)."""
+    try:
+        with open(starting_path(socket_path)) as f:
+            pid_text, _, step = f.read().partition(" ")
+        os.kill(int(pid_text), 0)
+    except PermissionError:  # (a process of another user's: there)
+        pass
+    except (OSError, ValueError):
+        return None
+    return f"a kvd daemon is starting at {socket_path} (pid {pid_text}): {step.strip()}"
+
+
 class PathClaim:
     """This process's hold on a socket path (see the module's docstring)."""
 
@@ -60,8 +80,24 @@ class PathClaim:
                 return
             os.close(fd)
 
+    def say(self, step: str) -> None:
+        """Tell clients where the start-up stands (any thread); '' once it serves."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if not step:
+                os.unlink(starting_path(self.socket_path))
+                return
+            path = starting_path(self.socket_path)
+            fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                         0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()} {step}\n")
+            os.replace(path + ".new", path)  # (a reader sees the old line or the new)
+
     def release(self) -> None:
         """Let the path go (after the sockets are closed and removed)."""
+        self.say("")
         fd, self._fd = self._fd, None
         if fd is None:
             return
