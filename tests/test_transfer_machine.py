@@ -150,7 +150,7 @@ def test_a_host_send_links_offers_eagerly_moves_and_finishes() -> None:
     assert s.step is Step.MOVING and s.mover is Job.EAGER_TCP
     # XFER_DONE may come before our side of the data connection has seen its end.
     assert m.message(b, XferDone(transfer_id=1, nbytes=NBYTES), 1.0) == []
-    assert m.sent(1, Job.EAGER_TCP, True, None, 1.0) == [Finish(1, NBYTES, "done")]
+    assert m.sent(1, Job.EAGER_TCP, NBYTES, 1.0) == [Finish(1, NBYTES, "done")]
     assert m.sends == {} and m.counters.sent == {"done": 1}
     assert m.counters.bytes_sent == NBYTES
 
@@ -175,7 +175,7 @@ def test_a_gpu_send_offers_plainly_and_the_accept_starts_its_bytes() -> None:
     acc = accept(1, channel=7)
     assert m.message(b, acc, 1.0) == [StartSend(1, acc)]
     assert s.step is Step.MOVING and s.mover is Job.NCCL
-    assert m.sent(1, Job.NCCL, True, None, 2.0) == []  # XFER_DONE still awaited
+    assert m.sent(1, Job.NCCL, NBYTES, 2.0) == []  # XFER_DONE still awaited
     assert m.message(b, XferDone(transfer_id=1, nbytes=NBYTES), 2.0) == [
         Finish(1, NBYTES, "done")]
 
@@ -198,7 +198,7 @@ def test_busy_backs_off_doubling_until_the_deadline() -> None:
     # The eager bytes are dropped by the receiver: stopped here.
     assert acts == [Halt(1, Job.EAGER_TCP), Timer(("retry", None, 1), 0.1 + 0.05)]
     assert s.step is Step.RETRYING and Job.EAGER_TCP in s.dropped
-    assert m.sent(1, Job.EAGER_TCP, False, None, 0.12) == []
+    assert m.sent(1, Job.EAGER_TCP, Cancelled("stopped"), 0.12) == []
     assert m.timer(("retry", None, 1), 0.15) == [SendOffer(1, Offering.PLAIN)]  # not eager
     assert m.message(b, Busy(transfer_id=1, retry_after_s=0.0), 0.2) == [
         Timer(("retry", None, 1), 0.2 + 0.1)]
@@ -214,7 +214,7 @@ def test_a_refusal_fails_the_send_with_its_reason() -> None:
     acts = m.message(b, Refuse(transfer_id=1, code="bad_request", message="no"), 1.0)
     # The eager bytes are stopped, and the send ends once they have.
     assert acts[0] == Halt(1, Job.EAGER_TCP) and not any(isinstance(a, Finish) for a in acts)
-    done = finish(m.sent(1, Job.EAGER_TCP, False, None, 1.1))
+    done = finish(m.sent(1, Job.EAGER_TCP, Cancelled("stopped"), 1.1))
     assert isinstance(done.result, BadRequest) and "no" in done.result.message
 
 
@@ -222,7 +222,7 @@ def test_xfer_failed_after_the_bytes_fails_the_send() -> None:
     m, b = machine(has_nccl=False), link()
     offered(m, b, 1)
     m.message(b, accept(1), 1.0)
-    m.sent(1, Job.EAGER_TCP, True, None, 1.0)
+    m.sent(1, Job.EAGER_TCP, NBYTES, 1.0)
     done = finish(m.message(b, XferFailed(transfer_id=1, code="transfer_failed",
                                           message="disk"), 1.0))
     assert isinstance(done.result, TransferFailed) and done.label == "failed"
@@ -241,14 +241,14 @@ def test_the_deadline_ends_each_step_in_its_own_way() -> None:
     s = offered(m, b, 3)
     m.message(b, accept(3), 1.0)
     assert m.timer(("deadline", None, 3), 100.0) == [] and s.late
-    assert isinstance(finish(m.sent(3, Job.EAGER_TCP, True, None, 100.1)).result,
+    assert isinstance(finish(m.sent(3, Job.EAGER_TCP, NBYTES, 100.1)).result,
                       KvdTimeout)
     # ... unless the receiver said XFER_DONE already.
     offered(m, b, 4)
     m.message(b, accept(4), 1.0)
     m.timer(("deadline", None, 4), 100.0)
     m.message(b, XferDone(transfer_id=4, nbytes=NBYTES), 100.0)
-    assert finish(m.sent(4, Job.EAGER_TCP, True, None, 100.1)).result == NBYTES
+    assert finish(m.sent(4, Job.EAGER_TCP, NBYTES, 100.1)).result == NBYTES
 
 
 def test_a_failed_send_answers_only_once_its_jobs_have_stopped() -> None:
@@ -258,7 +258,7 @@ def test_a_failed_send_answers_only_once_its_jobs_have_stopped() -> None:
     acts = m.link_lost(b, PeerUnreachable("gone"), 1.0)
     assert Halt(1, Job.EAGER_NCCL) in acts and not any(isinstance(a, Finish) for a in acts)
     assert s.step is Step.ENDING
-    done = finish(m.sent(1, Job.EAGER_NCCL, True, None, 2.0))
+    done = finish(m.sent(1, Job.EAGER_NCCL, NBYTES, 2.0))
     assert isinstance(done.result, PeerUnreachable)
     # Jobs that never stop: the grace timer answers anyway.
     s = offered(m, b, 2, gpu=True, eager_channel=7)
@@ -271,7 +271,7 @@ def test_answers_a_send_cannot_take_now_are_protocol_errors() -> None:
     offered(m, b, 1)
     m.message(b, accept(1), 1.0)
     m.message(b, accept(1), 1.0)  # a second ACCEPT
-    assert isinstance(finish(m.sent(1, Job.EAGER_TCP, True, None, 1.0)).result,
+    assert isinstance(finish(m.sent(1, Job.EAGER_TCP, NBYTES, 1.0)).result,
                       ProtocolError)
     offered(m, b, 2)
     acts = m.message(b, XferDone(transfer_id=2, nbytes=1), 1.0)  # before any ACCEPT
@@ -287,7 +287,7 @@ def test_accepts_that_contradict_the_offer_are_errors_for_the_sender() -> None:
     assert isinstance(finish(m.message(b, accept(1), 1.0)).result, ProtocolError)
     offered(m, b, 2, gpu=True, eager_channel=7)
     m.message(b, accept(2, channel=8), 1.0)  # the bytes are on 7
-    assert isinstance(finish(m.sent(2, Job.EAGER_NCCL, True, None, 1.0)).result,
+    assert isinstance(finish(m.sent(2, Job.EAGER_NCCL, NBYTES, 1.0)).result,
                       ProtocolError)
     # NCCL chosen for a send that offered none: the receiver queued a receive on that
     # channel, so it is told to drop it.
@@ -359,7 +359,7 @@ def test_an_eager_offer_answered_busy_waits_for_its_bytes_then_offers_plainly() 
     assert m.message(b, Busy(transfer_id=1, retry_after_s=0.0), 1.0) == []
     assert s.step is Step.RETRYING and s.no_eager
     # Once its bytes are out (received into staging and dropped there), at once.
-    assert m.sent(1, Job.EAGER_NCCL, True, None, 1.1) == [SendOffer(1, Offering.PLAIN)]
+    assert m.sent(1, Job.EAGER_NCCL, NBYTES, 1.1) == [SendOffer(1, Offering.PLAIN)]
     assert not m.may_send_eager_nccl(s)
 
 
@@ -424,7 +424,7 @@ def test_a_send_cancelled_after_its_bytes_went_reports_what_the_receiver_says() 
     acts = m.cancel_send(1, 1.0)
     assert Halt(1, Job.EAGER_TCP) in acts and s.step is Step.CANCELLING
     # The bytes had all gone before the stop was seen: the receiver's answer decides.
-    assert m.sent(1, Job.EAGER_TCP, True, None, 1.1) == [Timer(("verdict", None, 1), 100.0)]
+    assert m.sent(1, Job.EAGER_TCP, NBYTES, 1.1) == [Timer(("verdict", None, 1), 100.0)]
     assert s.step is Step.VERDICT
     assert m.cancel_send(1, 1.2) == []  # a second cancel does not cut it short
     assert m.message(b, XferDone(transfer_id=1, nbytes=NBYTES), 1.3) == [
@@ -433,7 +433,7 @@ def test_a_send_cancelled_after_its_bytes_went_reports_what_the_receiver_says() 
     offered(m, b, 2)
     m.message(b, accept(2), 1.0)
     m.cancel_send(2, 1.0)
-    m.sent(2, Job.EAGER_TCP, True, None, 1.1)
+    m.sent(2, Job.EAGER_TCP, NBYTES, 1.1)
     done = finish(m.message(b, XferFailed(transfer_id=2, code="cancelled", message="x"),
                             1.2))
     assert isinstance(done.result, Cancelled)
@@ -441,12 +441,12 @@ def test_a_send_cancelled_after_its_bytes_went_reports_what_the_receiver_says() 
     offered(m, b, 3)
     m.message(b, accept(3), 1.0)
     m.cancel_send(3, 1.0)
-    m.sent(3, Job.EAGER_TCP, True, None, 1.1)
+    m.sent(3, Job.EAGER_TCP, NBYTES, 1.1)
     assert isinstance(finish(m.timer(("verdict", None, 3), 100.0)).result, TransferFailed)
     offered(m, b, 4)
     m.message(b, accept(4), 1.0)
     m.cancel_send(4, 1.0)
-    m.sent(4, Job.EAGER_TCP, True, None, 1.1)
+    m.sent(4, Job.EAGER_TCP, NBYTES, 1.1)
     assert isinstance(finish(m.link_lost(b, PeerUnreachable("x"), 1.2)).result,
                       TransferFailed)
 
@@ -455,7 +455,7 @@ def test_a_cancel_whose_bytes_stopped_half_way_stands() -> None:
     m, b = machine(has_nccl=False), link()
     offered(m, b, 1)
     m.cancel_send(1, 1.0)
-    done = finish(m.sent(1, Job.EAGER_TCP, False, None, 1.1))  # stopped at a chunk
+    done = finish(m.sent(1, Job.EAGER_TCP, Cancelled("stopped"), 1.1))  # stopped at a chunk
     assert isinstance(done.result, Cancelled) and done.label == "cancelled"
 
 
@@ -633,7 +633,7 @@ def test_a_served_pull_is_a_send_under_the_pullers_id_and_ends_its_read() -> Non
     assert m.served == {b: 1} and m.in_use(b, 3)
     m.tcp_ready(3, None)
     m.message(b, accept(3), 1.1)
-    m.sent(3, Job.EAGER_TCP, True, None, 1.2)
+    m.sent(3, Job.EAGER_TCP, NBYTES, 1.2)
     assert m.message(b, XferDone(transfer_id=3, nbytes=NBYTES), 1.3) == [
         Finish(3, NBYTES, "done"), EndRead(3, NBYTES)]
     assert m.served == {} and m.served_all == 0
@@ -642,7 +642,7 @@ def test_a_served_pull_is_a_send_under_the_pullers_id_and_ends_its_read() -> Non
     m.tcp_ready(4, None)
     acts = m.message(b, XferCancel(transfer_id=4), 1.1)
     assert Halt(4, Job.EAGER_TCP) in acts
-    done = m.sent(4, Job.EAGER_TCP, False, None, 1.2)
+    done = m.sent(4, Job.EAGER_TCP, Cancelled("stopped"), 1.2)
     assert isinstance(done[0], Finish) and isinstance(done[0].result, Cancelled)
     assert done[1] == EndRead(4, 0)
 

@@ -31,7 +31,7 @@ from kvd.memory.regions import (
     part_layout,
     part_of_blocks,
 )
-from kvd.protocol import ALL, Share
+from kvd.protocol import ALL, Offer, Share
 from kvd.transport.chunks import BlockSet
 
 
@@ -61,9 +61,41 @@ class Arrival:
 
 
 
+class NeverFits(PoolExhausted):
+    """An offer larger than the whole pool, which no get waits for: refused, not BUSY."""
+
+
 class Arrivals:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def place(self, offer: Offer, into: tuple[Region, BlockSet] | None,
+              channel_gpu: str | None) -> Arrival:
+        """Where ``offer``'s bytes go: ``into`` (a pull's region and blocks), else as
+        ``arrival`` finds (GPU staging next to ``channel_gpu``, the channel an eager
+        offer's bytes are queued on, or the emptiest for GPU bytes)."""
+        if into is not None:
+            return self.arrival_into(offer.key, *into)
+        layout, capacity = tuple(offer.layout), self.engine.pool.capacity_bytes
+        if (offer.nbytes > capacity and not offer.src_gpu
+                and not self.get_waits_for(offer.key, layout, offer.num_blocks, offer.first)):
+            # No room for it, ever: unless a get waits for it (its blocks are the room),
+            # or GPU staging may take it.
+            raise NeverFits(f"offer of {offer.nbytes} bytes exceeds the whole pool "
+                            f"({capacity} bytes)")
+        pools = self.engine.gpu_pools
+        staging = channel_gpu or (max(pools, key=lambda d: pools[d].largest_free_bytes)
+                                  if offer.src_gpu and pools else None)
+        return self.arrival(offer.key, layout, offer.num_blocks, offer.ttl_s, gpu=staging,
+                            first=offer.first)
+
+    def land(self, arrival: Arrival, data: bytes | memoryview) -> None:
+        """Bytes that came in their offer, copied into place (host memory, on the loop)."""
+        at = 0
+        for view in arrival.wire_views():
+            view[:] = data[at:at + len(view)]
+            at += len(view)
+        self.arrived(arrival, len(data))
 
     def arrival(self, key: str, layout: Layout, num_blocks: int, ttl_s: float | None,
                 gpu: str | None = None, first: int = 0) -> Arrival:

@@ -897,17 +897,17 @@ class TransferMachine(Generic[L]):
 
     # ============================================================== routes
 
-    def sent(self, tid: int, job: Job, sent_all: bool, error: KvdError | None,
-             now: float) -> list[Action[L]]:
-        """A send job ended: ``sent_all`` if it ran to its end (else stopped or failed,
-        with ``error`` if it failed)."""
+    def sent(self, tid: int, job: Job, result: int | KvdError, now: float
+             ) -> list[Action[L]]:
+        """A send job ended: the bytes it sent (it ran to its end), or why not (stopped:
+        ``Cancelled``; or failed)."""
         s = self.sends.get(tid)
         if s is None or job not in s.jobs:
             return []
-        s.jobs[job] = sent_all
+        s.jobs[job] = not isinstance(result, KvdError)
         if s.step is Step.MOVING and job is s.mover:
-            if not sent_all:
-                return self._fail(s, error or TransferFailed(f"transfer {tid}: stopped"))
+            if isinstance(result, KvdError):
+                return self._fail(s, result)
             return self._progress(s)
         if s.step is Step.RETRYING and job is Job.EAGER_NCCL:
             if s.retry_after == 0:

@@ -239,13 +239,25 @@ class Routes:
     """Which route a transfer takes."""
 
     def __init__(self, nccl: NcclLinks | None, busy_poll: BusyPoll, nccl_chunk_bytes: int,
-                 peer_grace_s: float, gpus: list[str]) -> None:
-        self.nccl = nccl  # None: this daemon moves bytes over TCP only
+                 peer_grace_s: float, gpus: list[str], node_id: str) -> None:
+        self.nccl = nccl
+        self.node_id = node_id  # None: this daemon moves bytes over TCP only
         self.busy_poll = busy_poll
         self.nccl_chunk_bytes = nccl_chunk_bytes
         self.peer_grace_s = peer_grace_s
         self.gpus = gpus
         self.loop = asyncio.get_running_loop()
+
+    def check_gpu(self, link: PeerLink, source: Source) -> None:
+        """GPU blocks leave only over NCCL: BadRequest if it is missing here or there."""
+        if source.gpu is None:
+            return
+        if self.nccl is None:
+            raise BadRequest(f"blocks on {source.gpu} need NCCL to leave this daemon, and "
+                             f"{self.node_id} runs without it")
+        if not any(d.startswith("cuda") for d in link.devices):
+            raise BadRequest(f"blocks on {source.gpu} cannot go to {link.address}: it has "
+                             "no GPU with NCCL (GPU memory does not go over TCP)")
 
     def receive_timeout(self, nbytes: int) -> float:
         """How long a receive may take once queued: the peer's grace (it may be slow to

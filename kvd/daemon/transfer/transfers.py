@@ -17,12 +17,9 @@ a list of its actions is half carried out, except by reports those actions ask f
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,51 +33,13 @@ from kvd.daemon.futures import on_loop, settle_awaited, wait_out
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.store import Item
-from kvd.daemon.transfer.arrivals import Arrival, Arrivals
+from kvd.daemon.transfer import machine as m
+from kvd.daemon.transfer.arrivals import Arrival, Arrivals, NeverFits
 from kvd.daemon.transfer.leasing import Leasing
-from kvd.daemon.transfer.machine import (
-    JOBS_GRACE_S,
-    Action,
-    CancelTimer,
-    Claimed,
-    Count,
-    Discard,
-    DropEager,
-    EndRead,
-    EndReceive,
-    Finish,
-    Halt,
-    Job,
-    Landed,
-    NoChannel,
-    NoRoom,
-    Offering,
-    PrepareTcp,
-    Receiving,
-    Send,
-    SendOffer,
-    SendZeros,
-    Serve,
-    SettlePull,
-    StartSend,
-    Take,
-    TakeResult,
-    Tell,
-    Timer,
-    TimerKey,
-    TransferMachine,
-    new_id,
-)
+from kvd.daemon.transfer.machine import Job, Offering, TransferMachine, new_id
 from kvd.daemon.transfer.nccl_links import NcclLinks
 from kvd.daemon.transfer.routes import Moving, ReceiveRoute, Routes, Source, TcpSendRoute
-from kvd.errors import (
-    BadRequest,
-    Cancelled,
-    KvdError,
-    KvdTimeout,
-    PoolExhausted,
-    TransferFailed,
-)
+from kvd.errors import BadRequest, Cancelled, KvdError, KvdTimeout, PoolExhausted, TransferFailed
 from kvd.memory.regions import Region
 from kvd.protocol import (
     ALL,
@@ -107,7 +66,7 @@ class Outbound:
     source: Source
     offer: Offer  # as first offered; eager and inline offers are variants of it
     deadline: float  # loop time
-    future: asyncio.Future[int]  # settled at Finish: what the requester gets
+    future: asyncio.Future[int]  # settled at m.Finish: what the requester gets
     wake: asyncio.Future[int]  # what the requester awaits (a cancel cancels only this)
     requested: float = field(default_factory=time.monotonic)
     tcp: TcpSendRoute | None = None
@@ -149,10 +108,9 @@ class PeerTransfers:
         config = engine.config
         self.engine, self.config, self.plane, self.nccl = engine, config, plane, nccl
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self.arrivals = Arrivals(engine)
         self.routes = Routes(nccl, engine.busy_poll, config.nccl_chunk_bytes,
-                             config.peer_grace_s, list(plane.gpus))
+                             config.peer_grace_s, list(plane.gpus), config.node_id)
         self.machine: TransferMachine[PeerLink] = TransferMachine(
             config.node_id, has_nccl=nccl is not None,
             nccl_chunk_bytes=config.nccl_chunk_bytes,
@@ -162,7 +120,7 @@ class PeerTransfers:
         self._in: dict[tuple[PeerLink, int], Inbound] = {}
         self._pulls: dict[int, Pulling] = {}
         self._reads: dict[int, Item] = {}  # the served pulls' reads of their keys
-        self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
+        self._timers: dict[m.TimerKey, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._warn_pull_limit = Throttled(log)
         self.leasing = Leasing(plane, engine.leases, self._count_bad)
@@ -185,7 +143,7 @@ class PeerTransfers:
         link = await self.plane.link_to(to, timeout_s)
         source = Source(BlockSet(region.tensors, idx.numpy()), region.layout, len(idx),
                         [region])
-        self._check_gpu_route(link, source)
+        self.routes.check_gpu(link, source)
         tid = new_id()
         run = self._outbound(link, tid, key, source, ttl_s, deadline, first)
         self._act(self.machine.send(self._send_of(run), self._loop.time()))
@@ -195,7 +153,7 @@ class PeerTransfers:
             # The machine ends it (its timers bound every wait); a second cancel does not
             # cut this short: what the receiver kept, not the cancel, is the answer.
             self._act(self.machine.cancel_send(tid, self._loop.time()))
-            await wait_out(run.future, JOBS_GRACE_S + 4 * self.config.peer_grace_s)
+            await wait_out(run.future, m.JOBS_GRACE_S + 4 * self.config.peer_grace_s)
             if not run.future.done() or isinstance(run.future.exception(), Cancelled):
                 raise
             _uncancel()
@@ -228,7 +186,7 @@ class PeerTransfers:
             # No bytes land in the blocks after we return: those not yet arriving are
             # dropped; those arriving now are waited for.
             self._act(self.machine.cancel_pull(tid))
-            await wait_out(run.future, JOBS_GRACE_S)
+            await wait_out(run.future, m.JOBS_GRACE_S)
             raise
         finally:
             self._pulls.pop(tid, None)
@@ -275,18 +233,18 @@ class PeerTransfers:
 
     # ============================================================== actions
 
-    def _act(self, actions: list[Action[PeerLink]]) -> None:
+    def _act(self, actions: list[m.Action[PeerLink]]) -> None:
         """Carry out what the machine decided, in its order."""
         for action in actions:
             match action:
-                case Tell(link, message, soon):
+                case m.Tell(link, message, soon):
                     if soon:
                         self._loop.call_soon(self.plane.send, link, message)
                     else:
                         self.plane.send(link, message)
-                case SendOffer(tid, how):
+                case m.SendOffer(tid, how):
                     self._send_offer(tid, how)
-                case StartSend(tid, accept):
+                case m.StartSend(tid, accept):
                     run = self._out.get(tid)
                     if run is None:
                         continue
@@ -298,37 +256,37 @@ class PeerTransfers:
                         self._act(self.machine.start_failed(tid, accept, err))
                         continue
                     self._job_started(tid, run, Job.NCCL if accept.channel else Job.TCP, job)
-                case Halt(tid, job_name):
+                case m.Halt(tid, job_name):
                     run = self._out.get(tid)
                     if run is not None and job_name in run.jobs:
                         run.jobs[job_name].halt()
-                case Finish(tid, result, label):
+                case m.Finish(tid, result, label):
                     self._finish(tid, result, label)
-                case Take(link, offer, pull):
+                case m.Take(link, offer, pull):
                     self._act(self.machine.took(link, offer, self._take(link, offer, pull)))
-                case EndReceive(link, tid, result):
+                case m.EndReceive(link, tid, result):
                     self._end_receive(link, tid, result)
-                case Discard(link, tid):
+                case m.Discard(link, tid):
                     if (inbound := self._in.get((link, tid))) is not None:
                         inbound.job.discard()
-                case DropEager(link, offer):  # read into nothing (NCCL: into staging)
+                case m.DropEager(link, offer):  # read into nothing (NCCL: into staging)
                     into: ReceiveRoute | None = (
                         self.routes.eager_receive(link, offer) if offer.channel
                         else self.routes.dropped_eager_tcp(link))
                     if into is not None:
                         into.receive(offer, None)
-                case SettlePull(tid, result):
+                case m.SettlePull(tid, result):
                     if (pulling := self._pulls.get(tid)) is not None:
                         settle_awaited(pulling.future, pulling.wake, result)
-                case Serve(link, req, until):
+                case m.Serve(link, req, until):
                     self._serve(link, req, until)
-                case EndRead(tid, nbytes):
+                case m.EndRead(tid, nbytes):
                     if (item := self._reads.pop(tid, None)) is not None:
                         item.bytes_read += nbytes
                         item.end_read()
-                case PrepareTcp(tid):
+                case m.PrepareTcp(tid):
                     self._prepare_tcp(tid)
-                case SendZeros(gone, accept):
+                case m.SendZeros(gone, accept):
                     try:
                         route = self.routes.accepted_send(gone.link, gone.src_dev, accept, None)
                         route.send(accept.transfer_id, Source(None, gone.layout,
@@ -337,21 +295,21 @@ class PeerTransfers:
                     except KvdError as err:
                         self.plane.send(gone.link, ChannelDown(channel=accept.channel,
                                                                reason=err.message[:4000]))
-                case Timer(key, at):
+                case m.Timer(key, at):
                     if (old := self._timers.pop(key, None)) is not None:
                         old.cancel()
                     self._timers[key] = self._loop.call_at(at, self._timer, key)
-                case CancelTimer(key):
+                case m.CancelTimer(key):
                     if (handle := self._timers.pop(key, None)) is not None:
                         handle.cancel()
-                case Count(kind, note):
+                case m.Count(kind, note):
                     self._count_bad(kind)
                     if kind == "pull_limit":
                         self._warn_pull_limit.warning("%s", note)
                     else:
                         log.info("%s", note)
 
-    def _timer(self, key: TimerKey) -> None:
+    def _timer(self, key: m.TimerKey) -> None:
         self._timers.pop(key, None)
         self._act(self.machine.timer(key, self._loop.time()))
 
@@ -375,10 +333,10 @@ class PeerTransfers:
                                         self._loop.create_future())
         return run
 
-    def _send_of(self, run: Outbound) -> Send[PeerLink]:
+    def _send_of(self, run: Outbound) -> m.Send[PeerLink]:
         """The machine's record of a send, from its first offer."""
         o = run.offer
-        return Send(o.transfer_id, run.link, o.key, tuple(o.layout), o.num_blocks,
+        return m.Send(o.transfer_id, run.link, o.key, tuple(o.layout), o.num_blocks,
                     o.nbytes, run.deadline, o.src_gpu, o.src_dev != CPU_DEVICE, o.src_dev)
 
     def _prepare_tcp(self, tid: int) -> None:
@@ -451,16 +409,8 @@ class PeerTransfers:
     def _job_started(self, tid: int, run: Outbound, name: Job, job: Moving) -> None:
         """A send job now reads the client's regions: they stay mapped until it ends."""
         run.jobs[name] = job
-        self.engine.copies.hold_regions(run.source.regions, _ended(job.future))
-
-        def ended(fut: concurrent.futures.Future[int]) -> None:
-            error = None
-            sent_all = not fut.cancelled() and fut.exception() is None
-            if not sent_all and not fut.cancelled():
-                error = _as_kvd_error(fut.exception(), f"transfer {tid}")
-            self._act(self.machine.sent(tid, name, sent_all, error, self._loop.time()))
-
-        self._when_done(job.future, ended)
+        self._watch(job, run.source.regions, lambda result: self._act(
+            self.machine.sent(tid, name, result, self._loop.time())), f"transfer {tid}")
 
     def _finish(self, tid: int, result: int | KvdError, label: str) -> None:
         run = self._out.pop(tid, None)
@@ -488,27 +438,23 @@ class PeerTransfers:
 
     # -------------------------------------------------------------- receives
 
-    def _take(self, link: PeerLink, offer: Offer, pull: bool) -> TakeResult:
+    def _take(self, link: PeerLink, offer: Offer, pull: bool) -> m.TakeResult:
         """Where ``offer``'s bytes go; their receive queued (or, in the offer, copied)."""
         tid = offer.transfer_id
         eager = None
         if offer.channel:
             eager = self.routes.eager_receive(link, offer)
             if eager is None:
-                return NoChannel()
+                return m.NoChannel()
         pulling = self._pulls.get(tid) if pull else None
-        capacity = self.engine.pool.capacity_bytes
-        if (pulling is None and offer.nbytes > capacity and not offer.src_gpu
-                and not self.arrivals.get_waits_for(offer.key, tuple(offer.layout),
-                                                    offer.num_blocks, offer.first)):
-            # No room for it, ever: unless a get waits for it (its blocks are the room),
-            # or GPU staging may take it.
-            return PoolExhausted(f"offer of {offer.nbytes} bytes exceeds the whole pool "
-                                 f"({capacity} bytes)")
         try:
-            arrival = self._arrival(offer, pulling, eager)
+            arrival = self.arrivals.place(
+                offer, None if pulling is None else (pulling.region, pulling.blocks),
+                str(eager.channel.device) if eager is not None else None)
+        except NeverFits as err:
+            return err
         except PoolExhausted:
-            return NoRoom()
+            return m.NoRoom()
         except KvdError as err:
             return err
         if offer.inline:
@@ -521,35 +467,13 @@ class PeerTransfers:
             return err
         inbound = self._in[(link, tid)] = Inbound(arrival, job, offer.nbytes)
         # The job may start writing before its end is seen: hold the regions from now on.
-        self.engine.copies.hold_regions(inbound.regions, _ended(job.future))
+        self._watch(job, inbound.regions, lambda result: self._act(
+            self.machine.received(link, tid, result)), f"transfer {tid}")
         if arrival.waiter is not None:  # a cancelled get drops the rest (Engine.get)
             arrival.waiter.stop_delivery = job.discard
+        return m.Receiving(accept, arrival.waiter is not None)
 
-        def ended(fut: concurrent.futures.Future[int]) -> None:
-            result = (fut.result() if not fut.cancelled() and fut.exception() is None
-                      else _as_kvd_error(fut.exception() if not fut.cancelled()
-                                         else asyncio.CancelledError(), f"transfer {tid}"))
-            self._act(self.machine.received(link, tid, result))
-
-        self._when_done(job.future, ended)
-        return Receiving(accept, arrival.waiter is not None)
-
-    def _arrival(self, offer: Offer, pulling: Pulling | None, eager: Any) -> Arrival:
-        if pulling is not None:
-            return self.arrivals.arrival_into(offer.key, pulling.region, pulling.blocks)
-        # Bytes already queued on a channel land next to it, if anywhere on a GPU.
-        staging = (str(eager.channel.device) if eager is not None
-                   else self._staging_gpu() if offer.src_gpu else None)
-        return self.arrivals.arrival(offer.key, tuple(offer.layout), offer.num_blocks,
-                                     offer.ttl_s,
-                                     gpu=staging, first=offer.first)
-
-    def _staging_gpu(self) -> str | None:
-        """The GPU whose staging has the most room (arrivals nobody waits for yet)."""
-        pools = self.engine.gpu_pools
-        return max(pools, key=lambda d: pools[d].largest_free_bytes) if pools else None
-
-    def _land_inline(self, link: PeerLink, offer: Offer, arrival: Arrival) -> TakeResult:
+    def _land_inline(self, link: PeerLink, offer: Offer, arrival: Arrival) -> m.TakeResult:
         """An offer carrying its bytes: copied now, on the loop (at most
         MAX_INLINE_BYTES of host memory)."""
         if arrival.device.type != "cpu":
@@ -558,16 +482,12 @@ class PeerTransfers:
             self.arrivals.arrival_failed(arrival, err)
             return err
         offered = time.monotonic()
-        data, at = offer.inline, 0
-        for view in arrival.wire_views():
-            view[:] = data[at:at + len(view)]
-            at += len(view)
+        self.arrivals.land(arrival, offer.inline)
         timeline.mark("transfer.received")
-        self.arrivals.arrived(arrival, offer.nbytes)
         self.engine.metrics.transfer(
             peer=link.address, direction="recv", transport="inline", outcome="done",
             nbytes=offer.nbytes, queue_s=None, wire_s=time.monotonic() - offered)
-        return Landed(offer.nbytes, arrival.waiter is not None)
+        return m.Landed(offer.nbytes, arrival.waiter is not None)
 
     def _end_receive(self, link: PeerLink, tid: int, result: int | KvdError) -> None:
         inbound = self._in.pop((link, tid), None)
@@ -603,7 +523,7 @@ class PeerTransfers:
         try:
             source = Source(self.arrivals.source_blocks(item, req.share), tuple(req.layout),
                             req.num_blocks, [item.region] if item.region is not None else [])
-            self._check_gpu_route(link, source)  # (GPU bytes for a puller without NCCL)
+            self.routes.check_gpu(link, source)  # (GPU bytes for a puller without NCCL)
         except KvdError as err:
             item.end_read()
             self._act(self.machine.claimed(link, req, err, now, until))
@@ -612,35 +532,28 @@ class PeerTransfers:
         run = self._outbound(link, tid, req.key, source, None, now + self.config.max_wait_s)
         self._reads[tid] = item
         s = self._send_of(run)
-        self._act(self.machine.claimed(link, req, Claimed(
+        self._act(self.machine.claimed(link, req, m.Claimed(
             s.layout, s.num_blocks, s.nbytes, s.from_gpu, s.nccl, s.src_dev, s.deadline),
             now, until))
 
-    def _check_gpu_route(self, link: PeerLink, source: Source) -> None:
-        if source.gpu is None:
-            return
-        if self.nccl is None:
-            raise BadRequest(f"blocks on {source.gpu} need NCCL to leave this daemon, and "
-                             f"{self.config.node_id} runs without it")
-        if not any(d.startswith("cuda") for d in link.devices):
-            raise BadRequest(f"blocks on {source.gpu} cannot go to {link.address}: it has "
-                             "no GPU with NCCL (GPU memory does not go over TCP)")
-
     # -------------------------------------------------------------- status
 
-    def _when_done(self, cfut: concurrent.futures.Future[int],
-                   fn: Callable[[concurrent.futures.Future[int]], None]) -> None:
-        """``fn(cfut)`` on the loop once ``cfut`` settles, always in a later turn."""
-        loop, loop_thread = self._loop, self._loop_thread
+    def _watch(self, job: Moving, regions: Sequence[Region],
+               then: Callable[[int | KvdError], None], what: str) -> None:
+        """``then(what the job moved, or why not)`` on the loop once ``job`` ends, in a
+        later turn; ``regions`` stay mapped until then."""
+        ended = on_loop(job.future, cancels_job=False)
+        self.engine.copies.hold_regions(regions, ended)
 
-        def settled(fut: concurrent.futures.Future[int]) -> None:
-            if threading.get_ident() == loop_thread:
-                loop.call_soon(fn, fut)
-            elif not loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
-                    loop.call_soon_threadsafe(fn, fut)
+        def settled(fut: asyncio.Future[int]) -> None:
+            if fut.cancelled():
+                then(Cancelled(f"{what} stopped"))
+            elif (exc := fut.exception()) is not None:
+                then(exc if isinstance(exc, KvdError) else TransferFailed(f"{what}: {exc!r}"))
+            else:
+                then(fut.result())
 
-        cfut.add_done_callback(settled)
+        ended.add_done_callback(settled)
 
     @property
     def waiting_pulls(self) -> int:
@@ -664,22 +577,6 @@ class PeerTransfers:
                 "eager_nccl_dropped": c.eager_nccl_dropped,
                 "in_flight_in": len(self._in),
                 "nccl": self.nccl.stats() if self.nccl is not None else None}
-
-
-def _as_kvd_error(exc: BaseException | None, what: str) -> KvdError:
-    if isinstance(exc, KvdError):
-        return exc
-    if isinstance(exc, asyncio.CancelledError):
-        return Cancelled(f"{what} cancelled")
-    return TransferFailed(f"{what}: {exc!r}")
-
-
-def _ended(cfut: concurrent.futures.Future[Any]) -> asyncio.Future[Any]:
-    """A loop future that settles when ``cfut`` does, for what waits only for the end
-    (regions held while a job runs); its error is the machine's to report."""
-    afut = on_loop(cfut)
-    afut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return afut
 
 
 def _uncancel() -> None:
