@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -123,6 +125,21 @@ def make_config(sock_dir: str, **overrides: Any) -> Config:
     }
     values.update(overrides)
     return load_config(env={}, overrides=values)
+
+
+def free_port() -> int:
+    """A port free now, for a daemon that must know it before it starts (an allow-list
+    names it). Below the kernel's ephemeral range (ip_local_port_range, 32768 and up):
+    a port from bind(0) is one a running daemon's next outgoing connection may take
+    before the new daemon binds it (seen in CI: "Address already in use")."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @dataclass

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from kvd.protocol import (
     Refuse,
     decode_peer,
 )
-from tests.conftest import ProcessDaemon, start_daemons, wait_until
+from tests.conftest import ProcessDaemon, free_port, start_daemons, wait_until
 
 pack = msgspec.msgpack.encode
 BLOCK = 64 * 1024  # bytes per block in these tests (one uint8 tensor per region)
@@ -703,12 +704,6 @@ def test_second_peer_unaffected_by_first_dying(nodes: object) -> None:
     assert torch.equal(dst[1:3], src[1:3])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def curve_setup(sock_dir: str, lists: dict[str, list[str]]
                 ) -> tuple[dict[str, tuple[bytes, bytes]], dict[str, tuple[str, ...]]]:
     """A CurveZMQ key pair and a peer port per name, and each name's daemon flags with an
@@ -871,7 +866,6 @@ def test_keygen_cli(sock_dir: str) -> None:
 
 
 def test_200_concurrent_transfers_from_4_clients_to_2_peers(nodes: object) -> None:
-    import random
     from concurrent.futures import ThreadPoolExecutor
 
     a, b, c = nodes(3, "--pool-size-bytes", "512MiB")  # type: ignore[operator]
