@@ -414,6 +414,13 @@ def test_a_send_cancelled_before_any_byte_went_is_cancelled() -> None:
     # Its ACCEPT may come still (the receiver waits on its channel): zeros go.
     [zeros] = m.message(b, accept(1, channel=7), 1.1)
     assert isinstance(zeros, SendZeros)
+    # An eager offer's bytes are on the channel already: its ACCEPT gets nothing more.
+    offered(m, b, 2, gpu=True, eager_channel=7)
+    m.cancel_send(2, 1.0)
+    assert m.message(b, accept(2, channel=7), 1.1) == []
+    m.sent(2, Job.EAGER_NCCL, NBYTES, 1.2)
+    assert m.message(b, XferDone(transfer_id=2, nbytes=NBYTES), 1.3) == [
+        Finish(2, NBYTES, "done")]  # the receiver kept them: not cancelled after all
 
 
 def test_a_send_cancelled_after_its_bytes_went_reports_what_the_receiver_says() -> None:

@@ -766,8 +766,9 @@ class TransferMachine(Generic[L]):
         waits on its channel; we read no more of the client's blocks); a cancelled one's
         answer is its verdict."""
         if isinstance(msg, Accept):
+            plain_nccl_out = s.offer_out and s.nccl and s.offering is Offering.PLAIN
             s.offer_out = False
-            if msg.channel:
+            if msg.channel and plain_nccl_out:  # (an eager offer's bytes are queued)
                 return [SendZeros(Abandoned(s.link, s.layout, s.num_blocks, s.src_dev), msg)]
             return []
         if isinstance(msg, XferDone):
