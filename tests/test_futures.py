@@ -1,6 +1,6 @@
-"""kvd.daemon.futures.on_loop: a loop future for a concurrent one, settled through the loop
+"""kvd.daemon.futures: on_loop, a loop future for a concurrent one, settled through the loop
 when a worker thread settles the concurrent one (one wake-up of the loop), at once when
-the loop's own thread does."""
+the loop's own thread does; time_out, one timer for a wait."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvd.daemon.futures import on_loop
+from kvd.daemon.futures import TimedOut, on_loop, time_out
 from kvd.errors import TransferFailed
 
 
@@ -78,3 +78,24 @@ def test_already_settled_and_late_results_after_the_loop_closed() -> None:
     thread.start()
     thread.join()
     assert not errors
+
+
+def test_time_out_settles_what_is_awaited_unless_it_is_done_or_the_timer_cancelled() -> None:
+    """kvd.daemon.futures.time_out: a get's and a pull's one timer."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        waiting: asyncio.Future[int] = loop.create_future()
+        time_out(waiting, 0.01)
+        with pytest.raises(TimedOut):
+            await waiting
+        answered: asyncio.Future[int] = loop.create_future()
+        time_out(answered, 0.01)
+        answered.set_result(3)
+        await asyncio.sleep(0.03)
+        assert answered.result() == 3  # done first: left alone
+        kept: asyncio.Future[int] = loop.create_future()
+        time_out(kept, 0.01).cancel()
+        await asyncio.sleep(0.03)
+        assert not kept.done()
+
+    asyncio.run(main())

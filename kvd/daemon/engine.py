@@ -26,7 +26,7 @@ import torch
 
 from kvd.config import Config
 from kvd.daemon.busy_poll import BusyPoll
-from kvd.daemon.futures import wait_out
+from kvd.daemon.futures import TimedOut, time_out, wait_out
 from kvd.daemon.leases import Leases
 from kvd.daemon.local_copies import LocalCopies, after_ready
 from kvd.daemon.metrics import Metrics
@@ -445,12 +445,12 @@ class Engine:
         # Made while we wait rather than after the bytes' offer came, or the put on this
         # daemon whose one-launch copy writes through the map.
         self.prepare_gpu_blocks(ours, region.layout, local_copy=True)
+        timer = time_out(waiter.wake, timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                # Not the future itself: a cancel of it would hide a put still writing
-                # into our blocks from _settle_abandoned (Waiter.wake).
-                result = await waiter.wake
-        except (TimeoutError, asyncio.CancelledError) as exc:
+            # Not the future itself: a cancel of it would hide a put still writing
+            # into our blocks from _settle_abandoned (Waiter.wake).
+            result = await waiter.wake
+        except (TimedOut, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError) and waiter.stop_delivery is not None:
                 waiter.stop_delivery()  # (past a timeout, bytes on their way still land)
             late = await self._settle_abandoned(waiter)
@@ -460,6 +460,7 @@ class Engine:
                 raise missing(f"no key {key!r} arrived within {timeout_s:g}s") from None
             result = late
         finally:
+            timer.cancel()
             self.store.drop_waiter(key, waiter)
         if isinstance(result, Delivered):
             return result.nbytes

@@ -77,6 +77,22 @@ def settle_awaited(future: asyncio.Future[Any], wake: asyncio.Future[Any],
             fut.set_result(result)
 
 
+class TimedOut(Exception):
+    """Raised where a future settled by ``time_out`` is awaited."""
+
+
+def time_out(fut: asyncio.Future[Any], delay_s: float) -> asyncio.TimerHandle:
+    """Settle ``fut`` with ``TimedOut`` in ``delay_s`` unless it is done by then (cancel
+    the handle once it is): one timer, where ``asyncio.timeout`` costs a context manager,
+    a task cancel and an uncancel per wait (~2% of a receiving daemon's CPU with 64 gets
+    waiting at once, py-spy)."""
+    def fire() -> None:
+        if not fut.done():
+            fut.set_exception(TimedOut())
+
+    return fut.get_loop().call_later(delay_s, fire)
+
+
 async def wait_out(fut: asyncio.Future[Any], timeout_s: float) -> bool:
     """Wait until ``fut`` settles (at most ``timeout_s``), and let no cancel cut the wait
     short: for work that must end before its request answers, such as bytes still landing

@@ -29,7 +29,7 @@ import torch
 from kvd import timeline
 from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Engine
-from kvd.daemon.futures import on_loop, settle_awaited, wait_out
+from kvd.daemon.futures import TimedOut, on_loop, settle_awaited, time_out, wait_out
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.store import Item
@@ -176,12 +176,14 @@ class PeerTransfers:
             # While the request is out (a round trip, and the owner's work): what the
             # receive needs of the destination, so that it is not made once bytes come.
             self.engine.prepare_gpu_blocks(run.blocks, region.layout)
+            timer = time_out(run.wake, timeout_s)
             try:
-                async with asyncio.timeout(timeout_s):
-                    return await run.wake
-            except TimeoutError:
+                return await run.wake
+            except TimedOut:
                 raise KvdTimeout(f"pull {tid} of key {key!r} from {src} did not complete "
                                  f"within {timeout_s:g}s") from None
+            finally:
+                timer.cancel()
         except BaseException:
             # No bytes land in the blocks after we return: those not yet arriving are
             # dropped; those arriving now are waited for.
