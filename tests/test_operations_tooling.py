@@ -133,7 +133,8 @@ def test_metrics_pass_promtool_and_prometheus_scrapes_them(two_nodes: Any,
 # The calls that count a bad message, and which of their arguments is the reason.
 _COUNTING_CALLS = {"count_bad": 0, "_count_bad": 0, "Count": 0, "refuse": 3, "_refuse": 3,
                    "Refusal": 1}
-_BAD_INPUT_CALLS = {"count": 0, "report": 0}  # self._bad.count(reason), self._bad.report(...)
+# self._bad.count(reason), .report(...), .note(...); plane.bad_input the same BadInput
+_BAD_INPUT_CALLS = {"count": 0, "report": 0, "note": 0}
 _LOCAL_SOCKET_FILES = {"local_server.py", "lifelines.py"}
 
 
@@ -177,7 +178,8 @@ def bad_message_reasons_counted() -> dict[str, set[str]]:
                     if called == "_bad" and socket_name == "local":
                         position: int | None = 1  # _bad(identity, reason, req_id, err)
                     elif called in _BAD_INPUT_CALLS and isinstance(func, ast.Attribute) and \
-                            isinstance(func.value, ast.Attribute) and func.value.attr == "_bad":
+                            isinstance(func.value, ast.Attribute) and \
+                            func.value.attr in ("_bad", "bad_input"):
                         position = _BAD_INPUT_CALLS[called]
                     else:
                         position = _COUNTING_CALLS.get(called)

@@ -15,7 +15,6 @@ from kvd.daemon.peer_link import PeerLink
 from kvd.daemon.transfer.machine import (
     MAX_PULLS_SERVED_PER_LINK,
     CancelTimer,
-    Claimed,
     Count,
     Discard,
     DropEager,
@@ -126,8 +125,9 @@ def pull_request(tid: int, key: str = "k", wait: float = 0.0) -> PullRequest:
                        layout=list(LAYOUT), wait_for_key_s=wait)
 
 
-def claimed(nccl: bool = False) -> Claimed:
-    return Claimed(LAYOUT, NBLOCKS, NBYTES, False, nccl, "cuda:0" if nccl else "cpu", 50.0)
+def claimed(to: PeerLink, tid: int) -> Send[PeerLink]:
+    """The send of a peer's pull whose key's read ``Serve`` claimed (host memory)."""
+    return spec(to, tid, deadline=50.0)
 
 
 def finish(acts: Sequence[object]) -> Finish:
@@ -635,7 +635,7 @@ def test_a_pull_is_refused_cancelled_or_lost_with_its_link() -> None:
 def test_a_served_pull_is_a_send_under_the_pullers_id_and_ends_its_read() -> None:
     m, b = machine(has_nccl=False), link()
     assert m.message(b, pull_request(3), 1.0) == [Serve(b, pull_request(3))]
-    acts = m.claimed(b, pull_request(3), claimed(), 1.0)
+    acts = m.claimed(b, pull_request(3), claimed(b, 3), 1.0)
     assert acts == [Timer(("deadline", None, 3), 50.0), PrepareTcp(3)]
     assert m.served == {b: 1} and m.in_use(b, 3)
     m.tcp_ready(3, None)
@@ -645,7 +645,7 @@ def test_a_served_pull_is_a_send_under_the_pullers_id_and_ends_its_read() -> Non
         Finish(3, NBYTES, "done"), EndRead(3, NBYTES)]
     assert m.served == {} and m.served_all == 0
     # The puller's cancel ends it.
-    m.claimed(b, pull_request(4), claimed(), 1.0)
+    m.claimed(b, pull_request(4), claimed(b, 4), 1.0)
     m.tcp_ready(4, None)
     acts = m.message(b, XferCancel(transfer_id=4), 1.1)
     assert Halt(4, Job.EAGER_TCP) in acts
@@ -691,20 +691,20 @@ def test_waiting_pulls_are_bounded_and_end_with_their_key_their_peer_or_a_drain(
 
 def test_pulls_served_at_once_are_bounded_per_peer_and_for_all() -> None:
     m, b = machine(has_nccl=False), link("b")
-    m.claimed(b, pull_request(1), claimed(), 1.0)
+    m.claimed(b, pull_request(1), claimed(b, 1), 1.0)
     count, _ = m.message(b, pull_request(1), 1.0)
     assert isinstance(count, Count) and count.kind == "duplicate_transfer"
     offered(m, link("c"), 2)
     count, _ = m.message(b, pull_request(2), 1.0)  # a send is known by its id alone
     assert count.kind == "duplicate_transfer"  # type: ignore[union-attr]
     for tid in range(3, MAX_PULLS_SERVED_PER_LINK + 2):
-        m.claimed(b, pull_request(tid), claimed(), 1.0)
+        m.claimed(b, pull_request(tid), claimed(b, tid), 1.0)
     count, tell = m.message(b, pull_request(10**6), 1.0)
     assert count.kind == "pull_limit" and tell.message.code == "pool_exhausted"  # type: ignore[union-attr]
     others = [link(f"p{i}") for i in range(3)]
     for i, peer in enumerate(others, 1):
         for tid in range(10**7 * i, 10**7 * i + MAX_PULLS_SERVED_PER_LINK):
-            m.claimed(peer, pull_request(tid), claimed(), 1.0)
+            m.claimed(peer, pull_request(tid), claimed(peer, tid), 1.0)
     fresh, new = link("fresh"), pull_request(10**9)
     count, _ = m.message(fresh, new, 1.0)
     assert count.kind == "pull_limit"  # type: ignore[union-attr]
@@ -721,7 +721,7 @@ def test_a_cancel_drops_our_receive_and_ends_the_pull_we_serve() -> None:
     m.took(b, offer(1), Receiving(accept(1), False))
     assert m.message(b, XferCancel(transfer_id=1), 1.0) == [Discard(b, 1)]
     assert m.message(c, XferCancel(transfer_id=1), 1.0) == []  # not its transfer
-    m.claimed(b, pull_request(2), claimed(), 1.0)
+    m.claimed(b, pull_request(2), claimed(b, 2), 1.0)
     assert m.message(c, XferCancel(transfer_id=2), 1.0) == []
     acts = m.message(b, XferCancel(transfer_id=2), 1.0)
     assert isinstance(acts[0], Finish) and isinstance(acts[0].result, Cancelled)

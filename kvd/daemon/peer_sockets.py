@@ -70,13 +70,17 @@ class BadInput:
     def count(self, reason: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
 
-    def report(self, reason: str, reply: Reply | None, err: KvdError, source: str) -> None:
-        """Count a bad message (or connection), log it (at most once per reason every few
-        seconds: a peer sending nothing else cannot flood the log), and answer it with a
-        PeerError where there is a way back."""
+    def note(self, reason: str, what: str) -> None:
+        """Count a bad message and log ``what`` of it, at most once per reason every few
+        seconds: a peer sending nothing else cannot flood the log."""
         self.count(reason)
         self._logs.setdefault(reason, Throttled(log)).warning(
-            "bad peer message reason=%s from=%s: %s", reason, source, err.message)
+            "bad peer message reason=%s %s", reason, what)
+
+    def report(self, reason: str, reply: Reply | None, err: KvdError, source: str) -> None:
+        """Count a bad message (or connection), log it (``note``), and answer it with a
+        PeerError where there is a way back."""
+        self.note(reason, f"from={source}: {err.message}")
         if reply is not None:
             reply(encode(PeerError(code=err.code, message=err.message)))
 

@@ -113,7 +113,7 @@ class PeerPlane:
         self.nccl_blocking_calls = nccl_blocking_calls
         self.epoch = epoch
         self._events: LinkEvents = _NoHandler()
-        self._bad = BadInput()
+        self._bad = self.bad_input = BadInput()
         self.bad_messages = self._bad.counts
         self.links: dict[str, PeerLink] = {}  # by address
         self._by_routing_id: dict[bytes, PeerLink] = {}  # incoming links

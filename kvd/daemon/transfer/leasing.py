@@ -36,11 +36,9 @@ LeaseCall = LeaseRenew | LeaseRelease
 
 
 class Leasing:
-    def __init__(self, plane: PeerPlane, leases: Leases,
-                 count_bad: Callable[[str], None]) -> None:
+    def __init__(self, plane: PeerPlane, leases: Leases) -> None:
         self.plane = plane
         self.leases = leases
-        self._count_bad = count_bad
         self._loop = asyncio.get_running_loop()
         # Our calls awaiting their answer: the link each went on, and its answer.
         self._calls: dict[int, tuple[PeerLink, asyncio.Future[LeaseAnswer | KvdError]]] = {}
@@ -95,9 +93,8 @@ class Leasing:
         if isinstance(msg, LeaseAnswer):
             call = self._calls.get(msg.call_id)
             if call is None or call[0] is not link or call[1].done():
-                self._count_bad("unknown_call")
-                log.info("lease answer for unknown call_id=%d from %s ignored", msg.call_id,
-                         link.address)
+                self.plane.bad_input.note("unknown_call", (
+                    f"from={link.address}: lease answer for unknown call_id={msg.call_id}"))
                 return
             call[1].set_result(msg)
             return

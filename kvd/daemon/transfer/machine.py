@@ -182,6 +182,10 @@ class Send(Generic[L]):
     def inline(self) -> bool:
         return not self.from_gpu and not self.nccl and self.nbytes <= MAX_INLINE_BYTES
 
+    def gone(self) -> Abandoned[L]:
+        """What is kept of it once given up with its NCCL offer unanswered."""
+        return Abandoned(self.link, self.layout, self.num_blocks, self.src_dev)
+
     def running(self) -> list[Job]:
         return [j for j, sent in self.jobs.items() if sent is None]
 
@@ -199,7 +203,6 @@ class OurPull(Generic[L]):
 class Incoming:
     """A receive in progress (its job queued)."""
 
-    key: str
     pull: bool  # it answers our pull of this id
     to_waiter: bool  # a get waits for these bytes: its reply goes before XFER_DONE
 
@@ -254,19 +257,6 @@ class NoChannel:
 
 
 TakeResult = Receiving | Landed | NoRoom | NoChannel | KvdError
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """``Serve``: a read of the key is held; its send is ready to begin."""
-
-    layout: Layout
-    num_blocks: int
-    nbytes: int
-    from_gpu: bool
-    nccl: bool
-    src_dev: str
-    deadline: float  # loop time
 
 
 # ------------------------------------------------------------------ actions
@@ -543,7 +533,7 @@ class TransferMachine(Generic[L]):
         if s is None or s.step is not Step.LINKING:
             return []
         if error is not None:
-            return self._fail(s, error)
+            return self._end(s, error)
         s.tcp_ready = True
         s.eager_tcp_left = not s.nccl  # host bytes go right behind the first offer
         return self._offer(s)
@@ -564,15 +554,14 @@ class TransferMachine(Generic[L]):
         if s.mover is not None:
             s.jobs[s.mover] = False
         acts: list[Action[L]] = [channel_down(s.link, accept, error)] if accept.channel else []
-        return acts + self._fail(s, error)
+        return acts + self._end(s, error)
 
     def took(self, link: L, offer: Offer, result: TakeResult) -> list[Action[L]]:
         """What ``Take`` found for ``offer``."""
         tid = offer.transfer_id
         pull = self.pulls.get(tid) if self._is_our_pull(link, tid) else None
         if isinstance(result, Receiving):
-            self.incoming[(link, tid)] = Incoming(offer.key, pull is not None,
-                                                  result.to_waiter)
+            self.incoming[(link, tid)] = Incoming(pull is not None, result.to_waiter)
             if pull is not None:
                 pull.receiving = True
             return [Tell(link, result.accept)]
@@ -602,17 +591,16 @@ class TransferMachine(Generic[L]):
             acts[1:1] = self._end_pull(tid, result)
         return acts
 
-    def claimed(self, link: L, req: PullRequest, result: Claimed | KvdError, now: float,
+    def claimed(self, link: L, req: PullRequest, result: Send[L] | KvdError, now: float,
                 until: float | None = None) -> list[Action[L]]:
-        """What ``Serve`` found for a peer's pull (``until``: the end of its wait so far)."""
+        """What ``Serve`` found for a peer's pull: its send, a read of the key held for it
+        (the source's facts), or why not (``until``: the end of its wait so far)."""
         tid = req.transfer_id
-        if isinstance(result, Claimed):
+        if isinstance(result, Send):
             self.served[link] = self.served.get(link, 0) + 1
             self.served_all += 1
-            s = Send(tid, link, req.key, result.layout, result.num_blocks, result.nbytes,
-                     result.deadline, result.from_gpu, result.nccl, result.src_dev,
-                     served=True)
-            return self.send(s, now)
+            result.served = True
+            return self.send(result, now)
         if isinstance(result, UnknownKey) and not isinstance(result, KeyGone):
             # Not here yet: it waits for its key, if it may (a KeyGone will not come).
             if until is None:
@@ -683,9 +671,9 @@ class TransferMachine(Generic[L]):
                 s.done_nbytes = msg.nbytes
                 return self._progress(s)
             if isinstance(msg, XferFailed):
-                return self._fail(s, error_from_code(
+                return self._end(s, error_from_code(
                     msg.code, f"receiver {link.address}: {msg.message}"))
-        return self._fail(s, ProtocolError(
+        return self._end(s, ProtocolError(
             f"unexpected {type(msg).__name__} from {link.address} "
             f"({s.step.name.lower()})"))
 
@@ -700,11 +688,11 @@ class TransferMachine(Generic[L]):
             return self._accepted(s, msg)
         if isinstance(msg, XferDone):
             if s.offering is not Offering.INLINE:
-                return self._fail(s, ProtocolError("unexpected XferDone in answer to an offer"))
+                return self._end(s, ProtocolError("unexpected XferDone in answer to an offer"))
             s.accepted = True  # (an inline offer's answer is its XFER_DONE)
             return self._finish(s, s.nbytes, "done")
         if isinstance(msg, Refuse | XferFailed):
-            return acts + self._fail(s, error_from_code(
+            return acts + self._end(s, error_from_code(
                 msg.code, f"{s.link.address} refused: {msg.message}"))
         self.counters.busy_replies += 1
         if s.offering is Offering.EAGER_NCCL:
@@ -722,7 +710,7 @@ class TransferMachine(Generic[L]):
     def _back_off(self, s: Send[L], retry_after: float, now: float) -> list[Action[L]]:
         wait = min(max(s.backoff, retry_after), MAX_BACKOFF_S)
         if now + wait >= s.deadline:
-            return self._fail(s, PoolExhausted(
+            return self._end(s, PoolExhausted(
                 f"{s.link.address} had no room for {s.nbytes} bytes of key {s.key!r} "
                 "before the deadline"))
         s.step = Step.RETRYING
@@ -732,11 +720,11 @@ class TransferMachine(Generic[L]):
     def _accepted(self, s: Send[L], msg: Accept) -> list[Action[L]]:
         address = s.link.address
         if s.offering is Offering.INLINE:
-            return self._fail(s, ProtocolError(
+            return self._end(s, ProtocolError(
                 f"{address} accepted an offer that carried its bytes"))
         if msg.channel == 0:  # over TCP
             if s.from_gpu or not s.tcp_ready:
-                return self._fail(s, ProtocolError(f"{address} accepted GPU blocks over TCP"))
+                return self._end(s, ProtocolError(f"{address} accepted GPU blocks over TCP"))
             s.accepted, s.step = True, Step.MOVING
             if s.offering is Offering.EAGER_TCP:  # the bytes are on their way already
                 s.mover = Job.EAGER_TCP
@@ -746,7 +734,7 @@ class TransferMachine(Generic[L]):
             return [StartSend(s.tid, msg)]
         if s.offering is Offering.EAGER_NCCL:  # the bytes were queued with the offer
             if msg.channel != s.channel:
-                return self._fail(s, ProtocolError(
+                return self._end(s, ProtocolError(
                     f"{address} accepted on channel {msg.channel}, the bytes are on "
                     f"{s.channel}"))
             s.accepted, s.step, s.mover = True, Step.MOVING, Job.EAGER_NCCL
@@ -755,7 +743,7 @@ class TransferMachine(Generic[L]):
             # The receiver queued its receive on that channel and would wait for bytes
             # that will not come until its deadline: it drops the channel now.
             err = ProtocolError("accepted over NCCL, which this transfer did not offer")
-            return [channel_down(s.link, msg, err), *self._fail(s, err)]
+            return [channel_down(s.link, msg, err), *self._end(s, err)]
         s.accepted, s.step, s.mover = True, Step.MOVING, Job.NCCL
         s.jobs[Job.NCCL] = None
         return [StartSend(s.tid, msg)]
@@ -769,7 +757,7 @@ class TransferMachine(Generic[L]):
             plain_nccl_out = s.offer_out and s.nccl and s.offering is Offering.PLAIN
             s.offer_out = False
             if msg.channel and plain_nccl_out:  # (an eager offer's bytes are queued)
-                return [SendZeros(Abandoned(s.link, s.layout, s.num_blocks, s.src_dev), msg)]
+                return [SendZeros(s.gone(), msg)]
             return []
         if isinstance(msg, XferDone):
             s.done_nbytes = msg.nbytes
@@ -893,7 +881,7 @@ class TransferMachine(Generic[L]):
         s = self.sends.get(tid)
         if s is not None and s.link == link and s.step not in (
                 Step.ENDING, Step.CANCELLING, Step.VERDICT):
-            acts += self._fail(s, Cancelled(f"transfer {tid} cancelled by {link.address}"))
+            acts += self._end(s, Cancelled(f"transfer {tid} cancelled by {link.address}"))
         return acts
 
     # ============================================================== routes
@@ -908,7 +896,7 @@ class TransferMachine(Generic[L]):
         s.jobs[job] = not isinstance(result, KvdError)
         if s.step is Step.MOVING and job is s.mover:
             if isinstance(result, KvdError):
-                return self._fail(s, result)
+                return self._end(s, result)
             return self._progress(s)
         if s.step is Step.RETRYING and job is Job.EAGER_NCCL:
             if s.retry_after == 0:
@@ -987,7 +975,7 @@ class TransferMachine(Generic[L]):
         acts: list[Action[L]] = []
         if s.step is Step.LINKING:
             acts.append(Tell(s.link, XferCancel(transfer_id=s.tid)))
-        return acts + self._fail(s, KvdTimeout(
+        return acts + self._end(s, KvdTimeout(
             f"transfer {s.tid} of key {s.key!r}: no {what[s.step]} from {s.link.address} "
             "before the deadline"), label="timeout")
 
@@ -1013,7 +1001,7 @@ class TransferMachine(Generic[L]):
                     f"transfer {s.tid} of key {s.key!r} was cancelled after its bytes "
                     f"went, and {link.address} is gone: {error.message}"), "failed")
             elif s.step is not Step.CANCELLING and s.step is not Step.ENDING:
-                acts += self._fail(s, error)
+                acts += self._end(s, error)
         return acts
 
     # ============================================================== inside
@@ -1058,17 +1046,15 @@ class TransferMachine(Generic[L]):
         if sent_all is None:
             return []
         if sent_all is False:
-            return self._fail(s, TransferFailed(f"transfer {s.tid}: its bytes did not go"))
+            return self._end(s, TransferFailed(f"transfer {s.tid}: its bytes did not go"))
         if s.done_nbytes is not None:
             return self._end(s, s.nbytes, "done")
         if s.late:
             return self._deadline(s)
         return []
 
-    def _fail(self, s: Send[L], error: KvdError, label: str = "failed") -> list[Action[L]]:
-        return self._end(s, error, label)
-
-    def _end(self, s: Send[L], result: int | KvdError, label: str) -> list[Action[L]]:
+    def _end(self, s: Send[L], result: int | KvdError, label: str = "failed"
+             ) -> list[Action[L]]:
         """The send's outcome is known: it finishes once its jobs have stopped (halted
         now where they can), as none may read the client's blocks after it answers."""
         if s.step is Step.ENDING:
@@ -1119,7 +1105,7 @@ class TransferMachine(Generic[L]):
             acts.append(EndRead(s.tid, result if isinstance(result, int) else 0))
         if s.offer_out and s.nccl and s.offering is Offering.PLAIN:
             # An ACCEPT may still come: remembered a while (its channel gets zeros).
-            self.abandoned[s.tid] = Abandoned(s.link, s.layout, s.num_blocks, s.src_dev)
+            self.abandoned[s.tid] = s.gone()
             acts.append(Timer(("forget", None, s.tid), s.deadline + max(
                 60.0, self.peer_grace_s * 4)))
         return acts

@@ -27,7 +27,6 @@ import msgspec
 import torch
 
 from kvd import timeline
-from kvd.daemon.accepting import Throttled
 from kvd.daemon.engine import Engine
 from kvd.daemon.futures import TimedOut, on_loop, settle_awaited, time_out, wait_out
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
@@ -122,8 +121,7 @@ class PeerTransfers:
         self._reads: dict[int, Item] = {}  # the served pulls' reads of their keys
         self._timers: dict[m.TimerKey, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._warn_pull_limit = Throttled(log)
-        self.leasing = Leasing(plane, engine.leases, self._count_bad)
+        self.leasing = Leasing(plane, engine.leases)
         engine.leases.remote = self.leasing
         engine.key_listeners.append(
             lambda key: self._act(self.machine.key_appeared(key)))
@@ -305,18 +303,11 @@ class PeerTransfers:
                     if (handle := self._timers.pop(key, None)) is not None:
                         handle.cancel()
                 case m.Count(kind, note):
-                    self._count_bad(kind)
-                    if kind == "pull_limit":
-                        self._warn_pull_limit.warning("%s", note)
-                    else:
-                        log.info("%s", note)
+                    self.plane.bad_input.note(kind, note)
 
     def _timer(self, key: m.TimerKey) -> None:
         self._timers.pop(key, None)
         self._act(self.machine.timer(key, self._loop.time()))
-
-    def _count_bad(self, kind: str) -> None:
-        self.plane.bad_messages[kind] = self.plane.bad_messages.get(kind, 0) + 1
 
     # -------------------------------------------------------------- sends
 
@@ -337,9 +328,10 @@ class PeerTransfers:
 
     def _send_of(self, run: Outbound) -> m.Send[PeerLink]:
         """The machine's record of a send, from its first offer."""
-        o = run.offer
-        return m.Send(o.transfer_id, run.link, o.key, tuple(o.layout), o.num_blocks,
-                    o.nbytes, run.deadline, o.src_gpu, o.src_dev != CPU_DEVICE, o.src_dev)
+        o, source = run.offer, run.source
+        return m.Send(o.transfer_id, run.link, o.key, source.layout, source.num_blocks,
+                      source.nbytes, run.deadline, o.src_gpu, o.src_dev != CPU_DEVICE,
+                      o.src_dev)
 
     def _prepare_tcp(self, tid: int) -> None:
         run = self._out[tid]
@@ -533,10 +525,7 @@ class PeerTransfers:
         tid = req.transfer_id
         run = self._outbound(link, tid, req.key, source, None, now + self.config.max_wait_s)
         self._reads[tid] = item
-        s = self._send_of(run)
-        self._act(self.machine.claimed(link, req, m.Claimed(
-            s.layout, s.num_blocks, s.nbytes, s.from_gpu, s.nccl, s.src_dev, s.deadline),
-            now, until))
+        self._act(self.machine.claimed(link, req, self._send_of(run), now, until))
 
     # -------------------------------------------------------------- status
 
