@@ -350,6 +350,10 @@ def test_a_restarted_daemon_is_found_again(sides: tuple[Side, Side]) -> None:
     d.mover.load(LoadOrder("after", "key-after", p.address, 2, 0, [9, 10], timeout_s=10))
     drive(p, d, until=lambda: "after" in d.seen.loaded)
     assert same(d.block(9), p.block(7)) and same(d.block(10), p.block(8))
+    # A restart is a restart to the new daemon, not bad input: the engine's old session
+    # never reaches it (its ROUTER connects only to clients that came through its door).
+    with KvdClient(d.proc.socket_path) as c:
+        assert c.stats()["bad_messages"] == {}
 
 
 def movers_of(p: Side, d: Side, make_kv: Callable[[int], list[torch.Tensor]], name: str,
