@@ -304,10 +304,25 @@ class Routes:
             return None
         return self._nccl(entry.channel, entry.channel_id, offer.chunk_bytes)
 
-    def dropped_eager_tcp(self, link: PeerLink) -> TcpReceiveRoute | None:
-        """Where the bytes of an eager TCP offer we decline are read and dropped."""
-        channel = link.recv_channel
-        return TcpReceiveRoute(channel, self.busy_poll) if channel is not None else None
+    def drop_eager(self, link: PeerLink, offer: Offer) -> None:
+        """Read the bytes of an eager offer we declined into nothing (NCCL: into staging),
+        so that both ends of its route stay in step."""
+        route: ReceiveRoute | None
+        if offer.channel:
+            route = self.eager_receive(link, offer)
+        else:
+            channel = link.recv_channel
+            route = TcpReceiveRoute(channel, self.busy_poll) if channel is not None else None
+        if route is not None:
+            route.receive(offer, None)
+
+    def send_zeros(self, link: PeerLink, src_dev: str, layout: Layout, num_blocks: int,
+                   accept: Accept) -> None:
+        """Zeros on the channel an ACCEPT names, for an NCCL offer given up: its receiver
+        waits there for bytes."""
+        self.accepted_send(link, src_dev, accept, None).send(
+            accept.transfer_id, Source(None, layout, num_blocks),
+            self.loop.time() + self.receive_timeout(0))
 
     def for_receive(self, link: PeerLink, offer: Offer, arrival: Arrival,
                     eager: NcclRoute | None = None) -> tuple[ReceiveRoute, Accept]:

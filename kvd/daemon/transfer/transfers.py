@@ -17,6 +17,7 @@ a list of its actions is half carried out, except by reports those actions ask f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from kvd.daemon.transfer.arrivals import Arrival, Arrivals, NeverFits
 from kvd.daemon.transfer.leasing import Leasing
 from kvd.daemon.transfer.machine import Job, Offering, TransferMachine, new_id
 from kvd.daemon.transfer.nccl_links import NcclLinks
-from kvd.daemon.transfer.routes import Moving, ReceiveRoute, Routes, Source, TcpSendRoute
+from kvd.daemon.transfer.routes import Moving, Routes, Source, TcpSendRoute
 from kvd.errors import BadRequest, Cancelled, KvdError, KvdTimeout, PoolExhausted, TransferFailed
 from kvd.memory.regions import Region
 from kvd.protocol import (
@@ -269,12 +270,8 @@ class PeerTransfers:
                 case m.Discard(link, tid):
                     if (inbound := self._in.get((link, tid))) is not None:
                         inbound.job.discard()
-                case m.DropEager(link, offer):  # read into nothing (NCCL: into staging)
-                    into: ReceiveRoute | None = (
-                        self.routes.eager_receive(link, offer) if offer.channel
-                        else self.routes.dropped_eager_tcp(link))
-                    if into is not None:
-                        into.receive(offer, None)
+                case m.DropEager(link, offer):
+                    self.routes.drop_eager(link, offer)
                 case m.SettlePull(tid, result):
                     if (pulling := self._pulls.get(tid)) is not None:
                         settle_awaited(pulling.future, pulling.wake, result)
@@ -288,10 +285,8 @@ class PeerTransfers:
                     self._prepare_tcp(tid)
                 case m.SendZeros(gone, accept):
                     try:
-                        route = self.routes.accepted_send(gone.link, gone.src_dev, accept, None)
-                        route.send(accept.transfer_id, Source(None, gone.layout,
-                                                              gone.num_blocks),
-                                   self._loop.time() + self.routes.receive_timeout(0))
+                        self.routes.send_zeros(gone.link, gone.src_dev, gone.layout,
+                                               gone.num_blocks, accept)
                     except KvdError as err:
                         self.plane.send(gone.link, ChannelDown(channel=accept.channel,
                                                                reason=err.message[:4000]))
@@ -417,14 +412,8 @@ class PeerTransfers:
             job.confirmed()
         moved = next((run.jobs[j] for j in (Job.NCCL, Job.EAGER_NCCL, Job.TCP, Job.EAGER_TCP)
                       if j in run.jobs), None)
-        started = moved.started_at if moved is not None and moved.started_at else None
-        self.engine.metrics.transfer(
-            peer=run.link.address, direction="send",
-            transport=(moved.transport if moved is not None
-                       else "inline" if run.inline else "tcp"),
-            outcome=label, nbytes=run.source.nbytes,
-            queue_s=None if started is None else started - run.requested,
-            wire_s=None if started is None else time.monotonic() - started)
+        self._record(run.link, "send", moved, "inline" if run.inline else "tcp", label,
+                     run.source.nbytes, run.requested)
         if isinstance(result, KvdError) and not isinstance(result, Cancelled):
             log.info("transfer failed transfer_id=%d key=%s to=%s: [%s] %s", tid,
                      run.offer.key, run.link.address, result.code, result.message)
@@ -496,30 +485,33 @@ class PeerTransfers:
             timeline.mark("transfer.received")
             self.arrivals.arrived(inbound.arrival, result)
             outcome = "done"
-        started = inbound.job.started_at or None
+        self._record(link, "recv", inbound.job, "", outcome, inbound.nbytes, inbound.offered)
+
+    def _record(self, link: PeerLink, direction: str, job: Moving | None, transport: str,
+                outcome: str, nbytes: int, asked: float) -> None:
+        """A transfer's end in the metrics: its wait from ``asked`` to its job's start, and
+        its job's time (``transport`` where it had no job)."""
+        started = job.started_at if job is not None and job.started_at else None
         self.engine.metrics.transfer(
-            peer=link.address, direction="recv", transport=inbound.job.transport,
-            outcome=outcome, nbytes=inbound.nbytes,
-            queue_s=None if started is None else started - inbound.offered,
+            peer=link.address, direction=direction,
+            transport=job.transport if job is not None else transport, outcome=outcome,
+            nbytes=nbytes, queue_s=None if started is None else started - asked,
             wire_s=None if started is None else time.monotonic() - started)
 
     # -------------------------------------------------------------- pulls we serve
 
     def _serve(self, link: PeerLink, req: PullRequest, until: float | None) -> None:
         """Claim a read of what a peer's pull asks for, and tell the machine."""
-        now = self._loop.time()
+        now, item = self._loop.time(), None
         try:
             item = self.arrivals.readable(req.key, tuple(req.layout), req.num_blocks,
                                           req.share)
-        except KvdError as err:
-            self._act(self.machine.claimed(link, req, err, now, until))
-            return
-        try:
             source = Source(self.arrivals.source_blocks(item, req.share), tuple(req.layout),
                             req.num_blocks, [item.region] if item.region is not None else [])
             self.routes.check_gpu(link, source)  # (GPU bytes for a puller without NCCL)
         except KvdError as err:
-            item.end_read()
+            if item is not None:
+                item.end_read()
             self._act(self.machine.claimed(link, req, err, now, until))
             return
         tid = req.transfer_id
@@ -559,14 +551,8 @@ class PeerTransfers:
         return [t for t in self._tasks if not t.done()]
 
     def stats(self) -> dict[str, Any]:
-        c = self.machine.counters
-        return {"sent": dict(c.sent), "received": dict(c.received),
-                "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
-                "busy_replies": c.busy_replies, "in_flight_out": len(self._out),
-                "pulls_waiting_for_key": self.waiting_pulls,
-                "eager_nccl_sent": c.eager_nccl_sent,
-                "eager_nccl_dropped": c.eager_nccl_dropped,
-                "in_flight_in": len(self._in),
+        return {**dataclasses.asdict(self.machine.counters), "in_flight_out": len(self._out),
+                "in_flight_in": len(self._in), "pulls_waiting_for_key": self.waiting_pulls,
                 "nccl": self.nccl.stats() if self.nccl is not None else None}
 
 
