@@ -12,7 +12,7 @@ the loop sleeps (a send can take the edge that announced a message: see kvd/loop
 Each message is handled where it is read, and its replies go out in the same callback.
 
 The messages, hop by hop (kvd's, found in kvd/client, daemon/local_server.py, daemon/engine.py
-and daemon/transfer/{sending,receiving,serving}.py, and seen in the daemons' timeline marks
+and daemon/transfer/{machine,transfers}.py, and seen in the daemons' timeline marks
 with ``tools/timeline.py [--pull]``; ``python floor.py hops`` times each hop of the floor's).
 tx and rx are the sending and receiving clients, a and b their daemons:
 
