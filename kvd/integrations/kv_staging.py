@@ -1,21 +1,21 @@
-"""The block arithmetic of staging: which tensor dimension holds blocks, how a block copy is
-made wide, and which staging slots are free.
-
-Staging is the mover's shared memory for blocks the daemon cannot read in place (a CPU
-engine's private tensors, a part sent while its request still runs, a load that skips a
-cached prefix). ``KvMover`` owns the staging region and its life with the daemon; this
-module holds the parts of it that need no daemon, so that they read (and test) alone.
+"""A KV cache group's tensors with the daemon: registered in place (GPU), or through a
+*staging* region of shared memory (CPU: an engine's private tensors, which the daemon
+cannot map), with the block arithmetic and copies of staging and which of its slots are
+free. Staging also carries a part sent while its request still runs (the engine may reuse
+its blocks before the send ends) and a load into only a part of each block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvd.client.shm import shared_empty
+from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest
-from kvd.protocol import Part
+from kvd.protocol import WHOLE, Part
 
 
 def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -119,3 +119,75 @@ class Slots:
     @property
     def free(self) -> int:
         return len(self._free)
+
+
+class Registration:
+    """One KV cache group's layers, registered by a client of its own (a hybrid model's
+    groups lie over one allocation: one client would register the same bytes twice)."""
+
+    def __init__(self, client: KvdClient, layers: Sequence[torch.Tensor], num_blocks: int,
+                 staging_blocks: int, name: str) -> None:
+        if not layers:
+            raise BadRequest("no KV tensors to register")
+        self.client = client
+        self.block_dims = [block_dim_of(t, num_blocks) for t in layers]
+        # Block-major views: index 0 picks a block, in every layer.
+        self.layers = [t.movedim(d, 0) if d else t for t, d in zip(layers, self.block_dims,
+                                                                   strict=True)]
+        self.direct = all(t.is_cuda for t in layers)
+        if not self.direct and any(t.is_cuda for t in layers):
+            raise BadRequest("KV tensors are on both CPU and GPU")
+        self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
+        if self.direct and len(set(self.block_dims)) != 1:
+            raise BadRequest(f"KV tensors have their blocks on different dims {self.block_dims}")
+        self._tensors = list(layers)
+        self._name = name
+        self._staging_blocks = staging_blocks
+        self.region: Any = None
+        self.register()
+
+    def register(self) -> None:
+        """Register with the client's daemon. Staging is made anew each time (memory an old
+        daemon may still hold is not reused)."""
+        self._staging: list[torch.Tensor] | None = None
+        self.staging_region: Any = None
+        self.slots = Slots(0)
+        if self.direct:
+            self.region = self.client.register(self._name, self._tensors,
+                                               block_dim=self.block_dims[0])
+        else:
+            self._make_staging()
+
+    def _make_staging(self) -> None:
+        n = self._staging_blocks
+        if n <= 0:
+            raise BadRequest("staging_blocks must be positive for CPU KV tensors")
+        tensors = blocks_like(self.layers, n, on_gpu=self.direct)
+        self._staging = tensors
+        self.staging_region = self.client.register("kv-staging", tensors)
+        self._part_pairs: dict[Part, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._wide_pairs = [wide_pair(t, st) for t, st in zip(self.layers, tensors,
+                                                              strict=True)]
+        self.slots = Slots(n)
+
+    def take_slots(self, n: int) -> list[int] | None:
+        """``n`` staging slots, or None while staging is full."""
+        if self._staging is None:
+            self._make_staging()
+        if n > self.slots.count:
+            raise BadRequest(f"{n} blocks do not fit in {self.slots.count} staging blocks "
+                             "(raise staging_blocks)")
+        return self.slots.take(n)
+
+    def stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool,
+              part: Part = WHOLE) -> None:
+        """Engine blocks into staging slots (``inward``), or staging slots into blocks
+        (only ``part`` of each)."""
+        pairs = self._wide_pairs
+        if part != WHOLE:
+            if part not in self._part_pairs:
+                assert self._staging is not None
+                self._part_pairs[part] = [part_pair(t, st, part) for t, st in
+                                          zip(self.layers, self._staging, strict=True)]
+            pairs = self._part_pairs[part]
+        copy_blocks(pairs, block_ids, slots, inward)

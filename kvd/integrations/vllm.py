@@ -51,12 +51,11 @@ Prometheus registry).
 
 Hybrid models (``SupportsHMA``): ``vllm_groups`` reads vLLM's KV cache groups, each group
 of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks; ``kv_group_orders``:
-the orders), and the worker has a mover per group (``kv_group_movers``).
+the orders), and the worker's mover registers each group apart (``kv_mover``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import secrets
@@ -67,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
 from kvd.integrations import kv_group_orders as group_orders
-from kvd.integrations.kv_group_movers import GroupMovers
 from kvd.integrations.kv_groups import STATE, backoff, group_key
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import (
@@ -178,8 +176,7 @@ if _VLLM_ERROR is None:
     class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Disaggregated prefill/decode through kvd: see the module docstring. Hybrid
         models (``SupportsHMA``): each KV cache group moves under its own key
-        (``kv_groups``, ``kv_group_orders``), each with a mover of its own on the worker
-        side (``kv_group_movers``)."""
+        (``kv_groups``, ``kv_group_orders``)."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -225,7 +222,7 @@ if _VLLM_ERROR is None:
             self.address = self.settings.kvd_address or ""
             # worker side
             self._client: Any = None
-            self._mover: KvMover | GroupMovers | None = None
+            self._mover: KvMover | None = None
             self._load_errors: set[int] = set()
             self._tp_rank, self._tp = 0, self.compat.tensor_parallel_size
             # KV heads as kv_ranks counts them: an MLA latent cache is one that every
@@ -605,44 +602,34 @@ if _VLLM_ERROR is None:
             self._tp_rank = get_tensor_model_parallel_rank()
             self._tp = get_tensor_model_parallel_world_size()
             layers = list(kv_caches.values())
-            if len(self.layout.groups) > 1:
-                self._mover = self._group_movers(kv_caches)
-            else:
-                self._mover = KvMover(self._client, layers, self.num_blocks,
-                                      self.staging_blocks, name=f"vllm-{self.engine_id}",
-                                      logger=log)
+            groups = ([layers] if len(self.layout.groups) == 1
+                      else self._group_layers(kv_caches))
+            # A hybrid model: a client per KV cache group (the first one the connector's).
+            clients = [_client(self.settings, f"vllm-worker-{self.engine_id}-g{g}")
+                       for g in range(1, len(groups))]
+            try:
+                self._mover = KvMover(self._client, groups[0], self.num_blocks,
+                                      self.staging_blocks, f"vllm-{self.engine_id}", log,
+                                      list(zip(clients, groups[1:], strict=True)))
+            except BaseException:
+                for client in clients:
+                    client.close()
+                raise
             log.info("kvd: registered %d KV tensors in %d group(s) (%d blocks, %s, %s)",
                      len(layers), len(self.layout.groups), self.num_blocks, layers[0].device,
                      "in place" if self._mover.direct else
                      f"{self.staging_blocks} staging blocks of shared memory, "
                      f"{self.staging_blocks * self._mover.block_bytes / 2**20:.0f} MiB")
 
-        def _group_movers(self, kv_caches: dict[str, torch.Tensor]) -> GroupMovers:
-            """A hybrid model: a mover per KV cache group, with its layers and a client
-            of its own (the first one the connector's)."""
-            movers: list[KvMover] = []
-            try:
-                for g, names in enumerate(self.layout.layers):
-                    missing = [n for n in names if n not in kv_caches]
-                    if missing or not names:
-                        raise BadRequest(f"KV cache group {g}: no KV tensors for layers "
-                                         f"{missing or names}")
-                    client = self._client if g == 0 else _client(
-                        self.settings, f"vllm-worker-{self.engine_id}-g{g}")
-                    try:
-                        movers.append(KvMover(client, [kv_caches[n] for n in names],
-                                              self.num_blocks, self.staging_blocks,
-                                              name=f"vllm-{self.engine_id}-g{g}", logger=log))
-                    except BaseException:
-                        if client is not self._client:
-                            client.close()
-                        raise
-            except BaseException:
-                for mover in movers[1:]:  # (the first one's client is the connector's)
-                    with contextlib.suppress(KvdError):
-                        mover.close()
-                raise
-            return GroupMovers(movers)
+        def _group_layers(self, kv_caches: dict[str, torch.Tensor],
+                          ) -> list[list[torch.Tensor]]:
+            """A hybrid model's KV tensors, per KV cache group the connector moves."""
+            for g, names in enumerate(self.layout.layers):
+                missing = [n for n in names if n not in kv_caches]
+                if missing or not names:
+                    raise BadRequest(f"KV cache group {g}: no KV tensors for layers "
+                                     f"{missing or names}")
+            return [[kv_caches[n] for n in names] for names in self.layout.layers]
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._mover is None or not self.has_connector_metadata():
