@@ -1,9 +1,8 @@
 """A hybrid model's KV cache groups without vLLM: which blocks each group moves
-(``kv_groups``, ``kv_group_orders``), and the data path of several groups
-(``KvMover`` with ``more_groups``): tensors of a full-attention group and of a
-recurrent-state group laid over one allocation, as vLLM lays them, moved between two
-`kvd serve` daemons group by group, bytes checked; a request heard of once, whatever its
-groups did."""
+(``kv_groups``), and the data path of several groups (``KvMover`` with ``more_groups``):
+tensors of a full-attention group and of a recurrent-state group laid over one
+allocation, as vLLM lays them, moved between two `kvd serve` daemons group by group,
+bytes checked; a request heard of once, whatever its groups did."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 
 from kvd import KvdClient
 from kvd.errors import BadRequest
-from kvd.integrations import kv_group_orders as orders
+from kvd.integrations import kv_groups as orders
 from kvd.integrations.kv_groups import (
     FULL,
     NULL_BLOCK,

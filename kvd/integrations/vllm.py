@@ -50,8 +50,8 @@ request-level params above, checked) and ``vllm_stats`` (counters for vLLM's sta
 Prometheus registry).
 
 Hybrid models (``SupportsHMA``): ``vllm_groups`` reads vLLM's KV cache groups, each group
-of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks; ``kv_group_orders``:
-the orders), and the worker's mover registers each group apart (``kv_mover``).
+of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks, the orders), and
+the worker's mover registers each group apart (``kv_mover``).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
-from kvd.integrations import kv_group_orders as group_orders
-from kvd.integrations.kv_groups import STATE, backoff, group_key
+from kvd.integrations import kv_groups
+from kvd.integrations.kv_groups import STATE, backoff, blocks_for, group_key
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import (
     DiscardOrder,
@@ -75,7 +75,6 @@ from kvd.integrations.kv_orders import (
     RenewOrder,
     SendOrder,
 )
-from kvd.integrations.kv_parts import blocks_for
 from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_groups import layout_of
@@ -176,7 +175,7 @@ if _VLLM_ERROR is None:
     class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Disaggregated prefill/decode through kvd: see the module docstring. Hybrid
         models (``SupportsHMA``): each KV cache group moves under its own key
-        (``kv_groups``, ``kv_group_orders``)."""
+        (``kv_groups``)."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -358,7 +357,7 @@ if _VLLM_ERROR is None:
                 return
             n = blocks_for(tokens, self.block_size)
             ids = self._group_ids(blocks.get_block_ids())
-            load = group_orders.Loading(
+            load = kv_groups.Loading(
                 request.request_id, remote.key, remote.source, tokens,
                 n - blocks_for(num_external_tokens, self.block_size),
                 self.settings.load_timeout_s, self._push_parts(remote),
@@ -366,7 +365,7 @@ if _VLLM_ERROR is None:
             why = self._refused.pop(request.request_id, "")
             if not why:
                 try:
-                    loads, drops = group_orders.loads(self.layout.groups, load, ids)
+                    loads, drops = kv_groups.loads(self.layout.groups, load, ids)
                 except BadRequest as err:  # (not when both ends follow kv_groups' rules)
                     why = f"its blocks do not fit this engine's: {err.message}"
                     log.error("kvd: request %s: %s; %s", request.request_id, why,
@@ -374,7 +373,7 @@ if _VLLM_ERROR is None:
             if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
                 self._drop_pushed(request.request_id, remote, keys)
                 self._release(request.request_id, remote)
-                self._loads += group_orders.refused_loads(self.layout.groups, load, ids, why)
+                self._loads += kv_groups.refused_loads(self.layout.groups, load, ids, why)
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
             # Parts wholly inside the local prefix hit: released, never loaded (push flow).
@@ -393,21 +392,21 @@ if _VLLM_ERROR is None:
             return (self.settings.push_part_blocks if remote.push_parts is None
                     else remote.push_parts)
 
-        def _keys(self, remote: RemotePrefill, tokens: int) -> group_orders.Keys:
+        def _keys(self, remote: RemotePrefill, tokens: int) -> kv_groups.Keys:
             """The keys a request's blocks come under, per group, with the blocks each
             holds."""
-            return group_orders.keys_of(self.layout.groups, remote.key, tokens,
+            return kv_groups.keys_of(self.layout.groups, remote.key, tokens,
                                         self._push_parts(remote))
 
         def _drop_pushed(self, req_id: str, remote: RemotePrefill,
-                         keys: group_orders.Keys) -> None:
+                         keys: kv_groups.Keys) -> None:
             """Keys that decode will not load. Pushed ones are released by the worker:
             dropped from this daemon if they came before this, refused if they come later,
             and (when prefill's daemon is known) never sent. Left alone, each would hold the
             daemon's pool until prefill's lease ends. (A pull-flow key stays at prefill,
             whose lease ends it: ``_release``.)"""
             if remote.source is None:
-                self._discards += group_orders.discards(self.layout.groups, keys, req_id,
+                self._discards += kv_groups.discards(self.layout.groups, keys, req_id,
                                                         remote.sender, _their_tp(remote))
 
         def _back_off(self, request: Any) -> None:
@@ -463,7 +462,7 @@ if _VLLM_ERROR is None:
                     continue
                 # Tokens scheduled but not yet computed are "in flight" (async scheduling).
                 written = req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0)
-                sends, entry.sent = group_orders.written_sends(
+                sends, entry.sent = kv_groups.written_sends(
                     self.layout.groups, self._sending(req, entry.key, entry.push_to),
                     written, entry.sent, functools.partial(self._running_ids, req))
                 self._sends += sends
@@ -471,8 +470,8 @@ if _VLLM_ERROR is None:
         def _running_ids(self, request: Any) -> list[list[int]]:
             return self._group_ids(self._kv_cache_manager.get_block_ids(request.request_id))
 
-        def _sending(self, request: Any, key: str, push_to: str | None) -> group_orders.Sending:
-            return group_orders.Sending(
+        def _sending(self, request: Any, key: str, push_to: str | None) -> kv_groups.Sending:
+            return kv_groups.Sending(
                 request.request_id, key, self._tokens(request), self.settings.lease_s,
                 push_to, self.settings.push_part_blocks if push_to is not None else 0)
 
@@ -540,7 +539,7 @@ if _VLLM_ERROR is None:
             sending = self._sending(request, key, push_to)
             part_blocks = sending.part_blocks
             try:  # what is left: the blocks stay ours till then
-                self._sends += group_orders.finished_sends(
+                self._sends += kv_groups.finished_sends(
                     self.layout.groups, sending, self._group_ids(block_ids),
                     pushing.sent if pushing is not None else 0)
             except BadRequest as err:
