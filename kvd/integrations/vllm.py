@@ -45,9 +45,8 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
 Inside vLLM it logs under vLLM's own ``vllm`` logger, so that its lines come out in
 vLLM's log. The data path is ``kvd.integrations.kv_mover``, which knows nothing about
-vLLM. Beside this module: ``vllm_settings`` (the extra config), ``vllm_params`` (the
-request-level params above, checked) and ``vllm_stats`` (counters for vLLM's stats and
-Prometheus registry).
+vLLM. Beside this module: ``vllm_params`` (the extra config and the request-level params
+above, checked) and ``vllm_stats`` (counters for vLLM's stats and Prometheus registry).
 
 Hybrid models (``SupportsHMA``): ``vllm_groups`` reads vLLM's KV cache groups, each group
 of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks, the orders), and
@@ -78,8 +77,7 @@ from kvd.integrations.kv_orders import (
 from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_groups import layout_of
-from kvd.integrations.vllm_params import RemotePrefill, key_param
-from kvd.integrations.vllm_settings import Settings
+from kvd.integrations.vllm_params import RemotePrefill, Settings, key_param
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +111,15 @@ _POLICY_OUTCOME = {  # what vLLM does with a failed load, per kv_load_failure_po
 _NAMES = ("KvdConnector", "KvdConnectorMetadata", "KvdConnectorStats", "KvdPromMetrics")
 
 
-def _remote_prefill(request: Any) -> RemotePrefill | None:
+def _remote_prefill(request: Any, say: bool = False) -> RemotePrefill | None:
+    """What the request loads; None if nothing, or if its params are broken (said once,
+    when ``say``: by ``get_num_new_matched_tokens``; decode then computes the prompt)."""
     try:
         return RemotePrefill.of(request.kv_transfer_params)
     except BadRequest as err:
-        log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id,
-                    err.message)
+        if say:
+            log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id,
+                        err.message)
         return None
 
 
@@ -142,11 +143,6 @@ class _Held:
     lease_s: float
     renew_at: float  # time.monotonic()
     their_tp: int = 0  # prefill's tensor-parallel size, when told
-
-
-def _their_tp(remote: RemotePrefill) -> int:
-    """Prefill's tensor-parallel size, when it said (0: not said)."""
-    return remote.compat.tensor_parallel_size if remote.compat else 0
 
 
 def _rank_key(key: str, rank: int, tp: int) -> str:
@@ -191,7 +187,8 @@ if _VLLM_ERROR is None:
             self.settings = Settings.parse(transfer.kv_connector_extra_config)
             self.engine_id = transfer.engine_id or secrets.token_hex(8)
             self.is_producer = bool(transfer.is_kv_producer)
-            self.failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+            policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+            self._outcome = _POLICY_OUTCOME.get(policy, f"kv_load_failure_policy={policy}")
             self.block_size = vllm_config.cache_config.block_size
             self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
                                else vllm_config.cache_config.num_gpu_blocks)
@@ -207,11 +204,7 @@ if _VLLM_ERROR is None:
             # KV that does not fit it.
             self.compat = Compat.of(vllm_config, self.layout.names)
             # scheduler side
-            self._sends: list[SendOrder] = []
-            self._loads: list[LoadOrder] = []
-            self._discards: list[DiscardOrder] = []
-            self._renews: list[RenewOrder] = []
-            self._releases: list[ReleaseOrder] = []
+            self._meta = KvdConnectorMetadata()  # the orders for the worker's next step
             self._held: dict[str, _Held] = {}  # decode: pull-flow requests until loaded
             self._next_renewal = float("inf")  # the earliest _Held.renew_at
             self._pushing: dict[str, _Pushing] = {}
@@ -253,10 +246,7 @@ if _VLLM_ERROR is None:
             if self.is_producer:
                 self._back_off(request)
                 return
-            try:
-                remote = RemotePrefill.of(request.kv_transfer_params)
-            except BadRequest:
-                return  # get_num_new_matched_tokens says why
+            remote = _remote_prefill(request)
             if remote is not None and remote.source is not None:
                 self._hold(request.request_id, remote)
 
@@ -266,17 +256,15 @@ if _VLLM_ERROR is None:
             lease_s = remote.lease_s or self.settings.lease_s
             renew_at = time.monotonic() + lease_s / 2
             self._held[req_id] = _Held(remote.key, remote.source, lease_s, renew_at,
-                                       _their_tp(remote))
+                                       remote.their_tp)
             self._next_renewal = min(self._next_renewal, renew_at)
 
         def _release(self, req_id: str, remote: RemotePrefill | _Held | None) -> None:
             """Prefill may free what it lent for this request: it will not be loaded."""
             self._held.pop(req_id, None)
             if remote is not None and remote.source is not None:
-                their_tp = (remote.their_tp if isinstance(remote, _Held)
-                            else _their_tp(remote))
-                self._releases.append(ReleaseOrder(req_id, remote.key, remote.source,
-                                                   their_tp))
+                self._meta.releases.append(ReleaseOrder(req_id, remote.key, remote.source,
+                                                        remote.their_tp))
 
         def _renewals(self) -> None:
             """Renew the leases of the requests still waiting, every half lease each."""
@@ -287,8 +275,8 @@ if _VLLM_ERROR is None:
             for req_id, held in self._held.items():
                 if now >= held.renew_at:
                     held.renew_at = now + held.lease_s / 2
-                    self._renews.append(RenewOrder(req_id, held.key, held.source,
-                                                   held.lease_s, held.their_tp))
+                    self._meta.renews.append(RenewOrder(req_id, held.key, held.source,
+                                                        held.lease_s, held.their_tp))
                 self._next_renewal = min(self._next_renewal, held.renew_at)
 
         def update_connector_output(self, connector_output: Any) -> None:
@@ -297,7 +285,7 @@ if _VLLM_ERROR is None:
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                        ) -> tuple[int | None, bool]:
-            remote = _remote_prefill(request)
+            remote = _remote_prefill(request, say=True)
             if remote is None:
                 return 0, False
             prompt = self._tokens(request)
@@ -327,8 +315,7 @@ if _VLLM_ERROR is None:
             self._said.add(theirs)
             log.error("kvd: refusing KV from prefill engines of another configuration (%s); "
                       "%s, for this request and every other one from such an engine", why,
-                      _POLICY_OUTCOME.get(self.failure_policy,
-                                          f"kv_load_failure_policy={self.failure_policy}"))
+                      self._outcome)
 
         def _tokens(self, request: Any) -> int:
             """The prompt tokens that move: all but the ones decode computes itself
@@ -342,18 +329,13 @@ if _VLLM_ERROR is None:
                                      num_external_tokens: int) -> None:
             if self.is_producer and self.settings.flow == "push":
                 self._track_push(request)
-            try:
-                remote = RemotePrefill.of(request.kv_transfer_params)
-            except BadRequest:
-                return  # get_num_new_matched_tokens said why; decode computes the prompt
+            remote = _remote_prefill(request)
             if remote is None:
                 return
             request.kv_transfer_params["do_remote_prefill"] = False  # load it once only
             tokens = self._tokens(request)
-            keys = self._keys(remote, tokens)
             if num_external_tokens <= 0:  # decode computes the prompt itself
-                self._drop_pushed(request.request_id, remote, keys)
-                self._release(request.request_id, remote)
+                self._forgo(request.request_id, remote, tokens)
                 return
             n = blocks_for(tokens, self.block_size)
             ids = self._group_ids(blocks.get_block_ids())
@@ -361,24 +343,22 @@ if _VLLM_ERROR is None:
                 request.request_id, remote.key, remote.source, tokens,
                 n - blocks_for(num_external_tokens, self.block_size),
                 self.settings.load_timeout_s, self._push_parts(remote),
-                _their_tp(remote), remote.sender)
+                remote.their_tp, remote.sender)
             why = self._refused.pop(request.request_id, "")
             if not why:
                 try:
                     loads, drops = kv_groups.loads(self.layout.groups, load, ids)
                 except BadRequest as err:  # (not when both ends follow kv_groups' rules)
                     why = f"its blocks do not fit this engine's: {err.message}"
-                    log.error("kvd: request %s: %s; %s", request.request_id, why,
-                              _POLICY_OUTCOME.get(self.failure_policy, self.failure_policy))
-            if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
-                self._drop_pushed(request.request_id, remote, keys)
-                self._release(request.request_id, remote)
-                self._loads += kv_groups.refused_loads(self.layout.groups, load, ids, why)
+                    log.error("kvd: request %s: %s; %s", request.request_id, why, self._outcome)
+            if why:  # nothing of it is loaded
+                self._forgo(request.request_id, remote, tokens)
+                self._meta.loads += kv_groups.refused_loads(self.layout.groups, load, ids, why)
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
             # Parts wholly inside the local prefix hit: released, never loaded (push flow).
-            self._discards += drops
-            self._loads += loads
+            self._meta.discards += drops
+            self._meta.loads += loads
 
         def _group_ids(self, all_groups: Any) -> list[list[int]]:
             """A request's block ids in each group the connector moves, of vLLM's lists
@@ -392,22 +372,18 @@ if _VLLM_ERROR is None:
             return (self.settings.push_part_blocks if remote.push_parts is None
                     else remote.push_parts)
 
-        def _keys(self, remote: RemotePrefill, tokens: int) -> kv_groups.Keys:
-            """The keys a request's blocks come under, per group, with the blocks each
-            holds."""
-            return kv_groups.keys_of(self.layout.groups, remote.key, tokens,
-                                        self._push_parts(remote))
-
-        def _drop_pushed(self, req_id: str, remote: RemotePrefill,
-                         keys: kv_groups.Keys) -> None:
-            """Keys that decode will not load. Pushed ones are released by the worker:
-            dropped from this daemon if they came before this, refused if they come later,
-            and (when prefill's daemon is known) never sent. Left alone, each would hold the
-            daemon's pool until prefill's lease ends. (A pull-flow key stays at prefill,
-            whose lease ends it: ``_release``.)"""
+        def _forgo(self, req_id: str, remote: RemotePrefill, tokens: int) -> None:
+            """The request will not load what prefill sends it. Pushed keys are released by
+            the worker: dropped from this daemon if they came before this, refused if they
+            come later, and (when prefill's daemon is known) never sent; left alone, each
+            would hold the daemon's pool until prefill's lease ends. A lent key is released
+            at prefill (``_release``)."""
             if remote.source is None:
-                self._discards += kv_groups.discards(self.layout.groups, keys, req_id,
-                                                        remote.sender, _their_tp(remote))
+                keys = kv_groups.keys_of(self.layout.groups, remote.key, tokens,
+                                         self._push_parts(remote))
+                self._meta.discards += kv_groups.discards(self.layout.groups, keys, req_id,
+                                                          remote.sender, remote.their_tp)
+            self._release(req_id, remote)
 
         def _back_off(self, request: Any) -> None:
             """Prefill of a model with a recurrent state or a sliding window
@@ -465,7 +441,7 @@ if _VLLM_ERROR is None:
                 sends, entry.sent = kv_groups.written_sends(
                     self.layout.groups, self._sending(req, entry.key, entry.push_to),
                     written, entry.sent, functools.partial(self._running_ids, req))
-                self._sends += sends
+                self._meta.sends += sends
 
         def _running_ids(self, request: Any) -> list[list[int]]:
             return self._group_ids(self._kv_cache_manager.get_block_ids(request.request_id))
@@ -480,18 +456,14 @@ if _VLLM_ERROR is None:
                 self._send_written_parts()
             if self._held:
                 self._renewals()
-            meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads,
-                                        discards=self._discards, renews=self._renews,
-                                        releases=self._releases)
-            self._sends, self._loads, self._discards = [], [], []
-            self._renews, self._releases = [], []
+            meta, self._meta = self._meta, KvdConnectorMetadata()
             return meta
 
         def has_pending_push_work(self) -> bool:
             """Orders not yet handed to the worker (a release after an abort, say) keep
             vLLM's engine stepping until they are: prefill's blocks are not left until
             decode's next request."""
-            return bool(self._releases or self._discards or self._renews)
+            return bool(self._meta.releases or self._meta.discards or self._meta.renews)
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
@@ -539,7 +511,7 @@ if _VLLM_ERROR is None:
             sending = self._sending(request, key, push_to)
             part_blocks = sending.part_blocks
             try:  # what is left: the blocks stay ours till then
-                self._sends += kv_groups.finished_sends(
+                self._meta.sends += kv_groups.finished_sends(
                     self.layout.groups, sending, self._group_ids(block_ids),
                     pushing.sent if pushing is not None else 0)
             except BadRequest as err:
@@ -559,16 +531,11 @@ if _VLLM_ERROR is None:
             to be scheduled) wants none of the parts pushed for it, nor the key lent for
             it. Whether it was such a request."""
             self._refused.pop(request.request_id, None)
-            try:
-                remote = RemotePrefill.of(request.kv_transfer_params)
-            except BadRequest:
-                return False
+            remote = _remote_prefill(request)
             if remote is None:
                 return False
             request.kv_transfer_params["do_remote_prefill"] = False
-            self._drop_pushed(request.request_id, remote,
-                              self._keys(remote, self._tokens(request)))
-            self._release(request.request_id, remote)
+            self._forgo(request.request_id, remote, self._tokens(request))
             return True
 
         @classmethod
@@ -655,30 +622,30 @@ if _VLLM_ERROR is None:
                         load, key=_rank_key(load.key, read.rank, load.their_tp or self._tp),
                         part=read.part, readers=read.readers, into=read.into,
                         parts=load.parts * len(taken)))
-            for discard in meta.discards:
-                try:
-                    taken = self._reads(discard.their_tp, discard.group)
-                except BadRequest:
-                    continue  # (as above; what was pushed ends with its lease)
-                for rank in sorted({read.rank for read in taken}):
-                    self._mover.discard(replace(discard, key=_rank_key(
-                        discard.key, rank, discard.their_tp or self._tp)))
+            for discard in meta.discards:  # (a refused pair's pushed keys end with their lease)
+                for key in self._lenders_keys(discard.key, discard.their_tp, discard.group):
+                    self._mover.discard(replace(discard, key=key))
             # Renewals and releases: of each key of prefill's that this rank reads.
             leases: list[RenewOrder | ReleaseOrder] = [*meta.renews, *meta.releases]
             for lease in leases:
                 for group in range(self.layout.count):  # (each group's key of it)
-                    try:
-                        taken = self._reads(lease.their_tp, group)
-                    except BadRequest:
-                        continue
                     keyed = group_key(lease.key, group, self.layout.count)
-                    for rank in sorted({read.rank for read in taken}):
-                        ranked = replace(lease, group=group, key=_rank_key(
-                            keyed, rank, lease.their_tp or self._tp))
+                    for key in self._lenders_keys(keyed, lease.their_tp, group):
+                        ranked = replace(lease, group=group, key=key)
                         if isinstance(ranked, RenewOrder):
                             self._mover.renew(ranked)
                         else:
                             self._mover.release(ranked)
+
+        def _lenders_keys(self, key: str, their_tp: int, group: int) -> list[str]:
+            """The keys of ``key`` at the prefill ranks this rank reads; none for a pair
+            this rank cannot read (the scheduler refused it)."""
+            try:
+                taken = self._reads(their_tp, group)
+            except BadRequest:
+                return []
+            return [_rank_key(key, rank, their_tp or self._tp)
+                    for rank in sorted({read.rank for read in taken})]
 
         def _reads(self, their_tp: int, group: int = 0) -> list[Read]:
             """What this rank reads of prefill's ranks (``their_tp`` 0: prefill did not say
@@ -725,9 +692,7 @@ if _VLLM_ERROR is None:
                     continue  # (the scheduler said why, once; or the request is gone)
                 # With policy "fail" the client sees only an error: the cause is here.
                 log.error("kvd: request %s: its KV did not load (%s); %s", req_id,
-                          polled.causes.get(req_id, "cause unknown"),
-                          _POLICY_OUTCOME.get(self.failure_policy,
-                                              f"kv_load_failure_policy={self.failure_policy}"))
+                          polled.causes.get(req_id, "cause unknown"), self._outcome)
             # A failed load is finished too: its blocks are reported invalid.
             return KVConnectorTransferResults(
                 finished_sending=polled.released,
