@@ -8,8 +8,9 @@ cached) is released both at this engine's daemon ("local") and at prefill's, whi
 never sends it. Each is one request to this engine's daemon, which asks prefill's
 (``KvdClient.renew`` / ``release``); it is polled, never waited for.
 
-``KvMover`` owns the daemon client (a new one after a daemon restart), so it hands it to
-every call here; ``LeaseCalls`` owns the calls in flight, one per kind, key and daemon.
+``KvMover`` owns the daemon clients (new ones after a daemon restart), so it hands the
+order's group's to every call here; ``LeaseCalls`` owns the calls in flight, one per kind,
+key and daemon.
 """
 
 from __future__ import annotations
@@ -45,22 +46,20 @@ class LeaseCalls:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def renew(self, client: KvdClient, order: RenewOrder) -> None:
-        if ("renew", order.key, order.source) in self._calls:
-            return  # the last one is still on its way
-        self._start(("renew", order.key, order.source), order, lambda: client.renew(
-            order.key, order.source, ttl_s=order.ttl_s, timeout_s=CALL_TIMEOUT_S))
-
-    def release(self, client: KvdClient, order: ReleaseOrder) -> None:
-        if ("release", order.key, order.source) in self._calls:
+    def start(self, client: KvdClient, order: RenewOrder | ReleaseOrder) -> None:
+        """Renew or release, unless the last such call for the key is still on its way."""
+        ident = ("renew" if isinstance(order, RenewOrder) else "release", order.key,
+                 order.source)
+        if ident in self._calls:
             return
-        self._start(("release", order.key, order.source), order, lambda: client.release(
-            order.key, order.source, timeout_s=CALL_TIMEOUT_S, skip=order.skip))
-
-    def _start(self, ident: tuple[str, str, str], order: RenewOrder | ReleaseOrder,
-               call: Callable[[], Transfer]) -> None:
         try:
-            self._calls[ident] = _Call(order, call())
+            if isinstance(order, RenewOrder):
+                transfer = client.renew(order.key, order.source, ttl_s=order.ttl_s,
+                                        timeout_s=CALL_TIMEOUT_S)
+            else:
+                transfer = client.release(order.key, order.source, timeout_s=CALL_TIMEOUT_S,
+                                          skip=order.skip)
+            self._calls[ident] = _Call(order, transfer)
         except KvdError as err:
             self._note(err)
             self.log.warning("kvd: %s of key %s (request %s) at %s failed: %s", ident[0],

@@ -245,7 +245,7 @@ class KvMover:
         it is lent."""
         load = self._loads.get(order.key)
         if self.connected and (load is None or load.transfer is None):
-            self._leases.renew(self._client(order.group), order)
+            self._leases.start(self._client(order.group), order)
 
     def release(self, order: ReleaseOrder) -> None:
         """Free ``order.key`` at its source now: the request will not load it (never
@@ -253,7 +253,7 @@ class KvMover:
         failed without an error: the request is gone."""
         self._requests.abort(order.req_id)
         if self.connected:
-            self._leases.release(self._client(order.group), order)
+            self._leases.start(self._client(order.group), order)
 
     def _client(self, group: int) -> KvdClient:
         return self.groups[group if 0 <= group < len(self.groups) else 0].client
@@ -380,7 +380,7 @@ class KvMover:
                     and not self._requests.aborted(order.req_id)):
                 # A pull-flow load that will not happen: its key is freed at prefill. (Gone,
                 # or its daemon gone: nothing to free. Aborted: released already.)
-                self._leases.release(self._client(order.group), ReleaseOrder(
+                self._leases.start(self._client(order.group), ReleaseOrder(
                     order.req_id, order.key, order.source, order.their_tp, order.group))
             self._requests.load_ended(order, ok=False, cause=f"key {order.key!r}: {err}")
 
@@ -428,7 +428,7 @@ class KvMover:
         the load of the rest goes on."""
         if order.skip:
             if self.connected and order.sender is not None:
-                self._leases.release(self._client(order.group), ReleaseOrder(
+                self._leases.start(self._client(order.group), ReleaseOrder(
                     order.req_id, order.key, order.sender, order.their_tp, order.group,
                     order.skip))
             return
@@ -441,7 +441,7 @@ class KvMover:
             return  # (a restarted daemon holds nothing of it)
         for source in ("local", order.sender):
             if source is not None:
-                self._leases.release(self._client(order.group), ReleaseOrder(
+                self._leases.start(self._client(order.group), ReleaseOrder(
                     order.req_id, order.key, source, order.their_tp, order.group))
 
     # ------------------------------------------------------------ shutdown

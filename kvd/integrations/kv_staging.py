@@ -27,15 +27,6 @@ def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
                      f"{num_blocks} blocks among its first two")
 
 
-def blocks_like(layers: Sequence[torch.Tensor], n: int, on_gpu: bool) -> list[torch.Tensor]:
-    """``n`` blocks shaped like one block of each (block-major) layer, in memory the daemon
-    can map: the same GPU for GPU tensors, shared memory for CPU ones."""
-    if on_gpu:
-        return [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                for t in layers]
-    return [shared_empty((n, *t.shape[1:]), t.dtype) for t in layers]
-
-
 def wide_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` (blocks first) as [blocks, words] of the widest integer its block bytes allow,
     when each block is one contiguous run: a block copy then moves 8 bytes per element
@@ -84,20 +75,6 @@ def part_pair(layer: torch.Tensor, stage: torch.Tensor, part: Part,
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor as its bytes (torch has no CPU index_copy_ for one-byte floats)."""
     return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
-
-
-def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int],
-                slots: Sequence[int], inward: bool) -> None:
-    """Engine blocks into staging slots (``inward``), or staging slots into blocks, in every
-    (layer, staging) pair."""
-    device = pairs[0][0].device
-    blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    staged = torch.tensor(list(slots), dtype=torch.long, device=device)
-    for layer, stage in ((_bits(x), _bits(y)) for x, y in pairs):
-        if inward:
-            stage.index_copy_(0, staged, layer.index_select(0, blocks))
-        else:
-            layer.index_copy_(0, blocks, stage.index_select(0, staged))
 
 
 class Slots:
@@ -162,7 +139,11 @@ class Registration:
         n = self._staging_blocks
         if n <= 0:
             raise BadRequest("staging_blocks must be positive for CPU KV tensors")
-        tensors = blocks_like(self.layers, n, on_gpu=self.direct)
+        # n blocks like each layer's, in memory the daemon can map: the same GPU for GPU
+        # tensors (staged for a part sent early, or read in part), shared memory for CPU.
+        tensors = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                   if self.direct else shared_empty((n, *t.shape[1:]), t.dtype)
+                   for t in self.layers]
         self._staging = tensors
         self.staging_region = self.client.register("kv-staging", tensors)
         self._part_pairs: dict[Part, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -190,4 +171,11 @@ class Registration:
                 self._part_pairs[part] = [part_pair(t, st, part) for t, st in
                                           zip(self.layers, self._staging, strict=True)]
             pairs = self._part_pairs[part]
-        copy_blocks(pairs, block_ids, slots, inward)
+        device = pairs[0][0].device
+        blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        staged = torch.tensor(list(slots), dtype=torch.long, device=device)
+        for layer, stage in ((_bits(x), _bits(y)) for x, y in pairs):
+            if inward:
+                stage.index_copy_(0, staged, layer.index_select(0, blocks))
+            else:
+                layer.index_copy_(0, blocks, stage.index_select(0, staged))

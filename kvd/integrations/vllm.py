@@ -7,12 +7,7 @@ Load it in both instances of a disaggregated pair::
                            "kv_role": "kv_producer",          # decode: "kv_consumer"
                            "kv_connector_extra_config": {"kvd_socket": "/run/kvd/kvd.sock"}}'
 
-Extra config (all optional): ``kvd_socket`` (the local daemon; default ``KVD_SOCKET_PATH``
-or kvd's default), ``kvd_address`` (this daemon's peer address as other nodes reach it;
-default: asked from the daemon), ``flow`` ("pull", default, or "push"), ``lease_s`` (30:
-how long prefill keeps a request's blocks for decode), ``load_timeout_s`` (30: how long
-decode waits for them), ``staging_blocks`` (CPU engines: the shared-memory blocks their KV
-goes through; by default the longest request's, or 256 if more).
+Extra config (all optional): ``vllm_params.Settings``; docs/vllm.md has the table.
 
 The request-level protocol (``kv_transfer_params``, set by a proxy, see
 ``examples/vllm/``):
@@ -77,7 +72,7 @@ from kvd.integrations.kv_orders import (
 from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_groups import layout_of
-from kvd.integrations.vllm_params import RemotePrefill, Settings, key_param
+from kvd.integrations.vllm_params import RemotePrefill, Settings, push_target
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +86,7 @@ try:
     )
     from vllm.v1.request import RequestStatus
 
-    from kvd.integrations.vllm_stats import KvdConnectorStats, KvdPromMetrics, stats_delta
+    from kvd.integrations.vllm_stats import KvdConnectorStats, KvdPromMetrics
 
     _VLLM_ERROR: ImportError | None = None
     # vLLM configures one logger, "vllm" (its handler, format and level; propagation stops
@@ -416,14 +411,12 @@ if _VLLM_ERROR is None:
             if request.request_id in self._pushing or not (
                     isinstance(params, dict) and params.get("do_remote_decode")):
                 return
-            push_to = params.get("kvd_push_to")
             try:
-                key = key_param(params)
+                key, push_to = push_target(params)
             except BadRequest:
                 return  # request_finished reports it
-            if isinstance(push_to, str) and push_to:
-                key = key or self._new_key(request)
-                self._pushing[request.request_id] = _Pushing(request, key, push_to)
+            self._pushing[request.request_id] = _Pushing(request, key or self._new_key(request),
+                                                         push_to)
 
         def _new_key(self, request: Any) -> str:
             return f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
@@ -492,25 +485,13 @@ if _VLLM_ERROR is None:
             n = blocks_for(prompt, self.block_size)
             if n == 0 or request.num_computed_tokens < prompt:
                 return False, None
-            push_to, key = None, None
-            if self.settings.flow == "push":
-                push_to = params.get("kvd_push_to")
-                try:
-                    key = key_param(params)  # decode may be waiting for it already
-                except BadRequest as err:
-                    log.error("request %s: %s; decode will recompute", request.request_id,
-                              err.message)
-                    return False, None
-                if not isinstance(push_to, str) or not push_to:
-                    log.error("request %s: push flow, but the proxy named no decode daemon "
-                              "(kvd_push_to); decode will recompute", request.request_id)
-                    return False, None
-            if pushing is not None:
-                key = pushing.key
-            key = key or self._new_key(request)
-            sending = self._sending(request, key, push_to)
-            part_blocks = sending.part_blocks
-            try:  # what is left: the blocks stay ours till then
+            try:
+                key, push_to = (push_target(params) if self.settings.flow == "push"
+                                else (None, None))
+                if pushing is not None:
+                    key = pushing.key
+                sending = self._sending(request, key or self._new_key(request), push_to)
+                # What is left to send: the blocks stay ours till then.
                 self._meta.sends += kv_groups.finished_sends(
                     self.layout.groups, sending, self._group_ids(block_ids),
                     pushing.sent if pushing is not None else 0)
@@ -519,10 +500,10 @@ if _VLLM_ERROR is None:
                           err.message)
                 return False, None
             return True, {
-                "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": key,
+                "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": sending.key,
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
                 "kvd_num_tokens": prompt, "kvd_num_blocks": n,
-                "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
+                "kvd_block_size": self.block_size, "kvd_push_parts": sending.part_blocks,
                 "kvd_lease_s": self.settings.lease_s, "kvd_compat": self.compat.as_params(),
             }
 
@@ -706,9 +687,10 @@ if _VLLM_ERROR is None:
         def get_kv_connector_stats(self) -> KvdConnectorStats | None:
             if self._mover is None:
                 return None
-            delta: dict[str, Any] = stats_delta(self._mover.stats, self._reported)
+            now = self._mover.stats.as_dict()
+            delta: dict[str, Any] = {k: v - self._reported.get(k, 0) for k, v in now.items()}
             delta.update(self._mover.stats.take_samples())
-            self._reported = self._mover.stats.as_dict()
+            self._reported = now
             stats = KvdConnectorStats(data=delta)
             return None if stats.is_empty() else stats
 

@@ -72,6 +72,16 @@ def key_param(params: dict[str, Any]) -> str | None:
     return key
 
 
+def push_target(params: dict[str, Any]) -> tuple[str | None, str]:
+    """Prefill, push flow: the key the proxy chose (None: none; decode may be waiting for
+    it already), and the decode daemon to put to."""
+    key = key_param(params)
+    push_to = params.get("kvd_push_to")
+    if not isinstance(push_to, str) or not push_to:
+        raise BadRequest("push flow, but the proxy named no decode daemon (kvd_push_to)")
+    return key, push_to
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """What decode reads from a request's ``kv_transfer_params``. The counts come from
