@@ -38,17 +38,15 @@ in flight fails, new orders fail at once, and the mover connects and registers a
 itself as soon as a daemon answers on the socket: kvd restarts without the engine
 restarting.
 
-A hybrid model's KV cache groups (``kv_groups``) each have their own layers and block
-ids, laid over one allocation: each group is registered apart (``kv_staging``), and an
-order goes to the registration of its ``group``. The engine hears of a request once every
-group's parts have ended (``kv_requests``).
+A request may move in parts, one key each, and a hybrid model's in each of its KV cache
+groups (``kv_groups``), which have their own layers and block ids, laid over one
+allocation: each group is registered apart (``kv_staging``), and an order goes to the
+registration of its ``group``. The engine hears of requests, not of parts
+(``RequestParts``).
 
 Log lines go to the logger the caller gives (the vLLM connector's, so that they reach
-vLLM's log), else to this module's.
-
-Beside this module: ``kv_orders`` (the orders, ``Polled`` and ``MoverStats``, importable
-from here), ``kv_requests``, ``kv_staging`` (registration, staging) and ``kv_leases``
-(renewals and releases in flight, discards' too).
+vLLM's log), else to this module's. The orders, ``Polled`` and ``MoverStats`` are
+``kv_orders``' (importable from here).
 """
 
 from __future__ import annotations
@@ -56,14 +54,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvd.client.sync import KvdClient, Transfer
 from kvd.errors import DaemonUnavailable, KeyGone, KvdError, PeerUnreachable, UnknownKey
-from kvd.integrations.kv_leases import LeaseCalls
 from kvd.integrations.kv_orders import (
     DiscardOrder,
     LoadOrder,
@@ -73,7 +70,6 @@ from kvd.integrations.kv_orders import (
     RenewOrder,
     SendOrder,
 )
-from kvd.integrations.kv_requests import RequestParts
 from kvd.integrations.kv_staging import Registration, block_dim_of
 from kvd.protocol import Share
 
@@ -91,6 +87,8 @@ PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tr
 PULL_KEY_MARGIN_S = 0.25
 RECONNECT_S = 1.0  # after the daemon went away: how often to try a restarted one
 HELLO_TIMEOUT_S = 0.2  # a reconnect attempt blocks the engine's step at most this long
+# How long a renewal or a release may take (prefill's daemon linked, asked, answered).
+CALL_TIMEOUT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -127,11 +125,9 @@ class KvMover:
         self.log = logger or log
         self.num_blocks = num_blocks
         groups = [(client, layers), *more_groups]
-        self.groups: list[Registration] = []
-        for g, (group_client, group_layers) in enumerate(groups):
-            self.groups.append(Registration(
-                group_client, group_layers, num_blocks, staging_blocks,
-                f"{name}-g{g}" if more_groups else name))
+        self.groups = [Registration(c, ls, num_blocks, staging_blocks,
+                                    f"{name}-g{g}" if more_groups else name)
+                       for g, (c, ls) in enumerate(groups)]
         self.layers = self.groups[0].layers
         self.direct = all(r.direct for r in self.groups)
         self.block_bytes = sum(r.block_bytes for r in self.groups)  # a block of every group
@@ -471,3 +467,221 @@ class KvMover:
             raise errors[0]
 
 
+# ---------------------------------------------------------------- what the engine hears
+
+
+@dataclass(eq=False)
+class _SendGroup:
+    """The parts of one request being sent."""
+
+    open: set[str] = field(default_factory=set)  # keys still holding the engine's blocks
+    final: bool = False
+
+
+@dataclass(eq=False)
+class _LoadGroup:
+    """The parts of one request being loaded."""
+
+    started: float  # time.monotonic() of its first part
+    expected: dict[int, int] = field(default_factory=dict)  # parts, by KV cache group
+    ended: int = 0
+    failed_blocks: list[int] = field(default_factory=list)
+    failed: bool = False
+    cause: str = ""  # the first part's failure
+    refused: bool = False  # a part was refused before it started (its cause said already)
+    aborted: bool = False  # released while it loaded: the request is gone
+    nbytes: int = 0  # what its parts brought
+
+
+class RequestParts:
+    """The parts of each request being sent or loaded, and what the engine is to hear.
+
+    A send is *released* (the engine may free its blocks) once a final part has come and
+    no part holds the blocks any more; a load has *ended* once every group's parts have,
+    and then either loaded or failed with the blocks of the parts that failed and the
+    first cause. ``KvMover`` tells it what happened to each part; what the engine is to
+    hear collects here until the mover's next ``poll``."""
+
+    def __init__(self, stats: MoverStats, groups: int = 1) -> None:
+        self._stats = stats  # counts loads, their failures and refusals, per request
+        self._groups = groups  # KV cache groups: a load has a part in each
+        self._sending: dict[str, _SendGroup] = {}  # by request
+        self._loading: dict[str, _LoadGroup] = {}  # by request
+        self._done = Polled()
+
+    def take_done(self) -> Polled:
+        """What finished since the last call. A send is released here, not as its last
+        part lets go, as every group's final orders come in one step, one after another."""
+        for req_id, group in list(self._sending.items()):
+            if group.final and not group.open:
+                del self._sending[req_id]
+                self._done.released.add(req_id)
+        done, self._done = self._done, Polled()
+        return done
+
+    def clear(self) -> None:
+        self._sending.clear()
+        self._loading.clear()
+
+    # ------------------------------------------------------------ sends
+
+    def send_ordered(self, order: SendOrder, holds: bool) -> None:
+        """A part was ordered: it holds the engine's blocks until ``release`` (``holds``),
+        or it was refused and holds nothing."""
+        group = self._sending.setdefault(order.req_id, _SendGroup())
+        group.final = group.final or order.final
+        if holds:
+            group.open.add(order.key)
+
+    def release(self, order: SendOrder) -> None:
+        """This part no longer needs the engine's blocks (again: nothing)."""
+        group = self._sending.get(order.req_id)
+        if group is not None:
+            group.open.discard(order.key)
+
+    # ------------------------------------------------------------ loads
+
+    def load_ordered(self, order: LoadOrder, now: float) -> None:
+        group = self._loading.setdefault(order.req_id, _LoadGroup(now))
+        group.expected.setdefault(order.group, max(order.parts, 1))
+
+    def loading(self, req_id: str) -> bool:
+        """Whether a load of this request is under way (ordered, not yet reported)."""
+        return req_id in self._loading
+
+    def abort(self, req_id: str) -> None:
+        """The request was released while it loads: its failure, if it fails, is no error."""
+        group = self._loading.get(req_id)
+        if group is not None:
+            group.aborted = True
+
+    def aborted(self, req_id: str) -> bool:
+        group = self._loading.get(req_id)
+        return group is not None and group.aborted
+
+    def load_failed(self, req_id: str) -> bool:
+        """Whether a part of this request has failed already (its other parts need not
+        start)."""
+        group = self._loading.get(req_id)
+        return group is not None and group.failed
+
+    def load_ended(self, order: LoadOrder, ok: bool, cause: str = "",
+                   refused: bool = False, nbytes: int = 0) -> None:
+        """Count a part; once every part of the request has ended (none can write into
+        its blocks any more), report the request loaded, or failed with the blocks of
+        the parts that failed and the first part's cause."""
+        group = self._loading.get(order.req_id)
+        if group is None:
+            return
+        group.ended += 1
+        group.nbytes += nbytes
+        if not ok:
+            group.failed = True
+            group.failed_blocks.extend(order.block_ids)
+            if not group.cause:
+                group.cause = f"group {order.group}: {cause}" if self._groups > 1 else cause
+            group.refused = group.refused or refused
+        if len(group.expected) < self._groups or group.ended < sum(group.expected.values()):
+            return
+        del self._loading[order.req_id]
+        if group.failed:
+            self._stats.load_failures += 1
+            self._done.failed[order.req_id] = group.failed_blocks
+            self._done.causes[order.req_id] = group.cause
+            if group.refused:
+                self._stats.loads_refused += 1
+                self._done.refused.add(order.req_id)
+            if group.aborted:
+                self._done.aborted.add(order.req_id)
+        else:
+            took = time.monotonic() - group.started
+            self._stats.loads += 1
+            self._stats.load_seconds += took
+            self._stats.load_samples.append([took, group.nbytes])
+            self._done.loaded.add(order.req_id)
+            self._done.nbytes[order.req_id] = group.nbytes
+
+
+# ---------------------------------------------------------------- renewals and releases
+
+
+@dataclass(eq=False)
+class _Call:
+    order: RenewOrder | ReleaseOrder
+    transfer: Transfer
+
+
+class LeaseCalls:
+    """The renewals and releases in flight, one per kind, key and daemon.
+
+    While a request waits in decode's queue, prefill's daemon keeps its key for a lease,
+    renewed meanwhile; a key decode will not load is released, and prefill gets its blocks
+    back at once (a pushed one at this daemon, "local", too, and prefill's never sends
+    it). Each is one request to this engine's daemon, which asks prefill's; it is polled,
+    never waited for. The mover hands each call its group's client (a new one after a
+    daemon restart)."""
+
+    def __init__(self, stats: MoverStats, note: Callable[[KvdError], None],
+                 logger: logging.Logger) -> None:
+        self._stats = stats
+        self._note = note  # tells the mover of an error (the daemon may have gone away)
+        self.log = logger
+        self._calls: dict[tuple[str, str, str], _Call] = {}  # by kind, key, source
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def start(self, client: KvdClient, order: RenewOrder | ReleaseOrder) -> None:
+        """Renew or release, unless the last such call for the key is still on its way."""
+        ident = ("renew" if isinstance(order, RenewOrder) else "release", order.key,
+                 order.source)
+        if ident in self._calls:
+            return
+        try:
+            if isinstance(order, RenewOrder):
+                transfer = client.renew(order.key, order.source, ttl_s=order.ttl_s,
+                                        timeout_s=CALL_TIMEOUT_S)
+            else:
+                transfer = client.release(order.key, order.source, timeout_s=CALL_TIMEOUT_S,
+                                          skip=order.skip)
+            self._calls[ident] = _Call(order, transfer)
+        except KvdError as err:
+            self._note(err)
+            self.log.warning("kvd: %s of key %s (request %s) at %s failed: %s", ident[0],
+                             order.key, order.req_id, order.source, err)
+
+    def advance_all(self) -> None:
+        for ident, call in list(self._calls.items()):
+            if not call.transfer.done():
+                continue
+            del self._calls[ident]
+            order = call.order
+            try:
+                call.transfer.wait(0)
+            except (KeyGone, UnknownKey) as err:
+                # Not lent yet, or gone already (pulled, its lease over, released): no
+                # lease to renew or release. The load, if any, says what it finds.
+                self.log.debug("kvd: %s of key %s at %s: %s", ident[0], order.key,
+                               order.source, err)
+            except KvdError as err:
+                self._note(err)
+                self.log.warning("kvd: %s of key %s (request %s) at %s failed: %s",
+                                 ident[0], order.key, order.req_id, order.source, err)
+            else:
+                if isinstance(order, RenewOrder):
+                    self._stats.leases_renewed += 1
+                elif order.skip:  # a pushed key's cached blocks: the rest still comes
+                    self.log.debug("kvd: request %s has key %s's first %d blocks: released "
+                                   "at %s", order.req_id, order.key, order.skip, order.source)
+                elif order.source == "local":  # a pushed key, at this engine's daemon
+                    self.log.debug("kvd: request %s will not load key %s: released here",
+                                   order.req_id, order.key)
+                else:
+                    self._stats.leases_released += 1
+                    self.log.info("kvd: request %s will not load key %s: released at %s",
+                                  order.req_id, order.key, order.source)
+
+    def clear(self) -> None:
+        """Forget every call (the daemon went away, or the mover closes: its client's close
+        stops what is left)."""
+        self._calls.clear()
