@@ -418,10 +418,8 @@ class KvMover:
 
     def discard(self, order: DiscardOrder) -> None:
         """Release a pushed key this engine will not load, here and at its sender (never
-        raises: a failure is logged). Only the bytes decode does not have cross the wire:
-        prefill's daemon, told first, sends nothing; what came already, or comes anyway,
-        is dropped here. With ``order.skip``, the key's first blocks only, at its sender:
-        the load of the rest goes on."""
+        raises). With ``order.skip``, the key's first blocks only, at its sender: the load
+        of the rest goes on."""
         if order.skip:
             if self.connected and order.sender is not None:
                 self._leases.start(self._client(order.group), ReleaseOrder(
