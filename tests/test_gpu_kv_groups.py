@@ -1,4 +1,4 @@
-"""A hybrid model's KV cache groups on the GPU data path (``GroupMovers``): a
+"""A hybrid model's KV cache groups on the GPU data path (a ``KvMover`` of two groups): a
 full-attention group and a recurrent-state group laid over one CUDA allocation, as vLLM
 0.32 lays them (layer ``l`` of every group at ``l * layer_stride``, so a state block is
 the first bytes of the same page as an attention block), each group registered by its own
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import kvd
-from kvd.integrations.kv_group_movers import GroupMovers
 from kvd.integrations.kv_mover import KvMover, LoadOrder, Polled, SendOrder
 from kvd.transport.nccl import nccl_available
 from tests.gpu_nodes import Node, node_gpus, start_node, stop_node
@@ -46,33 +45,31 @@ def hybrid_kv(device: str, seed: int) -> list[list[torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def engines() -> Iterator[tuple[Node, GroupMovers, Node, GroupMovers]]:
+def engines() -> Iterator[tuple[Node, KvMover, Node, KvMover]]:
     a, b = start_node(GPU_A), start_node(GPU_B)
-    made: list[KvMover] = []
+    clients: list[kvd.KvdClient] = []
+    sides: list[KvMover] = []
     try:
-        sides = []
         for node, gpu, seed in ((a, GPU_A, 1), (b, GPU_B, 2)):
-            movers = []
-            for g, layers in enumerate(hybrid_kv(f"cuda:{gpu}", seed)):
-                client = kvd.KvdClient(node.sock, name=f"engine-{seed}-g{g}")
+            kv = hybrid_kv(f"cuda:{gpu}", seed)
+            made = [kvd.KvdClient(node.sock, name=f"engine-{seed}-g{g}") for g in (0, 1)]
+            clients += made
+            for client in made:
                 client.connect()
-                try:
-                    movers.append(KvMover(client, layers, NUM_BLOCKS, staging_blocks=8))
-                except BaseException:
-                    client.close()
-                    raise
-                made.append(movers[-1])
-            assert all(m.direct for m in movers)
-            sides.append(GroupMovers(movers))
+            sides.append(KvMover(made[0], kv[0], NUM_BLOCKS, staging_blocks=8,
+                                 more_groups=[(made[1], kv[1])]))
+            assert sides[-1].direct
         yield a, sides[0], b, sides[1]
     finally:
-        for mover in made:
-            mover.close()
+        for side in sides:
+            side.close()
+        for client in clients[2 * len(sides):]:
+            client.close()
         for node in (b, a):
             assert stop_node(node) == 0
 
 
-def until(sides: list[GroupMovers], done: object, timeout_s: float = 30) -> Polled:
+def until(sides: list[KvMover], done: object, timeout_s: float = 30) -> Polled:
     seen = Polled()
     deadline = time.monotonic() + timeout_s
     while not done(seen):  # type: ignore[operator]
@@ -86,10 +83,10 @@ def until(sides: list[GroupMovers], done: object, timeout_s: float = 30) -> Poll
     return seen
 
 
-def pages(side: GroupMovers, group: int, ids: list[int]) -> list[torch.Tensor]:
+def pages(side: KvMover, group: int, ids: list[int]) -> list[torch.Tensor]:
     torch.cuda.synchronize()
     return [layer[ids].contiguous().view(torch.int8).cpu() for layer in
-            side.movers[group].layers]
+            side.groups[group].layers]
 
 
 def test_groups_over_one_allocation_over_nccl() -> None:

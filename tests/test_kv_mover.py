@@ -118,7 +118,7 @@ def test_pull_flow_whole_and_prefix_hit(sides: tuple[Side, Side]) -> None:
     assert same(d.block(0), untouched)
     drive(p, d, until=lambda: p.mover.stats.sends == 1)  # the loan ended: staging is free
     assert p.mover.stats.bytes_sent == d.mover.stats.bytes_received == 3 * p.mover.block_bytes
-    assert p.mover._slots.free == 16 and d.mover._slots.free == 16
+    assert p.mover.groups[0].slots.free == 16 and d.mover.groups[0].slots.free == 16
 
     # Decode has the first block cached: only blocks 1.. of the key are written.
     p.mover.send(SendOrder("r2", "key-r2", [10, 11, 12], lease_s=10))
@@ -189,7 +189,7 @@ def test_failures_are_reported_with_their_blocks(sides: tuple[Side, Side]) -> No
     # Lent and never pulled: the lease ends the loan, the staging comes back.
     p.mover.send(SendOrder("unread", "key-unread", [1, 2], lease_s=0.3))
     drive(p, d, until=lambda: p.mover.stats.sends_unread == 1)
-    assert p.mover._slots.free == 16
+    assert p.mover.groups[0].slots.free == 16
 
     # Decode queued past prefill's lease: its load fails at once, not at its timeout
     # (the key is gone from prefill's daemon, and waiting would not bring it back).
@@ -231,7 +231,7 @@ def test_leases_renewed_while_queued_and_released_when_not_loaded(
     drive(p, d, until=lambda: p.mover.stats.sends_released == 1, timeout_s=1.0)
     # (Decode hears its daemon's answer when it next polls, maybe after prefill heard.)
     drive(d, until=lambda: d.mover.stats.leases_released == 1, timeout_s=1.0)
-    assert p.mover._slots.free == 16
+    assert p.mover.groups[0].slots.free == 16
 
     # Its pull waits at prefill (nothing lent yet) when the request goes: quiet failure.
     d.mover.load(LoadOrder("gone", "key-gone", p.address, 1, 0, [2], timeout_s=10))

@@ -946,7 +946,8 @@ def test_a_decode_that_aborts_frees_prefills_blocks_at_once(
                         1.0, (d, dw), (p, pw))
         st = prefill_daemon.stats()
         assert (st["keys"], st["pool"]["used_bytes"], p.free_blocks()) == (0, 0, p_free)
-        assert pw._mover._slots.free == pw._mover._slots.count  # its staging, all free
+        slots = pw._mover.groups[0].slots
+        assert slots.free == slots.count  # its staging, all free
         print(f"aborted in the queue: prefill's blocks back in {took * 1000:.0f} ms")
 
         # The pull waits at prefill before the lend; decode aborts; then prefill lends.

@@ -38,15 +38,15 @@ in flight fails, new orders fail at once, and the mover connects and registers a
 itself as soon as a daemon answers on the socket: kvd restarts without the engine
 restarting.
 
-Log lines go to the logger the caller gives (the vLLM connector's, so that they reach
-vLLM's log), else to this module's.
+A request may move in parts, one key each, and a hybrid model's in each of its KV cache
+groups (``kv_groups``), which have their own layers and block ids, laid over one
+allocation: each group is registered apart (``kv_staging``), and an order goes to the
+registration of its ``group``. The engine hears of requests, not of parts
+(``RequestParts``).
 
-This module holds ``KvMover`` itself: its sends, loads, staging region and reconnection.
-Beside it: ``kv_orders`` (the orders, ``Polled`` and ``MoverStats``), ``kv_parts`` (how a
-request is cut into keyed parts), ``kv_requests`` (what each request's parts add up to),
-``kv_staging`` (block arithmetic and copies of staging) and ``kv_leases`` (renewals and
-releases in flight, discards' too). Every public name of
-these is importable from here.
+Log lines go to the logger the caller gives (the vLLM connector's, so that they reach
+vLLM's log), else to this module's. The orders, ``Polled`` and ``MoverStats`` are
+``kv_orders``' (importable from here).
 """
 
 from __future__ import annotations
@@ -54,22 +54,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvd.client.sync import KvdClient, Transfer
-from kvd.errors import (
-    BadRequest,
-    DaemonUnavailable,
-    KeyGone,
-    KvdError,
-    PeerUnreachable,
-    UnknownKey,
-)
-from kvd.integrations.kv_leases import LeaseCalls
+from kvd.errors import DaemonUnavailable, KeyGone, KvdError, PeerUnreachable, UnknownKey
 from kvd.integrations.kv_orders import (
     DiscardOrder,
     LoadOrder,
@@ -79,21 +70,12 @@ from kvd.integrations.kv_orders import (
     RenewOrder,
     SendOrder,
 )
-from kvd.integrations.kv_parts import blocks_for, part_key, part_ranges
-from kvd.integrations.kv_requests import RequestParts
-from kvd.integrations.kv_staging import (
-    Slots,
-    block_dim_of,
-    blocks_like,
-    copy_blocks,
-    part_pair,
-    wide_pair,
-)
-from kvd.protocol import WHOLE, Part, Share
+from kvd.integrations.kv_staging import Registration, block_dim_of
+from kvd.protocol import Share
 
 __all__ = [  # the mover's surface; callers import all of it from here
     "DiscardOrder", "KvMover", "LoadOrder", "MoverStats", "Polled", "ReleaseOrder",
-    "RenewOrder", "SendOrder", "block_dim_of", "blocks_for", "part_key", "part_ranges",
+    "RenewOrder", "SendOrder", "block_dim_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,6 +87,8 @@ PULL_RETRY_S = 0.01  # a pull that finds no key yet (prefill has not lent it) tr
 PULL_KEY_MARGIN_S = 0.25
 RECONNECT_S = 1.0  # after the daemon went away: how often to try a restarted one
 HELLO_TIMEOUT_S = 0.2  # a reconnect attempt blocks the engine's step at most this long
+# How long a renewal or a release may take (prefill's daemon linked, asked, answered).
+CALL_TIMEOUT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -126,58 +110,38 @@ class _Load:
     retry_at: float = 0.0
 
 
-
-
 class KvMover:
-    """The worker side of a connector: one daemon client, one registration, no blocking."""
+    """The worker side of a connector: a registration per KV cache group, no blocking.
+
+    ``client`` and ``layers`` are the first group's; ``more_groups``, a hybrid model's
+    other groups (``order.group`` 1, 2, ...), each with its layers and a client of its own.
+    Orders go to the registration of their group; ``poll`` reports requests, not groups.
+    """
 
     def __init__(self, client: KvdClient, layers: Sequence[torch.Tensor], num_blocks: int,
-                 staging_blocks: int, name: str = "kv",
-                 logger: logging.Logger | None = None) -> None:
+                 staging_blocks: int, name: str = "kv", logger: logging.Logger | None = None,
+                 more_groups: Sequence[tuple[KvdClient, Sequence[torch.Tensor]]] = (),
+                 ) -> None:
         self.log = logger or log
-        if not layers:
-            raise BadRequest("no KV tensors to register")
-        self.client = client
         self.num_blocks = num_blocks
-        self.block_dims = [block_dim_of(t, num_blocks) for t in layers]
-        # Block-major views: index 0 picks a block, in every layer.
-        self.layers = [t.movedim(d, 0) if d else t for t, d in zip(layers, self.block_dims,
-                                                                   strict=True)]
-        self.direct = all(t.is_cuda for t in layers)
-        if not self.direct and any(t.is_cuda for t in layers):
-            raise BadRequest("KV tensors are on both CPU and GPU")
-        self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
-        if self.direct and len(set(self.block_dims)) != 1:
-            raise BadRequest(f"KV tensors have their blocks on different dims {self.block_dims}")
-        self._tensors = list(layers)
-        self._name = name
-        self._staging_blocks = staging_blocks
-        self.region: Any = None
-        self._staging: list[torch.Tensor] | None = None
-        self._staging_region: Any = None
-        self._wide_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (layer, staging)
-        self._part_pairs: dict[Part, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._slots = Slots(0)
+        groups = [(client, layers), *more_groups]
+        self.groups = [Registration(c, ls, num_blocks, staging_blocks,
+                                    f"{name}-g{g}" if more_groups else name)
+                       for g, (c, ls) in enumerate(groups)]
+        self.layers = self.groups[0].layers
+        self.direct = all(r.direct for r in self.groups)
+        self.block_bytes = sum(r.block_bytes for r in self.groups)  # a block of every group
         self.stats = MoverStats()
         self.connected = True  # False from when the daemon goes away until one is back
-        self._register()
         self._reconnect_at = 0.0
         self._sends: dict[str, _Send] = {}  # by key
         self._loads: dict[str, _Load] = {}  # by key
-        self._requests = RequestParts(self.stats)  # what the engine hears, by request
+        self._requests = RequestParts(self.stats, len(groups))  # what the engine hears
         self._leases = LeaseCalls(self.stats, self._note, self.log)
-        self._aborted: set[str] = set()  # requests released while their loads were running
 
-    def _register(self) -> None:
-        """Register with the daemon: GPU tensors in place, CPU ones through staging.
-        Staging is made anew each time (memory an old daemon may still hold is not
-        reused)."""
-        self._staging, self._staging_region, self._slots = None, None, Slots(0)
-        if self.direct:
-            self.region = self.client.register(self._name, self._tensors,
-                                               block_dim=self.block_dims[0])
-        else:
-            self._make_staging()
+    @property
+    def client(self) -> KvdClient:
+        return self.groups[0].client
 
     # ------------------------------------------------------------ the daemon goes away
 
@@ -190,8 +154,8 @@ class KvMover:
 
     def _recover(self) -> None:
         """Fail everything in flight (its daemon is gone, so no byte can land any more),
-        then, at most every ``RECONNECT_S``, try a restarted daemon: a new client and a new
-        registration. Until then new orders fail at once (decode recomputes)."""
+        then, at most every ``RECONNECT_S``, try a restarted daemon: new clients and new
+        registrations. Until then new orders fail at once (decode recomputes)."""
         for send in list(self._sends.values()):
             self.stats.send_failures += 1
             self._end_send(send)
@@ -203,56 +167,23 @@ class KvMover:
         if now < self._reconnect_at:
             return
         self._reconnect_at = now + RECONNECT_S
-        client = KvdClient(self.client.socket_path, name=self.client.name)
         try:
-            client.connect(timeout_s=HELLO_TIMEOUT_S)
+            for reg in self.groups:
+                client = KvdClient(reg.client.socket_path, name=reg.client.name)
+                client.connect(timeout_s=HELLO_TIMEOUT_S)
+                old, reg.client = reg.client, client
+                with contextlib.suppress(KvdError, OSError):
+                    old.close()
         except KvdError:
             return  # not back yet
-        old, self.client = self.client, client
-        with contextlib.suppress(KvdError, OSError):
-            old.close()
         try:
-            self._register()
+            for reg in self.groups:
+                reg.register()
         except KvdError as err:
             self.log.error("kvd: registering with the restarted daemon failed: %s", err)
             return
         self.connected = True
-        self.log.info("kvd daemon at %s is back: registered again", client.socket_path)
-
-    # ------------------------------------------------------------ staging
-
-    def _make_staging(self) -> None:
-        n = self._staging_blocks
-        if n <= 0:
-            raise BadRequest("staging_blocks must be positive for CPU KV tensors")
-        tensors = blocks_like(self.layers, n, on_gpu=self.direct)
-        self._staging = tensors
-        self._staging_region = self.client.register("kv-staging", tensors)
-        self._part_pairs = {}
-        self._wide_pairs = [wide_pair(t, st) for t, st in zip(self.layers, tensors,
-                                                              strict=True)]
-        self._slots = Slots(n)
-
-    def _take_slots(self, n: int) -> list[int] | None:
-        if self._staging is None:
-            self._make_staging()
-        if n > self._slots.count:
-            raise BadRequest(f"{n} blocks do not fit in {self._slots.count} staging blocks "
-                             "(raise staging_blocks)")
-        return self._slots.take(n)
-
-    def _stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool,
-               part: Part = WHOLE) -> None:
-        """Engine blocks into staging slots (``inward``), or staging slots into blocks
-        (only ``part`` of each)."""
-        pairs = self._wide_pairs
-        if part != WHOLE:
-            if part not in self._part_pairs:
-                assert self._staging is not None
-                self._part_pairs[part] = [part_pair(t, st, part) for t, st in
-                                          zip(self.layers, self._staging, strict=True)]
-            pairs = self._part_pairs[part]
-        copy_blocks(pairs, block_ids, slots, inward)
+        self.log.info("kvd daemon at %s is back: registered again", self.client.socket_path)
 
     # ------------------------------------------------------------ orders
 
@@ -266,10 +197,10 @@ class KvMover:
                            order.req_id, order.key)
             return
         send = self._sends[order.key] = _Send(order, time.monotonic() + order.lease_s)
-        if not self._valid(order.block_ids):
+        if not self._valid(order.group, order.block_ids):
             self.stats.send_failures += 1
-            self.log.error("kvd send %s: block ids %s outside 0..%d: not sending",
-                           order.req_id, order.block_ids, self.num_blocks - 1)
+            self.log.error("kvd send %s: group %d, block ids %s outside 0..%d: not sending",
+                           order.req_id, order.group, order.block_ids, self.num_blocks - 1)
             self._end_send(send)
             return
         self._advance_send(send)
@@ -279,24 +210,25 @@ class KvMover:
         KV heads): its blocks are released as if it had been made."""
         self._requests.send_ordered(order, holds=False)
 
-    def _valid(self, block_ids: Sequence[int]) -> bool:
-        return all(0 <= b < self.num_blocks for b in block_ids)
+    def _valid(self, group: int, block_ids: Sequence[int]) -> bool:
+        return 0 <= group < len(self.groups) and all(0 <= b < self.num_blocks
+                                                     for b in block_ids)
 
     def load(self, order: LoadOrder) -> None:
         """Start loading (never raises: a bad order is logged and reported failed)."""
         now = time.monotonic()
         self._requests.load_ordered(order, now)
         if order.refusal:
-            self.stats.loads_refused += 1
             self._requests.load_ended(order, ok=False, cause=order.refusal, refused=True)
             return
         load = _Load(order, now + order.timeout_s)
         if (order.key in self._loads
                 or len(order.block_ids) != order.remote_blocks - order.first
-                or order.first < 0 or not self._valid(order.block_ids)):
-            self.log.error("kvd load %s of %r: blocks %s for %d remote blocks from %d, or the "
-                           "key is loading already: not loading", order.req_id, order.key,
-                           order.block_ids, order.remote_blocks, order.first)
+                or order.first < 0 or not self._valid(order.group, order.block_ids)):
+            self.log.error("kvd load %s of %r: group %d, blocks %s for %d remote blocks from "
+                           "%d, or the key is loading already: not loading", order.req_id,
+                           order.key, order.group, order.block_ids, order.remote_blocks,
+                           order.first)
             self._requests.load_ended(order, ok=False,
                                       cause=f"bad load order for key {order.key!r}")
             return
@@ -309,22 +241,18 @@ class KvMover:
         it is lent."""
         load = self._loads.get(order.key)
         if self.connected and (load is None or load.transfer is None):
-            self._leases.renew(self.client, order)
+            self._leases.start(self._client(order.group), order)
 
     def release(self, order: ReleaseOrder) -> None:
         """Free ``order.key`` at its source now: the request will not load it (never
         raises). A pull of it waiting there fails at once, and its load is reported
         failed without an error: the request is gone."""
-        if self._requests.loading(order.req_id):
-            self._aborted.add(order.req_id)
+        self._requests.abort(order.req_id)
         if self.connected:
-            self._leases.release(self.client, order)
+            self._leases.start(self._client(order.group), order)
 
-    def _release_lent(self, order: LoadOrder) -> None:
-        """A pull-flow load that will not happen: its key is freed at prefill."""
-        if order.source is not None and self.connected:
-            self._leases.release(self.client, ReleaseOrder(order.req_id, order.key,
-                                                           order.source, order.their_tp))
+    def _client(self, group: int) -> KvdClient:
+        return self.groups[group if 0 <= group < len(self.groups) else 0].client
 
     def poll(self) -> Polled:
         if not self.connected:
@@ -334,11 +262,7 @@ class KvMover:
         for load in list(self._loads.values()):
             self._advance_load(load)
         self._leases.advance_all()
-        done = self._requests.take_done()
-        if self._aborted:
-            done.aborted = self._aborted & set(done.failed)
-            self._aborted -= done.failed.keys() | done.loaded
-        return done
+        return self._requests.take_done()
 
     # ------------------------------------------------------------ sends
 
@@ -383,27 +307,28 @@ class KvMover:
         left = send.deadline - time.monotonic()
         if left <= 0:
             raise KvdError(f"no staging room within its {order.lease_s:g}s lease")
-        if self.direct and not order.stage:
-            region, blocks = self.region, order.block_ids
+        reg = self.groups[order.group]
+        if reg.direct and not order.stage:
+            region, blocks = reg.region, order.block_ids
         else:
-            slots = self._take_slots(len(order.block_ids))
+            slots = reg.take_slots(len(order.block_ids))
             if slots is None:
                 return  # staging is full: try again at the next poll
             send.slots = slots
-            self._stage(order.block_ids, slots, inward=True)
+            reg.stage(order.block_ids, slots, inward=True)
             self._requests.release(order)  # the bytes are in staging: the blocks are free
-            region, blocks = self._staging_region, slots
+            region, blocks = reg.staging_region, slots
         send.nbytes = len(blocks) * sum(e.bytes_per_block for e in region.layout)
         if order.push_to is None:
-            send.transfer = self.client.lend(order.key, region, blocks, ttl_s=left)
+            send.transfer = reg.client.lend(order.key, region, blocks, ttl_s=left)
         else:
-            send.transfer = self.client.put(order.key, region, blocks, to=order.push_to,
-                                            ttl_s=order.lease_s, timeout_s=left)
+            send.transfer = reg.client.put(order.key, region, blocks, to=order.push_to,
+                                           ttl_s=order.lease_s, timeout_s=left)
 
     def _end_send(self, send: _Send) -> None:
         self._sends.pop(send.order.key, None)
         if send.slots is not None:
-            self._slots.give(send.slots)
+            self.groups[send.order.group].slots.give(send.slots)
             send.slots = None
         self._requests.release(send.order)
 
@@ -436,7 +361,8 @@ class KvMover:
                 self.stats.pull_retries += 1
                 return
             if load.slots is not None:
-                self._stage(order.block_ids, load.slots, inward=False, part=order.into)
+                self.groups[order.group].stage(order.block_ids, load.slots, inward=False,
+                                               part=order.into)
             self.stats.bytes_received += nbytes
             self._end_load(load)
             self._requests.load_ended(order, ok=True, nbytes=nbytes)
@@ -445,35 +371,39 @@ class KvMover:
             # The request's failure, with its first cause, is the caller's to log (poll).
             self.log.warning("kvd load %s (key %s) failed: %s", order.req_id, order.key, err)
             self._end_load(load)
+            if (order.source is not None and self.connected
+                    and not isinstance(err, KeyGone | PeerUnreachable)
+                    and not self._requests.aborted(order.req_id)):
+                # A pull-flow load that will not happen: its key is freed at prefill. (Gone,
+                # or its daemon gone: nothing to free. Aborted: released already.)
+                self._leases.start(self._client(order.group), ReleaseOrder(
+                    order.req_id, order.key, order.source, order.their_tp, order.group))
             self._requests.load_ended(order, ok=False, cause=f"key {order.key!r}: {err}")
-            if not isinstance(err, KeyGone | PeerUnreachable) and (
-                    order.req_id not in self._aborted):
-                # (Gone, or its daemon gone: nothing to free. Aborted: released already.)
-                self._release_lent(order)
 
     def _start_load(self, load: _Load, now: float) -> None:
         order = load.order
         left = load.deadline - now
         if left <= 0:
             raise KvdError(f"key {order.key!r} did not come within {order.timeout_s:g}s")
-        if self.direct:
-            region, blocks = self.region, order.block_ids
+        reg = self.groups[order.group]
+        if reg.direct:
+            region, blocks = reg.region, order.block_ids
         else:
             if load.slots is None:
-                load.slots = self._take_slots(len(order.block_ids))
+                load.slots = reg.take_slots(len(order.block_ids))
                 if load.slots is None:
                     return  # staging is full: try again at the next poll
-            region, blocks = self._staging_region, load.slots
+            region, blocks = reg.staging_region, load.slots
         # Only the blocks not cached here cross the wire (a prefix hit skips the others).
         share = Share(order.part, skip=order.first, readers=order.readers)
         if order.source is None:
-            load.transfer = self.client.start_get(order.key, region, blocks, timeout_s=left,
-                                                  share=share, into=order.into,
-                                                  sender=order.sender)
+            load.transfer = reg.client.start_get(order.key, region, blocks, timeout_s=left,
+                                                 share=share, into=order.into,
+                                                 sender=order.sender)
         else:
             # Prefill lends one engine step after it answered, so the pull often comes
             # first: it waits there for the key and is served the moment it is lent.
-            load.transfer = self.client.start_pull(
+            load.transfer = reg.client.start_pull(
                 order.key, order.source, region, blocks, timeout_s=left,
                 wait_for_key_s=max(0.0, left - PULL_KEY_MARGIN_S), share=share,
                 into=order.into)
@@ -481,20 +411,18 @@ class KvMover:
     def _end_load(self, load: _Load) -> None:
         self._loads.pop(load.order.key, None)
         if load.slots is not None:
-            self._slots.give(load.slots)
+            self.groups[load.order.group].slots.give(load.slots)
             load.slots = None
 
     # ------------------------------------------------------------ discards
 
     def discard(self, order: DiscardOrder) -> None:
         """Release a pushed key this engine will not load, here and at its sender (never
-        raises: a failure is logged). Only the bytes decode does not have cross the wire:
-        prefill's daemon, told first, sends nothing; what came already, or comes anyway,
-        is dropped here. With ``order.skip``, the key's first blocks only, at its sender:
-        the load of the rest goes on."""
+        raises). With ``order.skip``, the key's first blocks only, at its sender: the load
+        of the rest goes on."""
         if order.skip:
             if self.connected and order.sender is not None:
-                self._leases.release(self.client, ReleaseOrder(
+                self._leases.start(self._client(order.group), ReleaseOrder(
                     order.req_id, order.key, order.sender, order.their_tp, order.group,
                     order.skip))
             return
@@ -507,14 +435,14 @@ class KvMover:
             return  # (a restarted daemon holds nothing of it)
         for source in ("local", order.sender):
             if source is not None:
-                self._leases.release(self.client, ReleaseOrder(
+                self._leases.start(self._client(order.group), ReleaseOrder(
                     order.req_id, order.key, source, order.their_tp, order.group))
 
     # ------------------------------------------------------------ shutdown
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Withdraw what is in flight (bounded), then close the client: the daemon drops
-        this client's registrations."""
+        """Withdraw what is in flight (bounded), then close the clients: the daemon drops
+        their registrations. Each closes whatever the others raised."""
         items: list[_Send | _Load] = [*self._sends.values(), *self._loads.values()]
         for item in items:
             if item.transfer is not None and not item.transfer.done():
@@ -527,6 +455,231 @@ class KvMover:
         self._loads.clear()
         self._leases.clear()
         self._requests.clear()
-        self.client.close()
+        errors = []
+        for reg in self.groups:
+            try:
+                reg.client.close()
+            except KvdError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
+# ---------------------------------------------------------------- what the engine hears
+
+
+@dataclass(eq=False)
+class _SendGroup:
+    """The parts of one request being sent."""
+
+    open: set[str] = field(default_factory=set)  # keys still holding the engine's blocks
+    final: bool = False
+
+
+@dataclass(eq=False)
+class _LoadGroup:
+    """The parts of one request being loaded."""
+
+    started: float  # time.monotonic() of its first part
+    expected: dict[int, int] = field(default_factory=dict)  # parts, by KV cache group
+    ended: int = 0
+    failed_blocks: list[int] = field(default_factory=list)
+    failed: bool = False
+    cause: str = ""  # the first part's failure
+    refused: bool = False  # a part was refused before it started (its cause said already)
+    aborted: bool = False  # released while it loaded: the request is gone
+    nbytes: int = 0  # what its parts brought
+
+
+class RequestParts:
+    """The parts of each request being sent or loaded, and what the engine is to hear.
+
+    A send is *released* (the engine may free its blocks) once a final part has come and
+    no part holds the blocks any more; a load has *ended* once every group's parts have,
+    and then either loaded or failed with the blocks of the parts that failed and the
+    first cause. ``KvMover`` tells it what happened to each part; what the engine is to
+    hear collects here until the mover's next ``poll``."""
+
+    def __init__(self, stats: MoverStats, groups: int = 1) -> None:
+        self._stats = stats  # counts loads, their failures and refusals, per request
+        self._groups = groups  # KV cache groups: a load has a part in each
+        self._sending: dict[str, _SendGroup] = {}  # by request
+        self._loading: dict[str, _LoadGroup] = {}  # by request
+        self._done = Polled()
+
+    def take_done(self) -> Polled:
+        """What finished since the last call. A send is released here, not as its last
+        part lets go, as every group's final orders come in one step, one after another."""
+        for req_id, group in list(self._sending.items()):
+            if group.final and not group.open:
+                del self._sending[req_id]
+                self._done.released.add(req_id)
+        done, self._done = self._done, Polled()
+        return done
+
+    def clear(self) -> None:
+        self._sending.clear()
+        self._loading.clear()
+
+    # ------------------------------------------------------------ sends
+
+    def send_ordered(self, order: SendOrder, holds: bool) -> None:
+        """A part was ordered: it holds the engine's blocks until ``release`` (``holds``),
+        or it was refused and holds nothing."""
+        group = self._sending.setdefault(order.req_id, _SendGroup())
+        group.final = group.final or order.final
+        if holds:
+            group.open.add(order.key)
+
+    def release(self, order: SendOrder) -> None:
+        """This part no longer needs the engine's blocks (again: nothing)."""
+        group = self._sending.get(order.req_id)
+        if group is not None:
+            group.open.discard(order.key)
+
+    # ------------------------------------------------------------ loads
+
+    def load_ordered(self, order: LoadOrder, now: float) -> None:
+        group = self._loading.setdefault(order.req_id, _LoadGroup(now))
+        group.expected.setdefault(order.group, max(order.parts, 1))
+
+    def loading(self, req_id: str) -> bool:
+        """Whether a load of this request is under way (ordered, not yet reported)."""
+        return req_id in self._loading
+
+    def abort(self, req_id: str) -> None:
+        """The request was released while it loads: its failure, if it fails, is no error."""
+        group = self._loading.get(req_id)
+        if group is not None:
+            group.aborted = True
+
+    def aborted(self, req_id: str) -> bool:
+        group = self._loading.get(req_id)
+        return group is not None and group.aborted
+
+    def load_failed(self, req_id: str) -> bool:
+        """Whether a part of this request has failed already (its other parts need not
+        start)."""
+        group = self._loading.get(req_id)
+        return group is not None and group.failed
+
+    def load_ended(self, order: LoadOrder, ok: bool, cause: str = "",
+                   refused: bool = False, nbytes: int = 0) -> None:
+        """Count a part; once every part of the request has ended (none can write into
+        its blocks any more), report the request loaded, or failed with the blocks of
+        the parts that failed and the first part's cause."""
+        group = self._loading.get(order.req_id)
+        if group is None:
+            return
+        group.ended += 1
+        group.nbytes += nbytes
+        if not ok:
+            group.failed = True
+            group.failed_blocks.extend(order.block_ids)
+            if not group.cause:
+                group.cause = f"group {order.group}: {cause}" if self._groups > 1 else cause
+            group.refused = group.refused or refused
+        if len(group.expected) < self._groups or group.ended < sum(group.expected.values()):
+            return
+        del self._loading[order.req_id]
+        if group.failed:
+            self._stats.load_failures += 1
+            self._done.failed[order.req_id] = group.failed_blocks
+            self._done.causes[order.req_id] = group.cause
+            if group.refused:
+                self._stats.loads_refused += 1
+                self._done.refused.add(order.req_id)
+            if group.aborted:
+                self._done.aborted.add(order.req_id)
+        else:
+            took = time.monotonic() - group.started
+            self._stats.loads += 1
+            self._stats.load_seconds += took
+            self._stats.load_samples.append([took, group.nbytes])
+            self._done.loaded.add(order.req_id)
+            self._done.nbytes[order.req_id] = group.nbytes
+
+
+# ---------------------------------------------------------------- renewals and releases
+
+
+@dataclass(eq=False)
+class _Call:
+    order: RenewOrder | ReleaseOrder
+    transfer: Transfer
+
+
+class LeaseCalls:
+    """The renewals and releases in flight, one per kind, key and daemon.
+
+    While a request waits in decode's queue, prefill's daemon keeps its key for a lease,
+    renewed meanwhile; a key decode will not load is released, and prefill gets its blocks
+    back at once (a pushed one at this daemon, "local", too, and prefill's never sends
+    it). Each is one request to this engine's daemon, which asks prefill's; it is polled,
+    never waited for. The mover hands each call its group's client (a new one after a
+    daemon restart)."""
+
+    def __init__(self, stats: MoverStats, note: Callable[[KvdError], None],
+                 logger: logging.Logger) -> None:
+        self._stats = stats
+        self._note = note  # tells the mover of an error (the daemon may have gone away)
+        self.log = logger
+        self._calls: dict[tuple[str, str, str], _Call] = {}  # by kind, key, source
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def start(self, client: KvdClient, order: RenewOrder | ReleaseOrder) -> None:
+        """Renew or release, unless the last such call for the key is still on its way."""
+        ident = ("renew" if isinstance(order, RenewOrder) else "release", order.key,
+                 order.source)
+        if ident in self._calls:
+            return
+        try:
+            if isinstance(order, RenewOrder):
+                transfer = client.renew(order.key, order.source, ttl_s=order.ttl_s,
+                                        timeout_s=CALL_TIMEOUT_S)
+            else:
+                transfer = client.release(order.key, order.source, timeout_s=CALL_TIMEOUT_S,
+                                          skip=order.skip)
+            self._calls[ident] = _Call(order, transfer)
+        except KvdError as err:
+            self._note(err)
+            self.log.warning("kvd: %s of key %s (request %s) at %s failed: %s", ident[0],
+                             order.key, order.req_id, order.source, err)
+
+    def advance_all(self) -> None:
+        for ident, call in list(self._calls.items()):
+            if not call.transfer.done():
+                continue
+            del self._calls[ident]
+            order = call.order
+            try:
+                call.transfer.wait(0)
+            except (KeyGone, UnknownKey) as err:
+                # Not lent yet, or gone already (pulled, its lease over, released): no
+                # lease to renew or release. The load, if any, says what it finds.
+                self.log.debug("kvd: %s of key %s at %s: %s", ident[0], order.key,
+                               order.source, err)
+            except KvdError as err:
+                self._note(err)
+                self.log.warning("kvd: %s of key %s (request %s) at %s failed: %s",
+                                 ident[0], order.key, order.req_id, order.source, err)
+            else:
+                if isinstance(order, RenewOrder):
+                    self._stats.leases_renewed += 1
+                elif order.skip:  # a pushed key's cached blocks: the rest still comes
+                    self.log.debug("kvd: request %s has key %s's first %d blocks: released "
+                                   "at %s", order.req_id, order.key, order.skip, order.source)
+                elif order.source == "local":  # a pushed key, at this engine's daemon
+                    self.log.debug("kvd: request %s will not load key %s: released here",
+                                   order.req_id, order.key)
+                else:
+                    self._stats.leases_released += 1
+                    self.log.info("kvd: request %s will not load key %s: released at %s",
+                                  order.req_id, order.key, order.source)
+
+    def clear(self) -> None:
+        """Forget every call (the daemon went away, or the mover closes: its client's close
+        stops what is left)."""
+        self._calls.clear()

@@ -36,10 +36,15 @@ def lender_of(head: int, tp: int, heads: int) -> int:
     return head * tp // heads if heads < tp else head // (heads // tp)
 
 
-def check_split(tp: int, heads: int, who: str) -> None:
-    if tp < 1 or heads < 1 or (heads % tp and tp % heads):
-        raise BadRequest(f"{who}: {heads} KV heads do not split evenly over "
-                         f"tensor_parallel_size={tp}")
+def check_pair(tp: int, their_tp: int, heads: int) -> None:
+    """``BadRequest`` unless decode's ``tp`` ranks can read prefill's ``their_tp``: one size
+    divides the other, and both split the ``heads`` KV heads evenly."""
+    if max(tp, their_tp) % max(1, min(tp, their_tp)):
+        raise BadRequest("neither divides the other")
+    for size, who in ((their_tp, "prefill"), (tp, "decode")):
+        if size < 1 or heads < 1 or (heads % size and size % heads):
+            raise BadRequest(f"{who}: {heads} KV heads do not split evenly over "
+                             f"tensor_parallel_size={size}")
 
 
 def lends(rank: int, tp: int, heads: int) -> bool:
@@ -60,11 +65,7 @@ class Read:
 
 def reads(rank: int, tp: int, their_tp: int, heads: int) -> list[Read]:
     """What decode's rank ``rank`` of ``tp`` reads of prefill's ``their_tp`` ranks."""
-    check_split(tp, heads, "decode")
-    check_split(their_tp, heads, "prefill")
-    if max(tp, their_tp) % min(tp, their_tp):
-        raise BadRequest(f"prefill's tensor_parallel_size={their_tp} and decode's {tp}: "
-                         "neither divides the other")
+    check_pair(tp, their_tp, heads)
     first, count = heads_of(rank, tp, heads)
     readers = max(1, tp // heads)  # decode ranks that hold each head
     out: list[Read] = []

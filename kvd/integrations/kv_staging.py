@@ -1,21 +1,21 @@
-"""The block arithmetic of staging: which tensor dimension holds blocks, how a block copy is
-made wide, and which staging slots are free.
-
-Staging is the mover's shared memory for blocks the daemon cannot read in place (a CPU
-engine's private tensors, a part sent while its request still runs, a load that skips a
-cached prefix). ``KvMover`` owns the staging region and its life with the daemon; this
-module holds the parts of it that need no daemon, so that they read (and test) alone.
+"""A KV cache group's tensors with the daemon: registered in place (GPU), or through a
+*staging* region of shared memory (CPU: an engine's private tensors, which the daemon
+cannot map), with the block arithmetic and copies of staging and which of its slots are
+free. Staging also carries a part sent while its request still runs (the engine may reuse
+its blocks before the send ends) and a load into only a part of each block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvd.client.shm import shared_empty
+from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest
-from kvd.protocol import Part
+from kvd.protocol import WHOLE, Part
 
 
 def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -25,15 +25,6 @@ def block_dim_of(tensor: torch.Tensor, num_blocks: int) -> int:
             return dim
     raise BadRequest(f"KV tensor of shape {tuple(tensor.shape)} has no dimension of "
                      f"{num_blocks} blocks among its first two")
-
-
-def blocks_like(layers: Sequence[torch.Tensor], n: int, on_gpu: bool) -> list[torch.Tensor]:
-    """``n`` blocks shaped like one block of each (block-major) layer, in memory the daemon
-    can map: the same GPU for GPU tensors, shared memory for CPU ones."""
-    if on_gpu:
-        return [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                for t in layers]
-    return [shared_empty((n, *t.shape[1:]), t.dtype) for t in layers]
 
 
 def wide_view(t: torch.Tensor) -> torch.Tensor:
@@ -86,20 +77,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
-def copy_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int],
-                slots: Sequence[int], inward: bool) -> None:
-    """Engine blocks into staging slots (``inward``), or staging slots into blocks, in every
-    (layer, staging) pair."""
-    device = pairs[0][0].device
-    blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    staged = torch.tensor(list(slots), dtype=torch.long, device=device)
-    for layer, stage in ((_bits(x), _bits(y)) for x, y in pairs):
-        if inward:
-            stage.index_copy_(0, staged, layer.index_select(0, blocks))
-        else:
-            layer.index_copy_(0, blocks, stage.index_select(0, staged))
-
-
 class Slots:
     """Which staging slots are free (first fit, lowest first)."""
 
@@ -119,3 +96,86 @@ class Slots:
     @property
     def free(self) -> int:
         return len(self._free)
+
+
+class Registration:
+    """One KV cache group's layers, registered by a client of its own (a hybrid model's
+    groups lie over one allocation: one client would register the same bytes twice)."""
+
+    def __init__(self, client: KvdClient, layers: Sequence[torch.Tensor], num_blocks: int,
+                 staging_blocks: int, name: str) -> None:
+        if not layers:
+            raise BadRequest("no KV tensors to register")
+        self.client = client
+        self.block_dims = [block_dim_of(t, num_blocks) for t in layers]
+        # Block-major views: index 0 picks a block, in every layer.
+        self.layers = [t.movedim(d, 0) if d else t for t, d in zip(layers, self.block_dims,
+                                                                   strict=True)]
+        self.direct = all(t.is_cuda for t in layers)
+        if not self.direct and any(t.is_cuda for t in layers):
+            raise BadRequest("KV tensors are on both CPU and GPU")
+        self.block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
+        if self.direct and len(set(self.block_dims)) != 1:
+            raise BadRequest(f"KV tensors have their blocks on different dims {self.block_dims}")
+        self._tensors = list(layers)
+        self._name = name
+        self._staging_blocks = staging_blocks
+        self.region: Any = None
+        self.register()
+
+    def register(self) -> None:
+        """Register with the client's daemon. Staging is made anew each time (memory an old
+        daemon may still hold is not reused)."""
+        self._staging: list[torch.Tensor] | None = None
+        self.staging_region: Any = None
+        self.slots = Slots(0)
+        if self.direct:
+            self.region = self.client.register(self._name, self._tensors,
+                                               block_dim=self.block_dims[0])
+        else:
+            self._make_staging()
+
+    def _make_staging(self) -> None:
+        n = self._staging_blocks
+        if n <= 0:
+            raise BadRequest("staging_blocks must be positive for CPU KV tensors")
+        # n blocks like each layer's, in memory the daemon can map: the same GPU for GPU
+        # tensors (staged for a part sent early, or read in part), shared memory for CPU.
+        tensors = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                   if self.direct else shared_empty((n, *t.shape[1:]), t.dtype)
+                   for t in self.layers]
+        self._staging = tensors
+        self.staging_region = self.client.register("kv-staging", tensors)
+        self._part_pairs: dict[Part, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._wide_pairs = [wide_pair(t, st) for t, st in zip(self.layers, tensors,
+                                                              strict=True)]
+        self.slots = Slots(n)
+
+    def take_slots(self, n: int) -> list[int] | None:
+        """``n`` staging slots, or None while staging is full."""
+        if self._staging is None:
+            self._make_staging()
+        if n > self.slots.count:
+            raise BadRequest(f"{n} blocks do not fit in {self.slots.count} staging blocks "
+                             "(raise staging_blocks)")
+        return self.slots.take(n)
+
+    def stage(self, block_ids: Sequence[int], slots: Sequence[int], inward: bool,
+              part: Part = WHOLE) -> None:
+        """Engine blocks into staging slots (``inward``), or staging slots into blocks
+        (only ``part`` of each)."""
+        pairs = self._wide_pairs
+        if part != WHOLE:
+            if part not in self._part_pairs:
+                assert self._staging is not None
+                self._part_pairs[part] = [part_pair(t, st, part) for t, st in
+                                          zip(self.layers, self._staging, strict=True)]
+            pairs = self._part_pairs[part]
+        device = pairs[0][0].device
+        blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        staged = torch.tensor(list(slots), dtype=torch.long, device=device)
+        for layer, stage in ((_bits(x), _bits(y)) for x, y in pairs):
+            if inward:
+                stage.index_copy_(0, staged, layer.index_select(0, blocks))
+            else:
+                layer.index_copy_(0, blocks, stage.index_select(0, staged))

@@ -7,12 +7,7 @@ Load it in both instances of a disaggregated pair::
                            "kv_role": "kv_producer",          # decode: "kv_consumer"
                            "kv_connector_extra_config": {"kvd_socket": "/run/kvd/kvd.sock"}}'
 
-Extra config (all optional): ``kvd_socket`` (the local daemon; default ``KVD_SOCKET_PATH``
-or kvd's default), ``kvd_address`` (this daemon's peer address as other nodes reach it;
-default: asked from the daemon), ``flow`` ("pull", default, or "push"), ``lease_s`` (30:
-how long prefill keeps a request's blocks for decode), ``load_timeout_s`` (30: how long
-decode waits for them), ``staging_blocks`` (CPU engines: the shared-memory blocks their KV
-goes through; by default the longest request's, or 256 if more).
+Extra config (all optional): ``vllm_params.Settings``; docs/vllm.md has the table.
 
 The request-level protocol (``kv_transfer_params``, set by a proxy, see
 ``examples/vllm/``):
@@ -45,18 +40,16 @@ The request-level protocol (``kv_transfer_params``, set by a proxy, see
 The module imports without vLLM; the classes need it (``ImportError`` naming it if not).
 Inside vLLM it logs under vLLM's own ``vllm`` logger, so that its lines come out in
 vLLM's log. The data path is ``kvd.integrations.kv_mover``, which knows nothing about
-vLLM. Beside this module: ``vllm_settings`` (the extra config), ``vllm_params`` (the
-request-level params above, checked) and ``vllm_stats`` (counters for vLLM's stats and
-Prometheus registry).
+vLLM. Beside this module: ``vllm_params`` (the extra config and the request-level params
+above, checked) and ``vllm_stats`` (counters for vLLM's stats and Prometheus registry).
 
 Hybrid models (``SupportsHMA``): ``vllm_groups`` reads vLLM's KV cache groups, each group
-of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks; ``kv_group_orders``:
-the orders), and the worker has a mover per group (``kv_group_movers``).
+of a request moves under ``kvd_key#g<i>`` (``kv_groups``: which blocks, the orders), and
+the worker's mover registers each group apart (``kv_mover``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import secrets
@@ -66,9 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvd.client.sync import KvdClient
 from kvd.errors import BadRequest, KvdError
-from kvd.integrations import kv_group_orders as group_orders
-from kvd.integrations.kv_group_movers import GroupMovers
-from kvd.integrations.kv_groups import STATE, backoff, group_key
+from kvd.integrations import kv_groups
+from kvd.integrations.kv_groups import STATE, backoff, blocks_for, group_key
 from kvd.integrations.kv_mover import KvMover
 from kvd.integrations.kv_orders import (
     DiscardOrder,
@@ -77,12 +69,10 @@ from kvd.integrations.kv_orders import (
     RenewOrder,
     SendOrder,
 )
-from kvd.integrations.kv_parts import blocks_for
 from kvd.integrations.kv_ranks import Read, lends, reads
 from kvd.integrations.vllm_compat import Compat
 from kvd.integrations.vllm_groups import layout_of
-from kvd.integrations.vllm_params import RemotePrefill, key_param
-from kvd.integrations.vllm_settings import Settings
+from kvd.integrations.vllm_params import RemotePrefill, Settings, push_target
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +86,7 @@ try:
     )
     from vllm.v1.request import RequestStatus
 
-    from kvd.integrations.vllm_stats import KvdConnectorStats, KvdPromMetrics, stats_delta
+    from kvd.integrations.vllm_stats import KvdConnectorStats, KvdPromMetrics
 
     _VLLM_ERROR: ImportError | None = None
     # vLLM configures one logger, "vllm" (its handler, format and level; propagation stops
@@ -116,12 +106,15 @@ _POLICY_OUTCOME = {  # what vLLM does with a failed load, per kv_load_failure_po
 _NAMES = ("KvdConnector", "KvdConnectorMetadata", "KvdConnectorStats", "KvdPromMetrics")
 
 
-def _remote_prefill(request: Any) -> RemotePrefill | None:
+def _remote_prefill(request: Any, say: bool = False) -> RemotePrefill | None:
+    """What the request loads; None if nothing, or if its params are broken (said once,
+    when ``say``: by ``get_num_new_matched_tokens``; decode then computes the prompt)."""
     try:
         return RemotePrefill.of(request.kv_transfer_params)
     except BadRequest as err:
-        log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id,
-                    err.message)
+        if say:
+            log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id,
+                        err.message)
         return None
 
 
@@ -145,11 +138,6 @@ class _Held:
     lease_s: float
     renew_at: float  # time.monotonic()
     their_tp: int = 0  # prefill's tensor-parallel size, when told
-
-
-def _their_tp(remote: RemotePrefill) -> int:
-    """Prefill's tensor-parallel size, when it said (0: not said)."""
-    return remote.compat.tensor_parallel_size if remote.compat else 0
 
 
 def _rank_key(key: str, rank: int, tp: int) -> str:
@@ -178,8 +166,7 @@ if _VLLM_ERROR is None:
     class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Disaggregated prefill/decode through kvd: see the module docstring. Hybrid
         models (``SupportsHMA``): each KV cache group moves under its own key
-        (``kv_groups``, ``kv_group_orders``), each with a mover of its own on the worker
-        side (``kv_group_movers``)."""
+        (``kv_groups``)."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -195,7 +182,8 @@ if _VLLM_ERROR is None:
             self.settings = Settings.parse(transfer.kv_connector_extra_config)
             self.engine_id = transfer.engine_id or secrets.token_hex(8)
             self.is_producer = bool(transfer.is_kv_producer)
-            self.failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+            policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+            self._outcome = _POLICY_OUTCOME.get(policy, f"kv_load_failure_policy={policy}")
             self.block_size = vllm_config.cache_config.block_size
             self.num_blocks = (kv_cache_config.num_blocks if kv_cache_config is not None
                                else vllm_config.cache_config.num_gpu_blocks)
@@ -211,11 +199,7 @@ if _VLLM_ERROR is None:
             # KV that does not fit it.
             self.compat = Compat.of(vllm_config, self.layout.names)
             # scheduler side
-            self._sends: list[SendOrder] = []
-            self._loads: list[LoadOrder] = []
-            self._discards: list[DiscardOrder] = []
-            self._renews: list[RenewOrder] = []
-            self._releases: list[ReleaseOrder] = []
+            self._meta = KvdConnectorMetadata()  # the orders for the worker's next step
             self._held: dict[str, _Held] = {}  # decode: pull-flow requests until loaded
             self._next_renewal = float("inf")  # the earliest _Held.renew_at
             self._pushing: dict[str, _Pushing] = {}
@@ -225,7 +209,7 @@ if _VLLM_ERROR is None:
             self.address = self.settings.kvd_address or ""
             # worker side
             self._client: Any = None
-            self._mover: KvMover | GroupMovers | None = None
+            self._mover: KvMover | None = None
             self._load_errors: set[int] = set()
             self._tp_rank, self._tp = 0, self.compat.tensor_parallel_size
             # KV heads as kv_ranks counts them: an MLA latent cache is one that every
@@ -257,10 +241,7 @@ if _VLLM_ERROR is None:
             if self.is_producer:
                 self._back_off(request)
                 return
-            try:
-                remote = RemotePrefill.of(request.kv_transfer_params)
-            except BadRequest:
-                return  # get_num_new_matched_tokens says why
+            remote = _remote_prefill(request)
             if remote is not None and remote.source is not None:
                 self._hold(request.request_id, remote)
 
@@ -270,17 +251,15 @@ if _VLLM_ERROR is None:
             lease_s = remote.lease_s or self.settings.lease_s
             renew_at = time.monotonic() + lease_s / 2
             self._held[req_id] = _Held(remote.key, remote.source, lease_s, renew_at,
-                                       _their_tp(remote))
+                                       remote.their_tp)
             self._next_renewal = min(self._next_renewal, renew_at)
 
         def _release(self, req_id: str, remote: RemotePrefill | _Held | None) -> None:
             """Prefill may free what it lent for this request: it will not be loaded."""
             self._held.pop(req_id, None)
             if remote is not None and remote.source is not None:
-                their_tp = (remote.their_tp if isinstance(remote, _Held)
-                            else _their_tp(remote))
-                self._releases.append(ReleaseOrder(req_id, remote.key, remote.source,
-                                                   their_tp))
+                self._meta.releases.append(ReleaseOrder(req_id, remote.key, remote.source,
+                                                        remote.their_tp))
 
         def _renewals(self) -> None:
             """Renew the leases of the requests still waiting, every half lease each."""
@@ -291,8 +270,8 @@ if _VLLM_ERROR is None:
             for req_id, held in self._held.items():
                 if now >= held.renew_at:
                     held.renew_at = now + held.lease_s / 2
-                    self._renews.append(RenewOrder(req_id, held.key, held.source,
-                                                   held.lease_s, held.their_tp))
+                    self._meta.renews.append(RenewOrder(req_id, held.key, held.source,
+                                                        held.lease_s, held.their_tp))
                 self._next_renewal = min(self._next_renewal, held.renew_at)
 
         def update_connector_output(self, connector_output: Any) -> None:
@@ -301,7 +280,7 @@ if _VLLM_ERROR is None:
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                        ) -> tuple[int | None, bool]:
-            remote = _remote_prefill(request)
+            remote = _remote_prefill(request, say=True)
             if remote is None:
                 return 0, False
             prompt = self._tokens(request)
@@ -331,8 +310,7 @@ if _VLLM_ERROR is None:
             self._said.add(theirs)
             log.error("kvd: refusing KV from prefill engines of another configuration (%s); "
                       "%s, for this request and every other one from such an engine", why,
-                      _POLICY_OUTCOME.get(self.failure_policy,
-                                          f"kv_load_failure_policy={self.failure_policy}"))
+                      self._outcome)
 
         def _tokens(self, request: Any) -> int:
             """The prompt tokens that move: all but the ones decode computes itself
@@ -346,43 +324,36 @@ if _VLLM_ERROR is None:
                                      num_external_tokens: int) -> None:
             if self.is_producer and self.settings.flow == "push":
                 self._track_push(request)
-            try:
-                remote = RemotePrefill.of(request.kv_transfer_params)
-            except BadRequest:
-                return  # get_num_new_matched_tokens said why; decode computes the prompt
+            remote = _remote_prefill(request)
             if remote is None:
                 return
             request.kv_transfer_params["do_remote_prefill"] = False  # load it once only
             tokens = self._tokens(request)
-            keys = self._keys(remote, tokens)
             if num_external_tokens <= 0:  # decode computes the prompt itself
-                self._drop_pushed(request.request_id, remote, keys)
-                self._release(request.request_id, remote)
+                self._forgo(request.request_id, remote, tokens)
                 return
             n = blocks_for(tokens, self.block_size)
             ids = self._group_ids(blocks.get_block_ids())
-            load = group_orders.Loading(
+            load = kv_groups.Loading(
                 request.request_id, remote.key, remote.source, tokens,
                 n - blocks_for(num_external_tokens, self.block_size),
                 self.settings.load_timeout_s, self._push_parts(remote),
-                _their_tp(remote), remote.sender)
+                remote.their_tp, remote.sender)
             why = self._refused.pop(request.request_id, "")
             if not why:
                 try:
-                    loads, drops = group_orders.loads(self.layout.groups, load, ids)
+                    loads, drops = kv_groups.loads(self.layout.groups, load, ids)
                 except BadRequest as err:  # (not when both ends follow kv_groups' rules)
                     why = f"its blocks do not fit this engine's: {err.message}"
-                    log.error("kvd: request %s: %s; %s", request.request_id, why,
-                              _POLICY_OUTCOME.get(self.failure_policy, self.failure_policy))
-            if why:  # nothing of it is loaded: pushed parts dropped, the lent key released
-                self._drop_pushed(request.request_id, remote, keys)
-                self._release(request.request_id, remote)
-                self._loads += group_orders.refused_loads(self.layout.groups, load, ids, why)
+                    log.error("kvd: request %s: %s; %s", request.request_id, why, self._outcome)
+            if why:  # nothing of it is loaded
+                self._forgo(request.request_id, remote, tokens)
+                self._meta.loads += kv_groups.refused_loads(self.layout.groups, load, ids, why)
                 return
             self._hold(request.request_id, remote)  # (if on_new_request did not)
             # Parts wholly inside the local prefix hit: released, never loaded (push flow).
-            self._discards += drops
-            self._loads += loads
+            self._meta.discards += drops
+            self._meta.loads += loads
 
         def _group_ids(self, all_groups: Any) -> list[list[int]]:
             """A request's block ids in each group the connector moves, of vLLM's lists
@@ -396,22 +367,18 @@ if _VLLM_ERROR is None:
             return (self.settings.push_part_blocks if remote.push_parts is None
                     else remote.push_parts)
 
-        def _keys(self, remote: RemotePrefill, tokens: int) -> group_orders.Keys:
-            """The keys a request's blocks come under, per group, with the blocks each
-            holds."""
-            return group_orders.keys_of(self.layout.groups, remote.key, tokens,
-                                        self._push_parts(remote))
-
-        def _drop_pushed(self, req_id: str, remote: RemotePrefill,
-                         keys: group_orders.Keys) -> None:
-            """Keys that decode will not load. Pushed ones are released by the worker:
-            dropped from this daemon if they came before this, refused if they come later,
-            and (when prefill's daemon is known) never sent. Left alone, each would hold the
-            daemon's pool until prefill's lease ends. (A pull-flow key stays at prefill,
-            whose lease ends it: ``_release``.)"""
+        def _forgo(self, req_id: str, remote: RemotePrefill, tokens: int) -> None:
+            """The request will not load what prefill sends it. Pushed keys are released by
+            the worker: dropped from this daemon if they came before this, refused if they
+            come later, and (when prefill's daemon is known) never sent; left alone, each
+            would hold the daemon's pool until prefill's lease ends. A lent key is released
+            at prefill (``_release``)."""
             if remote.source is None:
-                self._discards += group_orders.discards(self.layout.groups, keys, req_id,
-                                                        remote.sender, _their_tp(remote))
+                keys = kv_groups.keys_of(self.layout.groups, remote.key, tokens,
+                                         self._push_parts(remote))
+                self._meta.discards += kv_groups.discards(self.layout.groups, keys, req_id,
+                                                          remote.sender, remote.their_tp)
+            self._release(req_id, remote)
 
         def _back_off(self, request: Any) -> None:
             """Prefill of a model with a recurrent state or a sliding window
@@ -444,14 +411,12 @@ if _VLLM_ERROR is None:
             if request.request_id in self._pushing or not (
                     isinstance(params, dict) and params.get("do_remote_decode")):
                 return
-            push_to = params.get("kvd_push_to")
             try:
-                key = key_param(params)
+                key, push_to = push_target(params)
             except BadRequest:
                 return  # request_finished reports it
-            if isinstance(push_to, str) and push_to:
-                key = key or self._new_key(request)
-                self._pushing[request.request_id] = _Pushing(request, key, push_to)
+            self._pushing[request.request_id] = _Pushing(request, key or self._new_key(request),
+                                                         push_to)
 
         def _new_key(self, request: Any) -> str:
             return f"vllm/{self.engine_id}/{request.request_id}/{secrets.token_hex(4)}"
@@ -466,16 +431,16 @@ if _VLLM_ERROR is None:
                     continue
                 # Tokens scheduled but not yet computed are "in flight" (async scheduling).
                 written = req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0)
-                sends, entry.sent = group_orders.written_sends(
+                sends, entry.sent = kv_groups.written_sends(
                     self.layout.groups, self._sending(req, entry.key, entry.push_to),
                     written, entry.sent, functools.partial(self._running_ids, req))
-                self._sends += sends
+                self._meta.sends += sends
 
         def _running_ids(self, request: Any) -> list[list[int]]:
             return self._group_ids(self._kv_cache_manager.get_block_ids(request.request_id))
 
-        def _sending(self, request: Any, key: str, push_to: str | None) -> group_orders.Sending:
-            return group_orders.Sending(
+        def _sending(self, request: Any, key: str, push_to: str | None) -> kv_groups.Sending:
+            return kv_groups.Sending(
                 request.request_id, key, self._tokens(request), self.settings.lease_s,
                 push_to, self.settings.push_part_blocks if push_to is not None else 0)
 
@@ -484,18 +449,14 @@ if _VLLM_ERROR is None:
                 self._send_written_parts()
             if self._held:
                 self._renewals()
-            meta = KvdConnectorMetadata(sends=self._sends, loads=self._loads,
-                                        discards=self._discards, renews=self._renews,
-                                        releases=self._releases)
-            self._sends, self._loads, self._discards = [], [], []
-            self._renews, self._releases = [], []
+            meta, self._meta = self._meta, KvdConnectorMetadata()
             return meta
 
         def has_pending_push_work(self) -> bool:
             """Orders not yet handed to the worker (a release after an abort, say) keep
             vLLM's engine stepping until they are: prefill's blocks are not left until
             decode's next request."""
-            return bool(self._releases or self._discards or self._renews)
+            return bool(self._meta.releases or self._meta.discards or self._meta.renews)
 
         def request_finished(self, request: Any, block_ids: list[int],
                              ) -> tuple[bool, dict[str, Any] | None]:
@@ -524,26 +485,14 @@ if _VLLM_ERROR is None:
             n = blocks_for(prompt, self.block_size)
             if n == 0 or request.num_computed_tokens < prompt:
                 return False, None
-            push_to, key = None, None
-            if self.settings.flow == "push":
-                push_to = params.get("kvd_push_to")
-                try:
-                    key = key_param(params)  # decode may be waiting for it already
-                except BadRequest as err:
-                    log.error("request %s: %s; decode will recompute", request.request_id,
-                              err.message)
-                    return False, None
-                if not isinstance(push_to, str) or not push_to:
-                    log.error("request %s: push flow, but the proxy named no decode daemon "
-                              "(kvd_push_to); decode will recompute", request.request_id)
-                    return False, None
-            if pushing is not None:
-                key = pushing.key
-            key = key or self._new_key(request)
-            sending = self._sending(request, key, push_to)
-            part_blocks = sending.part_blocks
-            try:  # what is left: the blocks stay ours till then
-                self._sends += group_orders.finished_sends(
+            try:
+                key, push_to = (push_target(params) if self.settings.flow == "push"
+                                else (None, None))
+                if pushing is not None:
+                    key = pushing.key
+                sending = self._sending(request, key or self._new_key(request), push_to)
+                # What is left to send: the blocks stay ours till then.
+                self._meta.sends += kv_groups.finished_sends(
                     self.layout.groups, sending, self._group_ids(block_ids),
                     pushing.sent if pushing is not None else 0)
             except BadRequest as err:
@@ -551,10 +500,10 @@ if _VLLM_ERROR is None:
                           err.message)
                 return False, None
             return True, {
-                "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": key,
+                "do_remote_prefill": True, "do_remote_decode": False, "kvd_key": sending.key,
                 "kvd_source": self.address, "kvd_flow": self.settings.flow,
                 "kvd_num_tokens": prompt, "kvd_num_blocks": n,
-                "kvd_block_size": self.block_size, "kvd_push_parts": part_blocks,
+                "kvd_block_size": self.block_size, "kvd_push_parts": sending.part_blocks,
                 "kvd_lease_s": self.settings.lease_s, "kvd_compat": self.compat.as_params(),
             }
 
@@ -563,16 +512,11 @@ if _VLLM_ERROR is None:
             to be scheduled) wants none of the parts pushed for it, nor the key lent for
             it. Whether it was such a request."""
             self._refused.pop(request.request_id, None)
-            try:
-                remote = RemotePrefill.of(request.kv_transfer_params)
-            except BadRequest:
-                return False
+            remote = _remote_prefill(request)
             if remote is None:
                 return False
             request.kv_transfer_params["do_remote_prefill"] = False
-            self._drop_pushed(request.request_id, remote,
-                              self._keys(remote, self._tokens(request)))
-            self._release(request.request_id, remote)
+            self._forgo(request.request_id, remote, self._tokens(request))
             return True
 
         @classmethod
@@ -605,44 +549,34 @@ if _VLLM_ERROR is None:
             self._tp_rank = get_tensor_model_parallel_rank()
             self._tp = get_tensor_model_parallel_world_size()
             layers = list(kv_caches.values())
-            if len(self.layout.groups) > 1:
-                self._mover = self._group_movers(kv_caches)
-            else:
-                self._mover = KvMover(self._client, layers, self.num_blocks,
-                                      self.staging_blocks, name=f"vllm-{self.engine_id}",
-                                      logger=log)
+            groups = ([layers] if len(self.layout.groups) == 1
+                      else self._group_layers(kv_caches))
+            # A hybrid model: a client per KV cache group (the first one the connector's).
+            clients = [_client(self.settings, f"vllm-worker-{self.engine_id}-g{g}")
+                       for g in range(1, len(groups))]
+            try:
+                self._mover = KvMover(self._client, groups[0], self.num_blocks,
+                                      self.staging_blocks, f"vllm-{self.engine_id}", log,
+                                      list(zip(clients, groups[1:], strict=True)))
+            except BaseException:
+                for client in clients:
+                    client.close()
+                raise
             log.info("kvd: registered %d KV tensors in %d group(s) (%d blocks, %s, %s)",
                      len(layers), len(self.layout.groups), self.num_blocks, layers[0].device,
                      "in place" if self._mover.direct else
                      f"{self.staging_blocks} staging blocks of shared memory, "
                      f"{self.staging_blocks * self._mover.block_bytes / 2**20:.0f} MiB")
 
-        def _group_movers(self, kv_caches: dict[str, torch.Tensor]) -> GroupMovers:
-            """A hybrid model: a mover per KV cache group, with its layers and a client
-            of its own (the first one the connector's)."""
-            movers: list[KvMover] = []
-            try:
-                for g, names in enumerate(self.layout.layers):
-                    missing = [n for n in names if n not in kv_caches]
-                    if missing or not names:
-                        raise BadRequest(f"KV cache group {g}: no KV tensors for layers "
-                                         f"{missing or names}")
-                    client = self._client if g == 0 else _client(
-                        self.settings, f"vllm-worker-{self.engine_id}-g{g}")
-                    try:
-                        movers.append(KvMover(client, [kv_caches[n] for n in names],
-                                              self.num_blocks, self.staging_blocks,
-                                              name=f"vllm-{self.engine_id}-g{g}", logger=log))
-                    except BaseException:
-                        if client is not self._client:
-                            client.close()
-                        raise
-            except BaseException:
-                for mover in movers[1:]:  # (the first one's client is the connector's)
-                    with contextlib.suppress(KvdError):
-                        mover.close()
-                raise
-            return GroupMovers(movers)
+        def _group_layers(self, kv_caches: dict[str, torch.Tensor],
+                          ) -> list[list[torch.Tensor]]:
+            """A hybrid model's KV tensors, per KV cache group the connector moves."""
+            for g, names in enumerate(self.layout.layers):
+                missing = [n for n in names if n not in kv_caches]
+                if missing or not names:
+                    raise BadRequest(f"KV cache group {g}: no KV tensors for layers "
+                                     f"{missing or names}")
+            return [[kv_caches[n] for n in names] for names in self.layout.layers]
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._mover is None or not self.has_connector_metadata():
@@ -669,30 +603,30 @@ if _VLLM_ERROR is None:
                         load, key=_rank_key(load.key, read.rank, load.their_tp or self._tp),
                         part=read.part, readers=read.readers, into=read.into,
                         parts=load.parts * len(taken)))
-            for discard in meta.discards:
-                try:
-                    taken = self._reads(discard.their_tp, discard.group)
-                except BadRequest:
-                    continue  # (as above; what was pushed ends with its lease)
-                for rank in sorted({read.rank for read in taken}):
-                    self._mover.discard(replace(discard, key=_rank_key(
-                        discard.key, rank, discard.their_tp or self._tp)))
+            for discard in meta.discards:  # (a refused pair's pushed keys end with their lease)
+                for key in self._lenders_keys(discard.key, discard.their_tp, discard.group):
+                    self._mover.discard(replace(discard, key=key))
             # Renewals and releases: of each key of prefill's that this rank reads.
             leases: list[RenewOrder | ReleaseOrder] = [*meta.renews, *meta.releases]
             for lease in leases:
                 for group in range(self.layout.count):  # (each group's key of it)
-                    try:
-                        taken = self._reads(lease.their_tp, group)
-                    except BadRequest:
-                        continue
                     keyed = group_key(lease.key, group, self.layout.count)
-                    for rank in sorted({read.rank for read in taken}):
-                        ranked = replace(lease, group=group, key=_rank_key(
-                            keyed, rank, lease.their_tp or self._tp))
+                    for key in self._lenders_keys(keyed, lease.their_tp, group):
+                        ranked = replace(lease, group=group, key=key)
                         if isinstance(ranked, RenewOrder):
                             self._mover.renew(ranked)
                         else:
                             self._mover.release(ranked)
+
+        def _lenders_keys(self, key: str, their_tp: int, group: int) -> list[str]:
+            """The keys of ``key`` at the prefill ranks this rank reads; none for a pair
+            this rank cannot read (the scheduler refused it)."""
+            try:
+                taken = self._reads(their_tp, group)
+            except BadRequest:
+                return []
+            return [_rank_key(key, rank, their_tp or self._tp)
+                    for rank in sorted({read.rank for read in taken})]
 
         def _reads(self, their_tp: int, group: int = 0) -> list[Read]:
             """What this rank reads of prefill's ranks (``their_tp`` 0: prefill did not say
@@ -739,9 +673,7 @@ if _VLLM_ERROR is None:
                     continue  # (the scheduler said why, once; or the request is gone)
                 # With policy "fail" the client sees only an error: the cause is here.
                 log.error("kvd: request %s: its KV did not load (%s); %s", req_id,
-                          polled.causes.get(req_id, "cause unknown"),
-                          _POLICY_OUTCOME.get(self.failure_policy,
-                                              f"kv_load_failure_policy={self.failure_policy}"))
+                          polled.causes.get(req_id, "cause unknown"), self._outcome)
             # A failed load is finished too: its blocks are reported invalid.
             return KVConnectorTransferResults(
                 finished_sending=polled.released,
@@ -755,9 +687,10 @@ if _VLLM_ERROR is None:
         def get_kv_connector_stats(self) -> KvdConnectorStats | None:
             if self._mover is None:
                 return None
-            delta: dict[str, Any] = stats_delta(self._mover.stats, self._reported)
+            now = self._mover.stats.as_dict()
+            delta: dict[str, Any] = {k: v - self._reported.get(k, 0) for k, v in now.items()}
             delta.update(self._mover.stats.take_samples())
-            self._reported = self._mover.stats.as_dict()
+            self._reported = now
             stats = KvdConnectorStats(data=delta)
             return None if stats.is_empty() else stats
 

@@ -18,7 +18,7 @@ import msgspec
 
 from kvd.errors import BadRequest
 from kvd.integrations.kv_groups import STATE
-from kvd.integrations.kv_ranks import check_split
+from kvd.integrations.kv_ranks import check_pair
 from kvd.protocol import PROTOCOL_VERSION
 
 # What the connector's own wire (the params, the keys, the layout it registers) means:
@@ -101,11 +101,7 @@ class Compat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                     raise BadRequest("a hybrid model's recurrent (Mamba) state is cut over "
                                      "the ranks by the model's own heads, which kvd does not "
                                      "cut again: run both with the same size")
-                if max(ours, other) % min(ours, other):
-                    raise BadRequest("neither divides the other")
-                heads = 1 if self.use_mla else self.num_kv_heads
-                check_split(other, heads, "prefill")
-                check_split(ours, heads, "decode")
+                check_pair(ours, other, 1 if self.use_mla else self.num_kv_heads)
             except BadRequest as err:
                 why.append(f"tensor_parallel_size: prefill {other}, this engine {ours} "
                            f"({err.message})")

@@ -35,11 +35,6 @@ class Layout:
         return tuple(g.name for g in self.groups)
 
 
-def one_group(block_size: int) -> Layout:
-    """No ``KVCacheConfig`` given: one full-attention group, as before groups."""
-    return Layout([Group(FULL, block_size)], [0])
-
-
 def layout_of(kv_cache_config: Any, block_size: int) -> Layout:
     """The groups of ``kv_cache_config`` that vLLM transfers, as the connector moves
     them; ``BadRequest`` for a kind it cannot move or a block size other than
@@ -53,7 +48,7 @@ def layout_of(kv_cache_config: Any, block_size: int) -> Layout:
     )
 
     if kv_cache_config is None:
-        return one_group(block_size)
+        return Layout([Group(FULL, block_size)], [0])  # one full-attention group
     all_groups = list(kv_cache_config.kv_cache_groups)
     ids = list(getattr(kv_cache_config, "transfer_group_ids", range(len(all_groups))))
     groups: list[Group] = []

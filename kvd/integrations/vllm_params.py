@@ -1,9 +1,10 @@
-"""The request-level protocol of the vLLM connector: what a request's
-``kv_transfer_params`` may carry for kvd, and how decode reads them.
+"""What the vLLM connector is given from outside, checked: its settings
+(``kv_connector_extra_config``, once at start) and what a request's ``kv_transfer_params``
+may carry for kvd, and how decode reads them.
 
-A proxy sets these params (see ``examples/vllm/``); prefill answers with them. They come
-from outside the engine, so they are checked here and a broken set is refused with
-``BadRequest``, never half used.
+A proxy sets the params (see ``examples/vllm/``); prefill answers with them. A broken set
+is refused with ``BadRequest``, never half used. Apart from the connector so that they
+read, and are checked, without vLLM.
 """
 
 from __future__ import annotations
@@ -13,10 +14,52 @@ from typing import Any
 
 from kvd.errors import BadRequest
 from kvd.integrations.vllm_compat import Compat
-from kvd.integrations.vllm_settings import FLOWS
 
+FLOWS = ("pull", "push")
 MAX_KEY_CHARS = 512  # kvd takes up to 1024; the connector keeps room for its own keys
 _COUNTS = ("kvd_num_tokens", "kvd_num_blocks", "kvd_block_size")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``, checked once at start."""
+
+    kvd_socket: str | None = None
+    kvd_address: str | None = None
+    flow: str = "pull"
+    lease_s: float = 30.0
+    load_timeout_s: float = 30.0
+    # CPU engines: shared-memory blocks their KV goes through (None: the longest request's
+    # blocks or 256, whichever is more; see KvdConnector)
+    staging_blocks: int | None = None
+    push_part_blocks: int = 64  # push flow: send a long prompt in parts as they are written
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise BadRequest(f"unknown kv_connector_extra_config keys {unknown}; "
+                             f"KvdConnector knows {sorted(known)}")
+        settings = cls(**extra)
+        for name in ("kvd_socket", "kvd_address"):
+            value = getattr(settings, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise BadRequest(f"{name} must be a non-empty string, got {value!r}")
+        if settings.flow not in FLOWS:
+            raise BadRequest(f"flow must be one of {FLOWS}, got {settings.flow!r}")
+        for name in ("lease_s", "load_timeout_s"):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise BadRequest(f"{name} must be a positive number, got {value!r}")
+        for name, least in (("staging_blocks", 1), ("push_part_blocks", 0)):
+            value = getattr(settings, name)
+            if value is None and name == "staging_blocks":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise BadRequest(f"{name} must be an integer >= {least}, got {value!r}")
+        return settings
 
 
 def key_param(params: dict[str, Any]) -> str | None:
@@ -27,6 +70,16 @@ def key_param(params: dict[str, Any]) -> str | None:
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
         raise BadRequest(f"kvd_key must be a string of 1..{MAX_KEY_CHARS} characters")
     return key
+
+
+def push_target(params: dict[str, Any]) -> tuple[str | None, str]:
+    """Prefill, push flow: the key the proxy chose (None: none; decode may be waiting for
+    it already), and the decode daemon to put to."""
+    key = key_param(params)
+    push_to = params.get("kvd_push_to")
+    if not isinstance(push_to, str) or not push_to:
+        raise BadRequest("push flow, but the proxy named no decode daemon (kvd_push_to)")
+    return key, push_to
 
 
 @dataclass(frozen=True)
@@ -44,6 +97,11 @@ class RemotePrefill:
     compat: Compat | None = None  # what prefill's KV is (None: not told, push flow early)
     lease_s: float | None = None  # how long prefill keeps the blocks, when it told us
     sender: str | None = None  # push flow: the prefill daemon that pushes, when told
+
+    @property
+    def their_tp(self) -> int:
+        """Prefill's tensor-parallel size, when it said (0: not said)."""
+        return self.compat.tensor_parallel_size if self.compat else 0
 
     @classmethod
     def of(cls, params: Any) -> RemotePrefill | None:

@@ -16,8 +16,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvd.integrations.kv_orders import MoverStats
-
 # Histograms of each request loaded and each key sent: its time and its bytes.
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             30.0, 60.0)
@@ -32,12 +30,6 @@ _HISTOGRAMS = {  # (samples, which of each: 0 seconds, 1 bytes) -> name, buckets
     ("send_samples", 1): ("send_bytes_per_key", _BYTES,
                           "Bytes of KV cache sent through kvd per key"),
 }
-
-
-def stats_delta(now: MoverStats, before: dict[str, Any]) -> dict[str, Any]:
-    """The counters' change since ``before``."""
-    current = now.as_dict()
-    return {k: v - before.get(k, 0) for k, v in current.items()}
 
 
 @dataclass
