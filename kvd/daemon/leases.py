@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 class LeaseRemote(Protocol):
     """The peer side (``transfer.leasing.Leasing``): asks other daemons, watches them."""
 
-    @property
-    def address(self) -> str: ...
-
     async def renew(self, key: str, src: str, ttl_s: float, timeout_s: float) -> None: ...
 
     async def release(self, key: str, src: str, timeout_s: float, skip: int = 0
@@ -103,7 +100,12 @@ class Leases:
             if why:
                 raise self._store.missing(key)  # taken, expired, withdrawn: nothing to do
             if skip:
-                self._release_head(key, skip)
+                # The reader has the key's first ``skip`` blocks: a put of it from here
+                # sends only the others. (The gets and pulls waiting for it still wait:
+                # the key still comes, and a read that skips less fails then.)
+                self._store.keep_tail(key, skip)
+                self.counters.released_head += 1
+                log.info("key released in part before it came key=%s skip=%d", key, skip)
                 return
             # Not here yet (or its bytes are arriving): remembered, so that its lend or put
             # answers at once when it comes, and bytes that arrive are dropped.
@@ -125,14 +127,6 @@ class Leases:
         self.counters.released += 1
         log.info("key released by its reader key=%s bytes=%d", key, item.nbytes)
 
-    def _release_head(self, key: str, skip: int) -> None:
-        """The reader of ``key``, not here yet, has its first ``skip`` blocks: a put of it
-        from here sends only the others. (The gets and pulls waiting for it still wait: the
-        key still comes, and a read that skips less than ``skip`` of it fails then.)"""
-        self._store.keep_tail(key, skip)
-        self.counters.released_head += 1
-        log.info("key released in part before it came key=%s skip=%d", key, skip)
-
     def released(self, key: str) -> bool:
         """Whether ``key``'s reader released it before it came."""
         return self._store.find(key) is None and self._store.gone(key) == RELEASED
@@ -149,9 +143,7 @@ class Leases:
     # ------------------------------------------------------------ a client's requests
 
     def _peers(self, what: str, timeout_s: float) -> LeaseRemote:
-        if timeout_s > self._engine.config.max_wait_s:
-            raise BadRequest(f"timeout_s must be <= {self._engine.config.max_wait_s}, "
-                             f"got {timeout_s}")
+        self._engine.check_wait(timeout_s)
         if self.remote is None:
             raise BadRequest(f"unknown {what}: this daemon has no peer plane")
         return self.remote

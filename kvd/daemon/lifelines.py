@@ -149,7 +149,7 @@ class LifelineServer:
         """Stop accepting; close every connection (the sessions are closed by then)."""
         self.stop_accepting()
         for conn in list(self._conns):
-            self._close(conn)
+            self.cut(conn)
         remove_bound(self._bound)  # ours only: a daemon refused at start bound none
         self._bound = None
 
@@ -174,10 +174,6 @@ class LifelineServer:
         conn.claimed = False
         self._unclaimed[conn.token] = conn
         conn.expiry = self._loop.call_later(CLAIM_TIMEOUT_S, self._expire, conn)
-
-    def cut(self, conn: Connection) -> None:
-        """Close a connection: its client sees its daemon gone (it is cut off)."""
-        self._close(conn)
 
     def stats(self) -> dict[str, int]:
         return {"lifelines": len(self._conns), "unclaimed": len(self._unclaimed)}
@@ -227,7 +223,7 @@ class LifelineServer:
             "%d wait for their hello already (at most %d per user, %d in all)",
             oldest.pid, oldest.uid, len(self._unclaimed), MAX_UNCLAIMED_PER_USER,
             MAX_UNCLAIMED)
-        self._close(oldest)
+        self.cut(oldest)
 
     def _expire(self, conn: Connection) -> None:
         conn.expiry = None
@@ -235,9 +231,10 @@ class LifelineServer:
             self._count_bad("no_hello")
             log.info("local socket: connection of pid %d closed: no hello within %gs",
                      conn.pid, CLAIM_TIMEOUT_S)
-            self._close(conn)
+            self.cut(conn)
 
-    def _close(self, conn: Connection) -> None:
+    def cut(self, conn: Connection) -> None:
+        """Close a connection (its client sees its daemon gone)."""
         if conn.closed:
             return
         conn.closed = True
@@ -261,7 +258,7 @@ class LifelineServer:
         try:
             conn.sock.send(payload)
         except BlockingIOError:  # it does not read its answers: cut it off
-            self._close(conn)
+            self.cut(conn)
         except OSError:
             pass  # closed: the next read sees it
 
@@ -281,7 +278,7 @@ class LifelineServer:
                     got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
                     fds.extend(got)
             if not data and not fds:  # the client closed it: it is gone
-                self._close(conn)
+                self.cut(conn)
                 return
             error = self._request(conn, data, flags, fds)
             if not error:
