@@ -3,7 +3,7 @@
 Each daemon binds a ZeroMQ ROUTER on ``tcp://peer_host:peer_port`` for control messages
 (``daemon/peer_sockets.py``) and listens on ``data_port`` (TCP) for bytes
 (``daemon/peer_data.py``). To talk to a peer it connects a DEALER of its own
-(``daemon/peer_dial.py``: one per link, a new handshake gets a new one) and says
+(``peer_sockets.Dial``: one per link, a new handshake gets a new one) and says
 ``PeerHello`` (version, node id, epoch, its address, its data port, a fresh *data token*,
 and the fingerprint of its data port's certificate when data is encrypted); the peer
 answers ``PeerWelcome`` with the same fields through its ROUTER, to the routing id the
@@ -53,12 +53,13 @@ import zmq
 from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.auth import CurveKeys, load_keys, make_data_tls
+from kvd.daemon.futures import keep_task
 from kvd.daemon.peer_data import DataPort
-from kvd.daemon.peer_dial import Dial
 from kvd.daemon.peer_link import CPU_DEVICE, LinkEvents, PeerLink
 from kvd.daemon.peer_sockets import (
     SEND_HWM,
     BadInput,
+    Dial,
     PeerRouter,
     Reply,
     frame_property,
@@ -266,16 +267,7 @@ class PeerPlane:
             del self._handshake_done[token]
             if not done.done():
                 done.set_result(None)
-        link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
-                        data_port=welcome.data_port, token_for_them=token,
-                        token_for_us=welcome.data_token, dial=dial,
-                        data_fingerprint=welcome.data_fingerprint,
-                        last_seen=self._loop.time(), devices=list(welcome.devices),
-                        nccl_blocking_calls=welcome.nccl_blocking_calls,
-                        pool_capacity_bytes=welcome.pool_capacity_bytes)
-        self._add_link(link)
-        log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
-                 link.epoch)
+        link = self._add_link(address, welcome, token, dial=dial)
         self._data.warm_up(link)
         self._link_up(link)
         dial.attach(lambda payload: self._on_link_payload(link, payload),
@@ -343,22 +335,13 @@ class PeerPlane:
                 f"hello from {hello.address} (node {hello.node_id}) refused"), source)
             return
         token = secrets.token_bytes(32)
-        link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
-                        data_port=hello.data_port, token_for_them=token,
-                        token_for_us=hello.data_token, routing_id=routing_id,
-                        fd=fd if isinstance(fd, int) else -1,
-                        data_fingerprint=hello.data_fingerprint,
-                        last_seen=self._loop.time(), devices=list(hello.devices),
-                        nccl_blocking_calls=hello.nccl_blocking_calls,
-                        pool_capacity_bytes=hello.pool_capacity_bytes)
-        self._add_link(link)
+        link = self._add_link(hello.address, hello, token, routing_id=routing_id,
+                              fd=fd if isinstance(fd, int) else -1)
         self._by_routing_id[routing_id] = link
         if link.fd >= 0:
             self._by_fd[link.fd] = link
             if self._router is not None:
                 self._router.linked(link.fd)
-        log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
-                 link.node_id, link.epoch)
         if not reply(encode(PeerWelcome(**self._hello_fields(token)))):
             self._lose(link, PeerUnreachable(f"peer {link.address} took no welcome"))
             return
@@ -380,15 +363,29 @@ class PeerPlane:
 
     # ------------------------------------------------------------ a link's life
 
-    def _add_link(self, link: PeerLink) -> None:
-        old = self.links.get(link.address)
+    def _add_link(self, address: str, said: PeerHello | PeerWelcome, token: bytes,
+                  dial: Dial | None = None, routing_id: bytes = b"", fd: int = -1
+                  ) -> PeerLink:
+        """The link a handshake made (``said``: the peer's hello or welcome; ``token``:
+        the one we gave it), in place of an old one to ``address``."""
+        link = PeerLink(address=address, node_id=said.node_id, epoch=said.epoch,
+                        data_port=said.data_port, token_for_them=token,
+                        token_for_us=said.data_token, dial=dial, routing_id=routing_id, fd=fd,
+                        data_fingerprint=said.data_fingerprint, last_seen=self._loop.time(),
+                        devices=list(said.devices),
+                        nccl_blocking_calls=said.nccl_blocking_calls,
+                        pool_capacity_bytes=said.pool_capacity_bytes)
+        old = self.links.get(address)
         if old is not None and old.alive:
             reason = ("peer restarted" if old.epoch != link.epoch
                       else "peer reconnected")
             self._lose(old, PeerUnreachable(f"{reason}: {link.address}"))
-        self.links[link.address] = link
-        self._by_token[link.token_for_them] = link
+        self.links[address] = link
+        self._by_token[token] = link
         link.recv_channel = self._data.recv_channel(link)
+        log.info("peer up address=%s node=%s epoch=%d (%s)", address, link.node_id,
+                 link.epoch, "outgoing" if dial else "incoming")
+        return link
 
     def _link_up(self, link: PeerLink) -> None:
         """Tell the daemon a link is up, once: an outgoing one as soon as it is made; an
@@ -484,13 +481,11 @@ class PeerPlane:
             log.warning("peer %s reported: [%s] %s", link.address, msg.code, msg.message)
             return
         if isinstance(msg, PeerWelcome):
-            self._bad.report("unexpected", reply or self._link_reply(link),
+            self._bad.report("unexpected",
+                             reply or (lambda data: self._send_on(link, data)),
                              ProtocolError("unexpected peer_welcome"), link.address)
             return
         self._events.on_message(link, msg)
-
-    def _link_reply(self, link: PeerLink) -> Reply:
-        return lambda data: self._send_on(link, data)
 
     # ------------------------------------------------------------ heartbeats
 
@@ -518,6 +513,4 @@ class PeerPlane:
                     with contextlib.suppress(KvdError):
                         await self.link_to(address, self.config.peer_connect_timeout_s)
 
-                task = self._loop.create_task(connect())
-                self._configuring.add(task)
-                task.add_done_callback(self._configuring.discard)
+                keep_task(self._configuring, connect())
