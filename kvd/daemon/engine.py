@@ -155,7 +155,6 @@ class Engine:
         self.gpu_pools = gpu_pools or {}  # "cuda:N" -> staging for arrivals nobody awaits
         self.metrics = metrics or Metrics()
         self.pool = pool
-        self.worker = worker
         self.regions = RegionTable()
         self.store = KeyStore()
         self.counters = Counters()

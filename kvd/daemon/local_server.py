@@ -1,22 +1,17 @@
-"""The local plane: a ZeroMQ ROUTER serving the node's inference processes, each
-through a DEALER, behind the door of ``daemon/lifelines.py``.
+"""The local plane: a ZeroMQ ROUTER serving the node's inference processes, each through a
+DEALER it connects to behind the door of ``daemon/lifelines.py`` (``_reach``), so every
+connection on it is one the daemon made, under an id it chose.
 
-The ROUTER listens nowhere. A client comes in through its lifeline, a connection to
-``socket_path``, and hands over the endpoint of a DEALER that only it and the daemon can
-reach; the ROUTER connects to it with the lifeline's token as routing id (``_reach``).
-So every connection on the ROUTER is one the daemon made, under an id it chose.
+A message is two frames, the client's routing id and one msgspec message, read on the
+loop (``kvd.loop_socket``): quick requests are answered right in the read callback; long
+ones become tasks that reply when they finish. Every malformed message gets an
+``ErrorReply`` and a count in ``bad_messages``; nothing a client sends can stop the server.
 
-A message is two frames, the client's routing id and one msgspec message. The ROUTER is
-read on the loop (``kvd.loop_socket``): quick requests are answered right in the read
-callback; long ones (get, put, offload, unregister, cancel) become tasks that reply when
-they finish. Every malformed message gets an ``ErrorReply`` and a count in
-``bad_messages``; nothing a client sends can stop the server.
-
-A client is a *session*, opened by ``Hello`` on its connection: when its lifeline closes
-(the client exited or died) the session is closed at once: its pending requests are
-cancelled, its regions and its keys without a TTL are released, its segments'
-descriptors closed. A client that stops reading its replies is cut off once
-``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed, so it sees its daemon gone).
+A client is a *session*, opened by ``Hello``, closed at once when its lifeline closes (the
+client exited or died): its requests are cancelled, its regions and its keys without a TTL
+released, its segments' descriptors closed. A client that stops reading its replies is cut
+off once ``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed: it sees its daemon
+gone).
 
 What one client can make the daemon hold: ZeroMQ reads ahead at most
 ``_MAX_QUEUED_REQUESTS`` of its requests, each at most ``max_message_bytes``

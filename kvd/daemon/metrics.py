@@ -170,14 +170,11 @@ class _StateCollector(Collector):
             ("kvd_peers_connected", len(peers.links) if peers else 0, "Peer daemons linked."),
         ):
             yield GaugeMetricFamily(name, text, value=value)
-        spins = CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
-                                    "polled without sleeping (busy polling, on nodes that "
-                                    "see a GPU).")
-        spins.add_metric([], engine.busy_poll.turns)
-        yield spins
-        expiries = CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.")
-        expiries.add_metric([], engine.counters.expired_keys)
-        yield expiries
+        yield CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
+                                  "polled without sleeping (busy polling, on nodes that "
+                                  "see a GPU).", value=engine.busy_poll.turns)
+        yield CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.",
+                                  value=engine.counters.expired_keys)
         leases = CounterMetricFamily(
             "kvd_lease_events", "Lent keys renewed or released by their reader, or expired "
             "unread; gets failed at once as the daemon they waited on was gone "
@@ -237,10 +234,9 @@ def _gpu_families(engine: Engine, nccl: dict[str, Any] | None) -> Iterator[Any]:
         staging.add_metric([device, "capacity"], pool.capacity_bytes)
         staging.add_metric([device, "used"], pool.used_bytes)
     yield staging
-    spills = CounterMetricFamily("kvd_gpu_spills", "NCCL arrivals that found GPU staging "
-                                 "full and went to the host pool.")
-    spills.add_metric([], engine.counters.gpu_spills)
-    yield spills
+    yield CounterMetricFamily("kvd_gpu_spills", "NCCL arrivals that found GPU staging "
+                              "full and went to the host pool.",
+                              value=engine.counters.gpu_spills)
     events = CounterMetricFamily("kvd_nccl_channel_events", "NCCL channels created, failed "
                                  "(aborted), evicted (LRU cap) and warmed (made when a peer "
                                  "linked, before any transfer).", labels=["event"])

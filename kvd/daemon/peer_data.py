@@ -194,21 +194,14 @@ class DataPort:
 
     # ------------------------------------------------------------ admitting connections
 
-    def _room_for(self, sock: socket.socket, addr: object) -> bool:
-        """Whether one more connection may wait for its token (MAX_UNLINKED_CONNECTIONS);
-        if not, it is closed now, counted and logged."""
-        if len(self._unlinked) < MAX_UNLINKED_CONNECTIONS:
-            return True
-        sock.close()
-        self._bad.count("unlinked_limit")
-        self._refusing.warning(
-            "data_port: connection from=%s closed: %d connections are waiting to link "
-            "already (the most); a flood of connections that do not link, or peers that do "
-            "not finish their handshake", _host_port(addr), len(self._unlinked))
-        return False
-
     def _take(self, sock: socket.socket, addr: object) -> None:
-        if not self._room_for(sock, addr):
+        if len(self._unlinked) >= MAX_UNLINKED_CONNECTIONS:
+            sock.close()
+            self._bad.count("unlinked_limit")
+            self._refusing.warning(
+                "data_port: connection from=%s closed: %d connections are waiting to link "
+                "already (the most); a flood of connections that do not link, or peers that "
+                "do not finish their handshake", _host_port(addr), len(self._unlinked))
             return
         self._unlinked.add(sock)
         task = keep_task(self._admitting, self._admit(sock, addr))

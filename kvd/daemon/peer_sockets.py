@@ -10,11 +10,7 @@ is closed by ZeroMQ; and at most ``MAX_PENDING_HANDSHAKES`` connections to the R
 whose handshake is not done (ZeroMQ's, then a hello that makes a link) are kept: past it
 the oldest is shut down. With ``curve_secret_key_file`` the ROUTER is a CurveZMQ server
 whose ZAP handler (``daemon/auth.py``) admits only the public keys on
-``curve_allowed_keys_file``.
-
-One DEALER per link: it never reconnects, and a new handshake gets a new one. With
-CurveZMQ it dials with the peer's public key from ``curve_allowed_keys_file``. Its monitor
-tells when its connection fails or ends: the handshake then fails, or the link ends.
+``curve_allowed_keys_file``, and each ``Dial`` dials with its peer's key from that list.
 """
 
 from __future__ import annotations
@@ -342,7 +338,9 @@ _DIAL_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_
 
 
 class Dial:
-    """Our DEALER to ``address``, from its handshake to its link's end.
+    """Our DEALER to ``address``, from its handshake to its link's end: one per link, never
+    reconnecting (a new handshake gets a new one); its monitor says when its connection
+    fails or ends, and the handshake then fails, or the link ends.
 
     ``handshake`` says hello and waits for the welcome; ``attach`` then hands the link's
     messages (those that came right behind the welcome first) to ``on_payload`` and the

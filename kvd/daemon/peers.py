@@ -1,42 +1,26 @@
 """The peer plane: links to other daemons, their handshake, heartbeats and death.
 
-Each daemon binds a ZeroMQ ROUTER on ``tcp://peer_host:peer_port`` for control messages
-(``daemon/peer_sockets.py``) and listens on ``data_port`` (TCP) for bytes
-(``daemon/peer_data.py``). To talk to a peer it connects a DEALER of its own
-(``peer_sockets.Dial``: one per link, a new handshake gets a new one) and says
-``PeerHello`` (version, node id, epoch, its address, its data port, a fresh *data token*,
-and the fingerprint of its data port's certificate when data is encrypted); the peer
-answers ``PeerWelcome`` with the same fields through its ROUTER, to the routing id the
-hello came from. The link (``daemon/peer_link.py``) then carries one msgspec message per
-ZeroMQ message both ways, in order (the NCCL channels rely on that order): ours on the
-DEALER, theirs on their ROUTER. Each side opens its own data connection to the other's
-data port for the bytes it sends, presenting the token it was given. Every ZeroMQ socket
-is read on the loop through ``kvd.loop_socket.LoopSocket``. What happens on links goes to
-one ``LinkEvents`` (``handle_with``).
-
-Security (``daemon/auth.py``): with ``curve_secret_key_file`` the ROUTER admits only the
-public keys on ``curve_allowed_keys_file``, and a peer's hello is taken only for the
-address the list gives its key; our DEALERs dial with the peer's key from the same list.
-With ``encrypt_data`` the data connections are TLS, pinned by the fingerprint exchanged
-over the CURVE-secured handshake. Without keys the plane is open: a daemon refuses to
-start so beyond loopback unless the operator allows it (``auth.check_exposure``).
+The protocol is docs/architecture.md's "Peer plane" and "Data connections": our ROUTER,
+which peers dial, and a DEALER of ours per link (``peer_sockets``: ``PeerRouter``,
+``Dial``); ``PeerHello`` and ``PeerWelcome``; then one message per ZeroMQ message both
+ways, in order (the NCCL channels rely on that order). Each side sends its bytes on a data
+connection of its own (``peer_data.DataPort``), admitted by the token the handshake gave.
+What happens on links goes to one ``LinkEvents`` (``handle_with``). With CurveZMQ
+(``auth.py``) a hello is taken only for the address the allow-list gives its key.
 
 A link ends at once when its connection does: the socket monitors say so (a DEALER's
 ``EVENT_DISCONNECTED`` is its link's; on the ROUTER the event names the connection's
-descriptor, which the hello's frame carried). A link silent for longer than
-``peer_grace_s`` ends too (a hung peer; heartbeats go both ways every
-``heartbeat_interval_s``, and any message counts as a sign of life), and so does a link to
-which ZeroMQ refuses a message (the peer stopped reading: ``SEND_HWM`` messages wait for
-it). Its transfers then fail with ``PeerUnreachable`` (through ``on_link_lost``) and its
-channels are aborted. A ``PeerHello`` claiming the address of a link that answers (heard
-within the grace) is refused: without CurveZMQ anyone could claim it. A peer that
-restarted closed its old connection when it died (or falls silent past the grace); its
-hello is taken then, and the old link dies the same way.
+descriptor, which the hello's frame carried). It ends too when silent past
+``peer_grace_s`` (a hung peer; any message is a sign of life), and when ZeroMQ refuses it
+a message (the peer stopped reading: ``SEND_HWM``). Its transfers then fail with
+``PeerUnreachable`` (``on_link_lost``) and its channels are aborted. A ``PeerHello``
+claiming the address of a link that answers is refused, since without CurveZMQ anyone
+could claim it; a restarted peer closed its old connection (or falls silent), and its
+hello is taken then.
 
-What a peer can make the daemon hold: ``MAX_LINKS`` links (a hello past it is refused),
-connections that have not linked yet (``daemon/peer_sockets.py`` bounds those to the
-ROUTER, which ``PeerRouter.linked`` is told of, ``daemon/peer_data.py`` those to the data
-port), and per connection what those two modules bound.
+What a peer can make the daemon hold: ``MAX_LINKS`` links, connections that have not
+linked yet (bounded by ``peer_sockets`` on the ROUTER, ``peer_data`` on the data port),
+and per connection what those two modules bound.
 """
 
 from __future__ import annotations
@@ -87,20 +71,6 @@ log = logging.getLogger(__name__)
 MAX_LINKS = 256
 
 
-class _NoHandler:
-    """The plane's events before ``handle_with``: a mistake in the daemon's composition,
-    said as soon as something happens on a link."""
-
-    def on_message(self, link: PeerLink, msg: PeerMessage) -> None:
-        raise RuntimeError("PeerPlane.handle_with was not called")
-
-    def on_link_up(self, link: PeerLink) -> None:
-        raise RuntimeError("PeerPlane.handle_with was not called")
-
-    def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
-        raise RuntimeError("PeerPlane.handle_with was not called")
-
-
 class PeerPlane:
     """Construct, ``listen`` (the ports are claimed), ``handle_with`` the component that
     takes the links' events, ``start``."""
@@ -113,7 +83,7 @@ class PeerPlane:
         # Told to peers too: our channels can split for blocking calls (config and NCCL).
         self.nccl_blocking_calls = nccl_blocking_calls
         self.epoch = epoch
-        self._events: LinkEvents = _NoHandler()
+        self._events: LinkEvents | None = None  # (set before start: no link before it)
         self._bad = self.bad_input = BadInput()
         self.bad_messages = self._bad.counts
         self.links: dict[str, PeerLink] = {}  # by address
@@ -143,7 +113,7 @@ class PeerPlane:
     def handle_with(self, events: LinkEvents) -> None:
         """Where the links' messages and ups and downs go: set once, before ``start``
         (the component that takes them is built with this plane)."""
-        if not isinstance(self._events, _NoHandler):
+        if self._events is not None:
             raise RuntimeError("the peer plane's events have a handler already")
         self._events = events
 
@@ -157,7 +127,7 @@ class PeerPlane:
         self._data.listen(cfg.peer_host, cfg.data_port)
 
     def start(self) -> None:
-        if isinstance(self._events, _NoHandler):
+        if self._events is None:
             raise RuntimeError("PeerPlane.handle_with must come before start")
         assert self._router is not None
         self._router.start()
@@ -286,11 +256,6 @@ class PeerPlane:
 
     # ------------------------------------------------------------ links peers make
 
-    def _answers(self, link: PeerLink) -> bool:
-        """The link is up (its connection not known closed) and was heard within its
-        grace."""
-        return link.alive and self._loop.time() - link.last_seen <= self.config.peer_grace_s
-
     def _on_hello(self, routing_id: bytes, frame: bytes | zmq.Frame, hello: PeerHello,
                   reply: Reply) -> None:
         source = f"{hello.address} (node {hello.node_id})"
@@ -320,10 +285,12 @@ class PeerPlane:
         if self._router is not None:
             self._router.drain_events()
         old = self.links.get(hello.address)
-        if old is not None and self._answers(old):
+        if (old is not None and old.alive
+                and self._loop.time() - old.last_seen <= self.config.peer_grace_s):
             # Without CurveZMQ anyone can claim an address: the link that holds it keeps
-            # it while it answers. A peer that restarted closed its old connection when it
-            # died (or falls silent past the grace), and its new hello is taken then.
+            # it while it answers (heard within its grace). A peer that restarted closed its
+            # old connection when it died (or falls silent past the grace), and its new
+            # hello is taken then.
             self._bad.report("takeover", reply, PeerUnreachable(
                 f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
                 f"and that link answers: refused until its connection closes or it is silent "
@@ -393,6 +360,7 @@ class PeerPlane:
         drop (or refuse) a message that reaches it before its loop has made the link."""
         link.reported_up = True
         try:
+            assert self._events is not None
             self._events.on_link_up(link)
         except Exception:
             log.exception("unhandled error in the link-up handler")
@@ -431,6 +399,7 @@ class PeerPlane:
         if self._by_fd.get(link.fd) is link:
             del self._by_fd[link.fd]
         self._data.abort(link, error)
+        assert self._events is not None
         self._events.on_link_lost(link, error)
         callbacks, link.on_lost = link.on_lost, []  # what they hold goes with the link
         for callback in callbacks:
@@ -485,6 +454,7 @@ class PeerPlane:
                              reply or (lambda data: self._send_on(link, data)),
                              ProtocolError("unexpected peer_welcome"), link.address)
             return
+        assert self._events is not None
         self._events.on_message(link, msg)
 
     # ------------------------------------------------------------ heartbeats

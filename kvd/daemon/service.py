@@ -59,13 +59,10 @@ from kvd.transport.nccl import (
 
 log = logging.getLogger(__name__)
 
-# How long the loop spins after each message where the daemon sees a GPU
-# (daemon/busy_poll.py). On the H200 host (a microVM) Python right after a 2 ms sleep ran
-# ~4x slower than hot (166 against 41 us), 8x after 20 ms: spinning 20 ms covers the
-# gaps between the messages of a flow of transfers, so the loop stays hot through it (a
-# 1 MiB put into a waiting get: 767 -> 452 us), and an idle daemon stops within 20 ms.
-# Without a GPU it does not spin: on a 2-core machine the spinning loop slowed a 32 MiB TCP
-# transfer (9.2 -> 13.2 ms), its threads waiting for the GIL.
+# How long the loop spins after each message where the daemon sees a GPU (busy_poll.py):
+# 20 ms covers the gaps between the messages of a flow of transfers, and an idle daemon
+# stops within it. Without a GPU it does not spin: on a 2-core machine the spinning loop
+# slowed TCP transfers, their threads waiting for the GIL (docs/architecture.md).
 BUSY_POLL_WINDOW_S = 0.02
 
 
