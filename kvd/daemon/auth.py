@@ -60,7 +60,6 @@ KEY_CHARS = 40
 class CurveKeys:
     public: bytes  # z85
     secret: bytes  # z85
-    allowed: set[bytes] = field(default_factory=set)  # z85 public keys
     by_address: dict[str, bytes] = field(default_factory=dict)  # host:port -> key
     address_of: dict[bytes, str] = field(default_factory=dict)  # key -> host:port
 
@@ -136,7 +135,6 @@ def load_keys(config: Config) -> CurveKeys | None:
         if parts[1] in keys.by_address and keys.by_address[parts[1]] != key:
             raise ConfigError(f"curve_allowed_keys_file: line {number} of {allowed_file!r}: "
                               f"{parts[1]} has another key already")
-        keys.allowed.add(key)
         keys.by_address[parts[1]] = key
         keys.address_of[key] = parts[1]
     return keys
@@ -167,7 +165,7 @@ def zap_answer(frames: Sequence[bytes], keys: CurveKeys,
     peer = address.decode(errors="replace")
     if mechanism == b"CURVE" and len(frames) == 7 and len(frames[6]) == 32:
         client_key = z85.encode(frames[6])
-        if client_key in keys.allowed:
+        if client_key in keys.address_of:
             return [version, request_id, b"200", b"OK", client_key, b""]
         why = "public key not in curve_allowed_keys_file"
     else:

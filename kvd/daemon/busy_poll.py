@@ -1,21 +1,16 @@
 """Keep the event loop turning while work flows (busy polling).
 
-A loop that sleeps in its poll between messages pays, on a virtual machine, for every
-wake-up: the vCPU halts, and the first Python after it runs several times slower than the
-same code run hot (a probe on the 2x H200 host: 41 us back to back, 166 us after a 2 ms
-sleep, 352 us after 20 ms). While transfers flow, ``BusyPoll`` keeps one callback queued,
-so the loop polls with a zero timeout instead of sleeping: messages are seen at once and
-the core stays hot. It spins for ``window_s`` after the last message, then the loop sleeps
-as usual: an idle daemon costs no CPU. The daemon spins where it sees a GPU and not
-elsewhere (``daemon.service.busy_poll_window_s``).
+On a virtual machine a loop that sleeps in its poll between messages pays for every
+wake-up: the first Python after it runs several times slower than hot (docs/architecture.md,
+"Busy polling where there is a GPU"). While transfers flow, ``BusyPoll`` keeps one callback
+queued, so the loop polls with a zero timeout: messages are seen at once and the core stays
+hot. It spins for ``window_s`` after the last message, then the loop sleeps as usual.
 
 A spinning loop holds the GIL nearly all the time (it lets go only inside each
-zero-timeout poll, too briefly for a waiting thread to wake and take it), so a thread that
-needs the GIL would wait for the switch interval at every step. The loop therefore stops
-spinning while any work it handed to a thread (a copy, an NCCL job on its channel's
-worker, a TCP send or receive) is unfinished, and starts again at the next message. (An
-NCCL channel's worker keeps itself awake between jobs instead, with a pause that lets the
-GIL go: ``transport.nccl_channel``.)
+zero-timeout poll, too briefly for a waiting thread to take it), so the loop stops
+spinning while any work it handed to a thread (a copy, an NCCL job, a TCP send or receive)
+is unfinished, and starts again at the next message. (An NCCL channel's worker keeps
+itself awake between jobs instead: ``transport.nccl_channel``.)
 """
 
 from __future__ import annotations
@@ -39,12 +34,12 @@ class BusyPoll:
         self.turns = 0  # zero-timeout turns of the loop, for stats and tests
 
     @property
-    def enabled(self) -> bool:
-        return self.window_s > 0
-
-    @property
     def spinning(self) -> bool:
         return self._spinning
+
+    @property
+    def enabled(self) -> bool:
+        return self.window_s > 0
 
     def touch(self) -> None:
         """Work arrived: spin until ``window_s`` from now (unless a thread is working)."""

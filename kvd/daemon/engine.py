@@ -155,7 +155,6 @@ class Engine:
         self.gpu_pools = gpu_pools or {}  # "cuda:N" -> staging for arrivals nobody awaits
         self.metrics = metrics or Metrics()
         self.pool = pool
-        self.worker = worker
         self.regions = RegionTable()
         self.store = KeyStore()
         self.counters = Counters()
@@ -198,7 +197,7 @@ class Engine:
         self.check_accepting()
         region = self.regions.get(session, region_id)
         idx = region.block_index(blocks, writing=True)
-        self._check_wait(timeout_s)
+        self.check_wait(timeout_s)
         return region, idx
 
     def ttl_deadline(self, ttl_s: float | None) -> float | None:
@@ -208,10 +207,9 @@ class Engine:
             raise BadRequest(f"ttl_s must be in (0, {self.config.max_ttl_s}], got {ttl_s}")
         return self._loop.time() + ttl_s
 
-    def _check_wait(self, timeout_s: float) -> float:
+    def check_wait(self, timeout_s: float) -> None:
         if timeout_s > self.config.max_wait_s:
             raise BadRequest(f"timeout_s must be <= {self.config.max_wait_s}, got {timeout_s}")
-        return timeout_s
 
     def _schedule_expiry(self, item: Item) -> None:
         if item.expires_at is None:
@@ -253,31 +251,20 @@ class Engine:
     ) -> Item:
         """Reserve ``key``, gather the blocks into pool memory, store it, wake waiters."""
         self.store.reserve(key)
+        block = None
         try:
             _, nbytes = packed_offsets(region.layout, len(idx))
             block = self.pool.alloc(max(nbytes, 1))
-            try:
-                view = self.pool.view(block)
-                await self.copies.copy([region], nbytes, after_ready, region, local.gather,
-                                 region.tensors, region.layout,
-                                 idx, view)
-            except BaseException:
-                self.pool.free(block)
-                raise
+            await self.copies.copy([region], nbytes, after_ready, region, local.gather,
+                                   region.tensors, region.layout, idx, self.pool.view(block))
         except BaseException:
+            if block is not None:
+                self.pool.free(block)
             self.store.unreserve(key)
             raise
-        item = Item(
-            key=key,
-            layout=region.layout,
-            num_blocks=len(idx),
-            nbytes=nbytes,
-            owner=owner,
-            expires_at=expires_at,
-            consume_once=consume_once,
-            pool_block=block,
-            on_free=self.free_pool_item,
-        )
+        item = Item(key=key, layout=region.layout, num_blocks=len(idx), nbytes=nbytes,
+                    owner=owner, expires_at=expires_at, consume_once=consume_once,
+                    pool_block=block, on_free=self.free_pool_item)
         self.counters.bytes_out += nbytes
         self.add_item(item)
         return item
@@ -328,6 +315,7 @@ class Engine:
         """Copy ``share`` of a claimed (and fitting) item into blocks; the claim is
         released whatever happens."""
         share = item.held(share)
+        pool = item.pool or self.pool
         try:
             nbytes = region.bytes_per_block * len(idx)
             if item.region is not None:
@@ -337,7 +325,6 @@ class Engine:
                     item.region_idx[share.skip:], region.tensors, idx)
             elif share != ALL:
                 assert item.pool_block is not None
-                pool = item.pool or self.pool
                 packed = BlockSet.packed(pool.view(item.pool_block), item.layout,
                                          item.num_blocks)
                 typed = [t.view(torch_dtype(e.dtype))
@@ -350,7 +337,6 @@ class Engine:
                     idx, gpu=tensors[0].is_cuda)
             else:
                 assert item.pool_block is not None
-                pool = item.pool or self.pool
                 view = pool.view(item.pool_block)
                 nbytes = await self.copies.copy(
                     [region], item.nbytes, local.scatter, view, item.layout, region.tensors,
@@ -502,7 +488,7 @@ class Engine:
         ttl_s: float | None, timeout_s: float,
     ) -> int:
         region, idx = self._source(session, region_id, blocks)
-        self._check_wait(timeout_s)
+        self.check_wait(timeout_s)
         if self.leases.released(key):  # its reader said it will not come for it
             log.info("put of a released key answered at once key=%s", key)
             return 0
@@ -571,12 +557,6 @@ class Engine:
 
     def publish(
         self, session: int, key: str, region_id: int, blocks: IdArray,
-        ttl_s: float | None,
-    ) -> int:
-        return self._publish(session, key, region_id, blocks, ttl_s).nbytes
-
-    def _publish(
-        self, session: int, key: str, region_id: int, blocks: IdArray,
         ttl_s: float | None, consume_once: bool = False,
         on_free: Callable[[Item], None] | None = None,
     ) -> Item:
@@ -614,8 +594,8 @@ class Engine:
             if not freed.done():
                 freed.set_result(item.bytes_read)
 
-        item = self._publish(session, key, region_id, blocks, ttl_s, consume_once=True,
-                             on_free=on_free)
+        item = self.publish(session, key, region_id, blocks, ttl_s, consume_once=True,
+                            on_free=on_free)
         try:
             return await asyncio.shield(freed)
         except asyncio.CancelledError:

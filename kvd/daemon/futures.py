@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -75,6 +76,16 @@ def settle_awaited(future: asyncio.Future[Any], wake: asyncio.Future[Any],
             fut.exception()  # (retrieved)
         else:
             fut.set_result(result)
+
+
+def keep_task(tasks: set[asyncio.Task[T]], coro: Coroutine[Any, Any, T],
+              name: str | None = None) -> asyncio.Task[T]:
+    """Run ``coro`` as a task that ``tasks`` holds until it ends (the loop holds a task
+    only weakly; its owner cancels or awaits what ``tasks`` holds when it stops)."""
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 class TimedOut(Exception):

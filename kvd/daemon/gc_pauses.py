@@ -1,16 +1,11 @@
 """The garbage collector of a long-running daemon: what start-up made is frozen, and each
 collection's pause is timed.
 
-Importing torch, pyzmq, aiohttp and the rest leaves about 190,000 objects that live as long
-as the process, and each full collection of CPython's walks them all: 130-140 ms on the CPU
-machine, on the event loop, so every transfer through the daemon waits it out (in a mesh of
-64 daemons these pauses set the tail). Once the daemon is ready, ``freeze_startup`` takes
-them out of the collector's sight (``gc.freeze``): a later collection walks only what was
-made since, the daemon's working set. CPython's thresholds stay as they are: with start-up
-frozen, no collection has much to walk.
-
-``GcPauses`` times every collection (``gc.callbacks``: a few per thousand transfers) and
-keeps counts and the longest pause.
+Start-up leaves ~190,000 objects (torch, pyzmq, aiohttp and the rest) that live as long as
+the process, and a full collection walked them all in 130-140 ms, on the event loop. Once
+the daemon is ready, ``freeze_startup`` takes them out of the collector's sight
+(``gc.freeze``), so a collection walks only the working set; CPython's thresholds stay as
+they are. ``GcPauses`` times every collection (``gc.callbacks``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -25,15 +26,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvd.config import Config
 from kvd.daemon.accepting import Acceptor
-from kvd.daemon.parts import ReadyCheck, Status
+from kvd.daemon.futures import keep_task
 from kvd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, config: Config, registry: CollectorRegistry, status: Status,
-                 not_ready: ReadyCheck) -> None:
+    def __init__(self, config: Config, registry: CollectorRegistry,
+                 status: Callable[[], dict[str, Any]], not_ready: Callable[[], list[str]]
+                 ) -> None:
         self.config = config
         self._registry = registry
         self._daemon_status = status
@@ -77,9 +79,7 @@ class HttpServer:
         await self._runner.cleanup()
 
     def _take(self, sock: socket.socket, _addr: Any) -> None:
-        task = asyncio.get_running_loop().create_task(self._admit(sock))
-        self._admitting.add(task)
-        task.add_done_callback(self._admitting.discard)
+        keep_task(self._admitting, self._admit(sock))
 
     async def _admit(self, sock: socket.socket) -> None:
         server = self._runner.server

@@ -12,25 +12,17 @@ prefill's lease, or be aborted before it loads. So the reader may:
   here yet is remembered with the keys gone (``KeyStore``, ``RELEASED``): its lend answers
   0 at once when it comes.
 
-A key pushed for one reader (a put's) is released the same way, at either end: at the
-daemon that holds it, it is dropped, and one that comes later is refused (its sender's
-put fails with ``KeyGone``); at the daemon that will push it, the put answers 0 at once
-and sends nothing. So decode, which learns of its prefix hit while prefill still
-computes, keeps the parts it has cached off the wire (the vLLM connector's push flow).
-A reader that has only a key's first blocks cached releases those (``skip``): the key is
-not dropped, and a put of it that comes later sends only the rest (``Engine.put``); the
-daemon it goes to stores it as starting there (``Item.first``), so the part that holds
-decode's first uncached block crosses the wire without the cached blocks before it.
+A key pushed for one reader (a put's) is released the same way, at either end: where it
+is held it is dropped, and one that comes later is refused (its put fails with
+``KeyGone``); where it will be pushed from, the put answers 0 at once and sends nothing.
+A reader that has only a key's first blocks releases those (``skip``): a put of the key
+then sends only the rest (``Engine.put``), stored as starting there (``Item.first``).
 
-Only a key for one reader is renewed (a lent one) or released (lent or pushed): a
-published or offloaded one is refused (``BadRequest``). Whoever may pull a lent key may
-renew or release it; neither gives a reader more than the pull itself, which takes the key
-or holds it while it waits, and a renewal holds the lender's blocks no longer than
-``max_ttl_s`` past its own arrival.
-
-The operations on this daemon's store are here, without I/O. A reader's renew or release
-at another daemon, and the watch of a get's sender (``Get.sender``), go through ``remote``
-(``transfer/leasing.py``), set once the daemon has a peer plane.
+Only a lent key is renewed, and only a lent or pushed one released (``BadRequest``
+otherwise). Whoever may pull a lent key may renew or release it: neither gives more than
+the pull itself, and a renewal holds the lender's blocks at most ``max_ttl_s`` past its
+own arrival. A reader's renew or release at another daemon, and the watch of a get's
+sender (``Get.sender``), go through ``remote`` (``transfer/leasing.py``).
 """
 
 from __future__ import annotations
@@ -51,9 +43,6 @@ log = logging.getLogger(__name__)
 
 class LeaseRemote(Protocol):
     """The peer side (``transfer.leasing.Leasing``): asks other daemons, watches them."""
-
-    @property
-    def address(self) -> str: ...
 
     async def renew(self, key: str, src: str, ttl_s: float, timeout_s: float) -> None: ...
 
@@ -103,7 +92,12 @@ class Leases:
             if why:
                 raise self._store.missing(key)  # taken, expired, withdrawn: nothing to do
             if skip:
-                self._release_head(key, skip)
+                # The reader has the key's first ``skip`` blocks: a put of it from here
+                # sends only the others. (The gets and pulls waiting for it still wait:
+                # the key still comes, and a read that skips less fails then.)
+                self._store.keep_tail(key, skip)
+                self.counters.released_head += 1
+                log.info("key released in part before it came key=%s skip=%d", key, skip)
                 return
             # Not here yet (or its bytes are arriving): remembered, so that its lend or put
             # answers at once when it comes, and bytes that arrive are dropped.
@@ -125,14 +119,6 @@ class Leases:
         self.counters.released += 1
         log.info("key released by its reader key=%s bytes=%d", key, item.nbytes)
 
-    def _release_head(self, key: str, skip: int) -> None:
-        """The reader of ``key``, not here yet, has its first ``skip`` blocks: a put of it
-        from here sends only the others. (The gets and pulls waiting for it still wait: the
-        key still comes, and a read that skips less than ``skip`` of it fails then.)"""
-        self._store.keep_tail(key, skip)
-        self.counters.released_head += 1
-        log.info("key released in part before it came key=%s skip=%d", key, skip)
-
     def released(self, key: str) -> bool:
         """Whether ``key``'s reader released it before it came."""
         return self._store.find(key) is None and self._store.gone(key) == RELEASED
@@ -149,9 +135,7 @@ class Leases:
     # ------------------------------------------------------------ a client's requests
 
     def _peers(self, what: str, timeout_s: float) -> LeaseRemote:
-        if timeout_s > self._engine.config.max_wait_s:
-            raise BadRequest(f"timeout_s must be <= {self._engine.config.max_wait_s}, "
-                             f"got {timeout_s}")
+        self._engine.check_wait(timeout_s)
         if self.remote is None:
             raise BadRequest(f"unknown {what}: this daemon has no peer plane")
         return self.remote

@@ -1,28 +1,14 @@
 """The door: each client's lifeline, the way to its ZeroMQ endpoint, and its CPU segments.
 
-``socket_path`` is a Unix ``SOCK_SEQPACKET`` socket of kvd's own (mode 0660). A client
-connects, and the daemon answers with a ``Lifeline`` token. The client then binds a
-DEALER in a directory only it can enter and hands over an ``O_PATH`` descriptor of that
-socket file (``Reach``). The daemon's ROUTER connects through the descriptor, with the
-token as the connection's routing id. The client's ``Hello`` then opens a session on that
-connection, and the session lives as long as the lifeline does. Both ends keep it open:
-
-- A client that dies, however it dies, closes it. The daemon closes its session at once:
-  its requests are cancelled, its regions, keys and descriptors released.
-- A daemon that dies closes it too. The client fails its calls at once instead of
-  waiting out their timeouts.
-
-Why the daemon listens on no ZeroMQ endpoint for its clients: libzmq's IPC listener
-aborts the process when an ``accept`` fails with ``EMFILE``, so a tenant in the socket's
-group could end the daemon with a flood of connections. And a ROUTER asserts, and aborts,
-when the routing id it generates for one connection equals the id another connection
-chose (the first generated id is the same in every process). Here the only listener is
-this socket, whose accepts are bounded and outlive a shortage (``accepting.Acceptor``),
-and every connection on the ROUTER is one the daemon made, under an id it chose.
-
-The segments of a client's CPU tensors travel here too, since ZeroMQ cannot carry file
-descriptors: as ``SCM_RIGHTS`` with a ``SegmentHandoff`` (one descriptor per segment id).
-Each handoff is answered by one ``Taken``.
+``socket_path`` is a ``SOCK_SEQPACKET`` socket of kvd's own (mode 0660). A client that
+connects is answered a ``Lifeline`` token, and hands over an ``O_PATH`` descriptor of its
+DEALER's socket file (``Reach``), which the daemon's ROUTER connects through with the token
+as routing id. Its ``Hello`` then opens a session that lives as long as the lifeline: a
+client that dies, however it dies, closes it, and its session is closed at once; a daemon
+that dies closes it too, and the client fails its calls at once. The segments of its CPU
+tensors come here too (ZeroMQ cannot carry descriptors): ``SCM_RIGHTS`` with a
+``SegmentHandoff``, answered by one ``Taken``. docs/architecture.md says why there is no
+ZeroMQ listener for clients ("A lifeline beside ZeroMQ, and the only door").
 
 Everything runs on the event loop: an ``Acceptor`` takes connections, ``add_reader``
 watches each. Nothing from the socket is trusted:
@@ -149,7 +135,7 @@ class LifelineServer:
         """Stop accepting; close every connection (the sessions are closed by then)."""
         self.stop_accepting()
         for conn in list(self._conns):
-            self._close(conn)
+            self.cut(conn)
         remove_bound(self._bound)  # ours only: a daemon refused at start bound none
         self._bound = None
 
@@ -174,13 +160,6 @@ class LifelineServer:
         conn.claimed = False
         self._unclaimed[conn.token] = conn
         conn.expiry = self._loop.call_later(CLAIM_TIMEOUT_S, self._expire, conn)
-
-    def cut(self, conn: Connection) -> None:
-        """Close a connection: its client sees its daemon gone (it is cut off)."""
-        self._close(conn)
-
-    def stats(self) -> dict[str, int]:
-        return {"lifelines": len(self._conns), "unclaimed": len(self._unclaimed)}
 
     # ------------------------------------------------------------ connections
 
@@ -227,7 +206,7 @@ class LifelineServer:
             "%d wait for their hello already (at most %d per user, %d in all)",
             oldest.pid, oldest.uid, len(self._unclaimed), MAX_UNCLAIMED_PER_USER,
             MAX_UNCLAIMED)
-        self._close(oldest)
+        self.cut(oldest)
 
     def _expire(self, conn: Connection) -> None:
         conn.expiry = None
@@ -235,9 +214,10 @@ class LifelineServer:
             self._count_bad("no_hello")
             log.info("local socket: connection of pid %d closed: no hello within %gs",
                      conn.pid, CLAIM_TIMEOUT_S)
-            self._close(conn)
+            self.cut(conn)
 
-    def _close(self, conn: Connection) -> None:
+    def cut(self, conn: Connection) -> None:
+        """Close a connection (its client sees its daemon gone)."""
         if conn.closed:
             return
         conn.closed = True
@@ -261,7 +241,7 @@ class LifelineServer:
         try:
             conn.sock.send(payload)
         except BlockingIOError:  # it does not read its answers: cut it off
-            self._close(conn)
+            self.cut(conn)
         except OSError:
             pass  # closed: the next read sees it
 
@@ -281,7 +261,7 @@ class LifelineServer:
                     got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
                     fds.extend(got)
             if not data and not fds:  # the client closed it: it is gone
-                self._close(conn)
+                self.cut(conn)
                 return
             error = self._request(conn, data, flags, fds)
             if not error:

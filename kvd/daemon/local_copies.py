@@ -22,7 +22,7 @@ import torch
 
 from kvd import timeline
 from kvd.daemon.busy_poll import BusyPoll
-from kvd.daemon.futures import on_loop, wait_out
+from kvd.daemon.futures import keep_task, on_loop, wait_out
 from kvd.daemon.metrics import Metrics
 from kvd.errors import TransferFailed
 from kvd.memory.regions import Region
@@ -219,9 +219,7 @@ class LocalCopies:
                     done.set_exception(exc)
                     done.exception()  # retrieved: the request has gone
 
-        task = self._loop.create_task(poll())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        keep_task(self._background, poll())
 
     def _record_copy(self, outcome: str, nbytes: int, queue_s: float | None,
                      wire_s: float | None) -> None:

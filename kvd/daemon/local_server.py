@@ -1,22 +1,17 @@
-"""The local plane: a ZeroMQ ROUTER serving the node's inference processes, each
-through a DEALER, behind the door of ``daemon/lifelines.py``.
+"""The local plane: a ZeroMQ ROUTER serving the node's inference processes, each through a
+DEALER it connects to behind the door of ``daemon/lifelines.py`` (``_reach``), so every
+connection on it is one the daemon made, under an id it chose.
 
-The ROUTER listens nowhere. A client comes in through its lifeline, a connection to
-``socket_path``, and hands over the endpoint of a DEALER that only it and the daemon can
-reach; the ROUTER connects to it with the lifeline's token as routing id (``_reach``).
-So every connection on the ROUTER is one the daemon made, under an id it chose.
+A message is two frames, the client's routing id and one msgspec message, read on the
+loop (``kvd.loop_socket``): quick requests are answered right in the read callback; long
+ones become tasks that reply when they finish. Every malformed message gets an
+``ErrorReply`` and a count in ``bad_messages``; nothing a client sends can stop the server.
 
-A message is two frames, the client's routing id and one msgspec message. The ROUTER is
-read on the loop (``kvd.loop_socket``): quick requests are answered right in the read
-callback; long ones (get, put, offload, unregister, cancel) become tasks that reply when
-they finish. Every malformed message gets an ``ErrorReply`` and a count in
-``bad_messages``; nothing a client sends can stop the server.
-
-A client is a *session*, opened by ``Hello`` on its connection: when its lifeline closes
-(the client exited or died) the session is closed at once: its pending requests are
-cancelled, its regions and its keys without a TTL are released, its segments'
-descriptors closed. A client that stops reading its replies is cut off once
-``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed, so it sees its daemon gone).
+A client is a *session*, opened by ``Hello``, closed at once when its lifeline closes (the
+client exited or died): its requests are cancelled, its regions and its keys without a TTL
+released, its segments' descriptors closed. A client that stops reading its replies is cut
+off once ``_MAX_UNREAD_REPLIES`` of them wait (its lifeline is closed: it sees its daemon
+gone).
 
 What one client can make the daemon hold: ZeroMQ reads ahead at most
 ``_MAX_QUEUED_REQUESTS`` of its requests, each at most ``max_message_bytes``
@@ -32,19 +27,19 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from kvd import __version__, timeline
-from kvd.config import Config, socket_dir_problem
+from kvd.config import Config
 from kvd.daemon.accepting import Throttled
 from kvd.daemon.descriptors import PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
+from kvd.daemon.futures import keep_task
 from kvd.daemon.lifelines import Connection, LifelineServer
-from kvd.daemon.parts import DrainRequest, Status
 from kvd.errors import (
     Cancelled,
     ConfigError,
@@ -113,13 +108,6 @@ _NEVER_MS = 2**31 - 1  # ~25 days
 _CANCEL_WAIT_S = 90.0
 
 
-class _Replied:
-    """A task's result when it sent its own (typed) reply."""
-
-
-_REPLIED = _Replied()
-
-
 @dataclass(eq=False)
 class Session:
     sid: int
@@ -139,8 +127,9 @@ def _level(session: Session) -> int:
 
 class LocalServer:
     def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
-                 status: Status, budget: DescriptorBudget,
-                 drain: DrainRequest | None = None) -> None:
+                 status: Callable[[], dict[str, Any]], budget: DescriptorBudget,
+                 drain: Callable[[float | None], Awaitable[dict[str, Any]]] | None = None
+                 ) -> None:
         self._status = status  # the daemon's report, for Stats
         self._drain_daemon = drain  # kvd drain; None: this daemon is not drained from here
         self.config = config
@@ -150,8 +139,8 @@ class LocalServer:
         # Bad messages are each answered and counted, and logged at most once per reason
         # every few seconds: a client sending nothing else cannot flood the log.
         self._bad_logs: dict[str, Throttled] = {}
-        self.sessions: dict[bytes, Session] = {}  # by routing id
-        self._by_lifeline: dict[Connection, Session] = {}
+        # By routing id, which is also the token of the session's lifeline.
+        self.sessions: dict[bytes, Session] = {}
         self._next_sid = 1
         self._closers: set[asyncio.Task[None]] = set()
         self._drain_requests: set[asyncio.Task[None]] = set()
@@ -182,27 +171,24 @@ class LocalServer:
 
     async def bind(self) -> None:
         path = self.config.socket_path
-        # The path is this daemon's (service.py holds its PathClaim); a socket that answers
-        # anyway is a daemon that takes no claim (an older kvd): leave it alone too.
+        # The path is this daemon's (service.py holds its PathClaim, in a directory it
+        # checked); a socket that answers anyway is a daemon that takes no claim (an older
+        # kvd): leave it alone too.
         if os.path.exists(path) and _socket_answers(path):
             raise ConfigError(f"socket_path: another daemon is serving {path}")
-        prepare_socket_dir(path)
         try:
             self._lifelines.bind()
         except OSError as exc:
             raise ConfigError(f"socket_path: cannot listen on {path}: {exc}") from None
         self._router.start()
 
-    def stop_reading(self) -> None:
-        """No new clients, no new requests (replies still go out)."""
-        self._reading_stopped = True
-        self._lifelines.stop_accepting()
-        self._router.pause()
-
     async def close(self) -> None:
         if self._drain_requests:  # let the drain reports go out first
             await asyncio.wait(set(self._drain_requests), timeout=5.0)
-        self.stop_reading()
+        # No new clients, no new requests (replies still go out).
+        self._reading_stopped = True
+        self._lifelines.stop_accepting()
+        self._router.pause()
         for session in list(self.sessions.values()):
             await self._close_session(session, "daemon stopping")
         if self._closers:
@@ -276,7 +262,6 @@ class LocalServer:
         session = Session(self._next_sid, identity, lifeline, msg.pid, msg.name)
         self._next_sid += 1
         self.sessions[identity] = session
-        self._by_lifeline[lifeline] = session
         log.log(_level(session), "client connected session=%d pid=%d name=%s", session.sid,
                 msg.pid, msg.name)
         self._send(identity, Welcome(
@@ -303,14 +288,14 @@ class LocalServer:
         if lifeline.endpoint_fd >= 0 and not self._router.closed:
             with contextlib.suppress(zmq.ZMQError):  # (ended already)
                 self._router.sock.disconnect(_endpoint(lifeline.endpoint_fd))
-        session = self._by_lifeline.get(lifeline)
+        session = self.sessions.get(lifeline.token)
         if session is not None:
             self.start_close(session, "client disconnected")
 
     def adopt_segments(self, lifeline: Connection, ids: list[int], fds: list[int]) -> str:
         """A handoff on a session's lifeline: the session takes the descriptors (''), or
         nothing (the reason; the caller closes them)."""
-        session = self._by_lifeline.get(lifeline)
+        session = self.sessions.get(lifeline.token)
         if session is None or session.closing:
             return "the session of this connection is closed"
         new = {i for i in ids if i not in session.segments}
@@ -347,8 +332,8 @@ class LocalServer:
                 case Register():
                     self._spawn(s, msg.req_id, op, self._register(s, msg))
                 case Publish():
-                    n = e.publish(s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s)
-                    self._done(s, msg.req_id, n)
+                    item = e.publish(s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s)
+                    self._done(s, msg.req_id, item.nbytes)
                 case Lend():
                     self._spawn(s, msg.req_id, op, e.lend(
                         s.sid, msg.key, msg.region_id, msg.ids, msg.ttl_s))
@@ -390,11 +375,8 @@ class LocalServer:
                 case Drain():
                     if self._drain_daemon is None:
                         raise ProtocolError("this daemon cannot be drained over its socket")
-                    task = self._loop.create_task(
-                        self._drain(s, msg.req_id, msg.grace_s, self._drain_daemon),
-                        name="kvd-drain-request")
-                    self._drain_requests.add(task)
-                    task.add_done_callback(self._drain_requests.discard)
+                    keep_task(self._drain_requests, self._drain(s, msg.req_id, msg.grace_s),
+                              name="kvd-drain-request")
                 case Cancel():
                     self._spawn(s, msg.req_id, op, self._cancel(s, msg.target))
                 case _:  # pragma: no cover - the decoder admits only the types above
@@ -424,21 +406,20 @@ class LocalServer:
             self._error(s, req_id, op, InternalError(f"{op} failed: {exc!r}"))
         else:
             self.engine.counters.request(op, "ok")
-            if result is not _REPLIED:
-                self._done(s, req_id, result if isinstance(result, int) else 0)
+            self._send(s.identity, result if isinstance(result, Registered) else
+                       Done(req_id=req_id, nbytes=result if isinstance(result, int) else 0))
         finally:
             s.tasks.pop(req_id, None)
 
-    async def _register(self, s: Session, msg: Register) -> _Replied:
+    async def _register(self, s: Session, msg: Register) -> Registered:
         r = await self.engine.register(s.sid, msg.name, msg.tensors, msg.block_dim,
                                        s.segments)
-        self._send(s.identity, Registered(req_id=msg.req_id, region_id=r.region_id,
-                                          num_blocks=r.num_blocks, layout=list(r.layout)))
-        return _REPLIED
+        return Registered(req_id=msg.req_id, region_id=r.region_id, num_blocks=r.num_blocks,
+                          layout=list(r.layout))
 
-    async def _drain(self, s: Session, req_id: int, grace_s: float | None,
-                     drain: DrainRequest) -> None:
-        report = await drain(grace_s)
+    async def _drain(self, s: Session, req_id: int, grace_s: float | None) -> None:
+        assert self._drain_daemon is not None
+        report = await self._drain_daemon(grace_s)
         self.engine.counters.request("drain", "ok")
         self._send(s.identity, StatsReply(req_id=req_id, stats=report))
 
@@ -486,9 +467,7 @@ class LocalServer:
     # ------------------------------------------------------------ sessions
 
     def start_close(self, session: Session, reason: str, reply_to: int | None = None) -> None:
-        task = self._loop.create_task(self._close_session(session, reason, reply_to))
-        self._closers.add(task)
-        task.add_done_callback(self._closers.discard)
+        keep_task(self._closers, self._close_session(session, reason, reply_to))
 
     async def _close_session(self, session: Session, reason: str,
                              reply_to: int | None = None) -> None:
@@ -496,7 +475,6 @@ class LocalServer:
             return
         session.closing = True
         self.sessions.pop(session.identity, None)
-        self._by_lifeline.pop(session.lifeline, None)
         if reply_to is not None:  # (after bye the client may say hello again on it)
             self._lifelines.release(session.lifeline)
         tasks = list(session.tasks.values())
@@ -529,22 +507,6 @@ def _endpoint(fd: int) -> str:
     """A client's endpoint, reached through the descriptor of its socket file (it lives in
     a directory only the client may enter, and may be unlinked already)."""
     return f"ipc:///proc/self/fd/{fd}"
-
-
-def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory, and refuse one that another user could change
-    (``socket_dir_problem``: checked once it exists, so one made meanwhile by someone else
-    is caught too). First thing at startup: an unusable path is a config error before
-    anything else happens."""
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, mode=0o750, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"socket_path: cannot create the directory of {path}: "
-                          f"{exc.strerror}") from None
-    problem = socket_dir_problem(directory)
-    if problem:
-        raise ConfigError(f"socket_path: {problem}")
 
 
 def _socket_answers(path: str) -> bool:

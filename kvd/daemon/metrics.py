@@ -35,7 +35,7 @@ from kvd.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:  # (the engine records into Metrics: types only the other way)
     from kvd.daemon.engine import Engine
-    from kvd.daemon.parts import DaemonParts
+    from kvd.daemon.service import Daemon
 
 # 10 µs … 60 s: a small control round trip up to a multi-GB transfer over a slow link.
 DURATION_BUCKETS = (
@@ -44,7 +44,7 @@ DURATION_BUCKETS = (
 )
 
 # What the daemon counts in ``bad_messages``, by socket: the local one (local_server.py,
-# lifelines.py) and the peer plane (peers.py, peer_sockets.py, peer_dial.py, peer_data.py,
+# lifelines.py) and the peer plane (peers.py, peer_sockets.py, peer_data.py,
 # transfer/). Each is exported at 0 from the start; a reason counted but missing here is
 # still exported once it happens (and a test fails until it is added).
 BAD_MESSAGE_REASONS: dict[str, tuple[str, ...]] = {
@@ -135,19 +135,19 @@ class Metrics:
                 self._wire.labels(direction, transport))
         return found
 
-    def attach(self, parts: DaemonParts) -> None:
+    def attach(self, daemon: Daemon) -> None:
         """Expose the state of the daemon's parts (read at scrape time, as they come up)."""
-        self.registry.register(_StateCollector(parts))
+        self.registry.register(_StateCollector(daemon))
 
 
 class _StateCollector(Collector):
-    def __init__(self, parts: DaemonParts) -> None:
-        self.parts = parts
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
         self.nccl = _nccl_version()
 
     def collect(self) -> Iterator[Any]:
-        p = self.parts
-        engine, local, peers, transfers = p.engine, p.local, p.peers, p.transfers
+        d = self.daemon
+        engine, local, peers, transfers = d.engine, d.local, d.peers, d.transfers
         build = GaugeMetricFamily(
             "kvd_build_info", "Versions of kvd, its protocol, torch and NCCL.",
             labels=["version", "protocol_version", "torch_version", "nccl_version"])
@@ -170,14 +170,11 @@ class _StateCollector(Collector):
             ("kvd_peers_connected", len(peers.links) if peers else 0, "Peer daemons linked."),
         ):
             yield GaugeMetricFamily(name, text, value=value)
-        spins = CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
-                                    "polled without sleeping (busy polling, on nodes that "
-                                    "see a GPU).")
-        spins.add_metric([], engine.busy_poll.turns)
-        yield spins
-        expiries = CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.")
-        expiries.add_metric([], engine.counters.expired_keys)
-        yield expiries
+        yield CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
+                                  "polled without sleeping (busy polling, on nodes that "
+                                  "see a GPU).", value=engine.busy_poll.turns)
+        yield CounterMetricFamily("kvd_key_expiries", "Keys freed by their TTL.",
+                                  value=engine.counters.expired_keys)
         leases = CounterMetricFamily(
             "kvd_lease_events", "Lent keys renewed or released by their reader, or expired "
             "unread; gets failed at once as the daemon they waited on was gone "
@@ -237,10 +234,9 @@ def _gpu_families(engine: Engine, nccl: dict[str, Any] | None) -> Iterator[Any]:
         staging.add_metric([device, "capacity"], pool.capacity_bytes)
         staging.add_metric([device, "used"], pool.used_bytes)
     yield staging
-    spills = CounterMetricFamily("kvd_gpu_spills", "NCCL arrivals that found GPU staging "
-                                 "full and went to the host pool.")
-    spills.add_metric([], engine.counters.gpu_spills)
-    yield spills
+    yield CounterMetricFamily("kvd_gpu_spills", "NCCL arrivals that found GPU staging "
+                              "full and went to the host pool.",
+                              value=engine.counters.gpu_spills)
     events = CounterMetricFamily("kvd_nccl_channel_events", "NCCL channels created, failed "
                                  "(aborted), evicted (LRU cap) and warmed (made when a peer "
                                  "linked, before any transfer).", labels=["event"])

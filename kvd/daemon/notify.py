@@ -19,7 +19,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("kvd.startup")
@@ -28,9 +28,8 @@ startup_log = logging.getLogger("kvd.startup")
 class Notifier:
     SEND_WAIT_S = 1.0
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        env = os.environ if env is None else env
-        address = env.get("NOTIFY_SOCKET", "")
+    def __init__(self) -> None:
+        address = os.environ.get("NOTIFY_SOCKET", "")
         if address.startswith("@"):  # abstract namespace
             address = "\0" + address[1:]
         self._address = address
@@ -38,16 +37,12 @@ class Notifier:
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             self._sock.setblocking(False)
-        usec = env.get("WATCHDOG_USEC", "")
-        pid = env.get("WATCHDOG_PID", "")
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        pid = os.environ.get("WATCHDOG_PID", "")
         self.watchdog_s: float | None = None
         if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
             self.watchdog_s = int(usec) / 1e6
         self._watchdog: asyncio.Task[None] | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
 
     def send(self, *lines: str, wait: bool = True) -> None:
         """One datagram. A receiver that reads late (its queue holds a few datagrams)
@@ -145,11 +140,9 @@ class StartupSteps:
 
     QUIET_S = 5.0
 
-    def __init__(self, notifier: Notifier | None = None,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(self, notifier: Notifier | None = None) -> None:
         # Who is told each step's status: systemd, and whoever the daemon adds.
         self.tell: list[Callable[[str], None]] = [notifier.status] if notifier else []
-        self._log = logger or startup_log
         self._lock = threading.Lock()
         self._step = ""
         self._step_began = time.monotonic()
@@ -159,7 +152,7 @@ class StartupSteps:
 
     def line(self, text: str) -> None:
         """One start-up line: ``+2.15s <text>``, the time since the process started."""
-        self._log.info("+%.2fs %s", since_process_start(), text)
+        startup_log.info("+%.2fs %s", since_process_start(), text)
         with self._lock:
             self._last_line = time.monotonic()
 

@@ -26,6 +26,7 @@ from typing import TypeVar
 from kvd.config import Config
 from kvd.daemon.accepting import Acceptor, Throttled
 from kvd.daemon.auth import DataTls, fingerprint_of
+from kvd.daemon.futures import keep_task
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
 from kvd.daemon.peer_sockets import BadInput
 from kvd.errors import ConfigError, KvdError, PeerUnreachable, ProtocolError
@@ -112,9 +113,7 @@ class DataPort:
             with contextlib.suppress(KvdError):
                 await self.send_channel(link)
 
-        task = self._loop.create_task(connect())
-        self._warmups.add(task)
-        task.add_done_callback(self._warmups.discard)
+        keep_task(self._warmups, connect())
 
     async def send_channel(self, link: PeerLink) -> SendChannel:
         """The channel for bytes we send to ``link``, connected on first use."""
@@ -195,26 +194,17 @@ class DataPort:
 
     # ------------------------------------------------------------ admitting connections
 
-    def _room_for(self, sock: socket.socket, addr: object) -> bool:
-        """Whether one more connection may wait for its token (MAX_UNLINKED_CONNECTIONS);
-        if not, it is closed now, counted and logged."""
-        if len(self._unlinked) < MAX_UNLINKED_CONNECTIONS:
-            return True
-        sock.close()
-        self._bad.count("unlinked_limit")
-        self._refusing.warning(
-            "data_port: connection from=%s closed: %d connections are waiting to link "
-            "already (the most); a flood of connections that do not link, or peers that do "
-            "not finish their handshake", _host_port(addr), len(self._unlinked))
-        return False
-
     def _take(self, sock: socket.socket, addr: object) -> None:
-        if not self._room_for(sock, addr):
+        if len(self._unlinked) >= MAX_UNLINKED_CONNECTIONS:
+            sock.close()
+            self._bad.count("unlinked_limit")
+            self._refusing.warning(
+                "data_port: connection from=%s closed: %d connections are waiting to link "
+                "already (the most); a flood of connections that do not link, or peers that "
+                "do not finish their handshake", _host_port(addr), len(self._unlinked))
             return
         self._unlinked.add(sock)
-        task = self._loop.create_task(self._admit(sock, addr))
-        self._admitting.add(task)
-        task.add_done_callback(self._admitting.discard)
+        task = keep_task(self._admitting, self._admit(sock, addr))
         task.add_done_callback(lambda _t: self._unlinked.discard(sock))
 
     async def _admit(self, conn: socket.socket, addr: object) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvd.daemon.peer_dial import Dial
+from kvd.daemon.peer_sockets import Dial
 from kvd.errors import KvdError
 from kvd.protocol import PeerMessage
 from kvd.transport.tcp import RecvChannel, SendChannel

@@ -1,5 +1,6 @@
 """The peer plane's ZeroMQ plumbing: the limits of its sockets, their monitors, the
-ROUTER peers dial (``PeerRouter``), and the count of bad input from peers (``BadInput``).
+ROUTER peers dial (``PeerRouter``), our DEALER to each peer (``Dial``), and the count of
+bad input from peers (``BadInput``).
 
 What a peer can make the daemon hold on these sockets: per connection, ``RECV_HWM``
 messages of at most ``MAX_PEER_MESSAGE_BYTES`` (256 KiB, from the largest offer) read
@@ -9,11 +10,12 @@ is closed by ZeroMQ; and at most ``MAX_PENDING_HANDSHAKES`` connections to the R
 whose handshake is not done (ZeroMQ's, then a hello that makes a link) are kept: past it
 the oldest is shut down. With ``curve_secret_key_file`` the ROUTER is a CurveZMQ server
 whose ZAP handler (``daemon/auth.py``) admits only the public keys on
-``curve_allowed_keys_file``.
+``curve_allowed_keys_file``, and each ``Dial`` dials with its peer's key from that list.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -26,9 +28,17 @@ import zmq
 
 from kvd.daemon.accepting import Throttled
 from kvd.daemon.auth import ZAP_DOMAIN, ZAP_ENDPOINT, CurveKeys, zap_answer
-from kvd.errors import ConfigError, KvdError, ProtocolError
+from kvd.errors import ConfigError, KvdError, PeerUnreachable, ProtocolError, error_from_code
 from kvd.loop_socket import LoopSocket, monitor_event
-from kvd.protocol import MAX_PEER_MESSAGE_BYTES, PeerError, PeerMessage, decode_peer, encode
+from kvd.protocol import (
+    MAX_PEER_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    PeerError,
+    PeerMessage,
+    PeerWelcome,
+    decode_peer,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +116,6 @@ class Monitor:
         event = monitor_event(frames)
         if event is not None:
             self._on_event(*event)
-
-    def drain(self) -> None:
-        """Handle every event that has come (before a hello: see PeerRouter.drain_events)."""
-        self.reader.read_now()
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -190,11 +196,6 @@ class PeerRouter:
     def send(self, routing_id: bytes, data: bytes) -> bool:
         return self._sock.send([routing_id, data])
 
-    def reply_to(self, routing_id: bytes) -> Reply:
-        def reply(data: bytes) -> object:
-            return self._sock.send([routing_id, data])
-        return reply
-
     def linked(self, fd: int) -> None:
         """The connection on descriptor ``fd`` said a hello that made a link: its handshake
         is done."""
@@ -205,7 +206,7 @@ class PeerRouter:
         the connection that had its descriptor before may have closed, and that event
         must not end the new link."""
         if self._monitor is not None:
-            self._monitor.drain()
+            self._monitor.reader.read_now()
 
     def _close_helpers(self) -> None:
         if self._monitor is not None:
@@ -221,8 +222,12 @@ class PeerRouter:
 
     def _on_frames(self, frames: Sequence[bytes | zmq.Frame]) -> None:
         """A message on our ROUTER: [routing id, payload] from a peer's DEALER."""
-        routing_id = frame_bytes(frames[0])
-        reply = self.reply_to(routing_id)
+        first = frames[0]
+        routing_id = first.bytes if isinstance(first, zmq.Frame) else first
+
+        def reply(data: bytes) -> object:
+            return self.send(routing_id, data)
+
         if len(frames) != 2:
             self._bad.report("frames", reply, ProtocolError(
                 f"expected one frame per message, got {len(frames) - 1}"),
@@ -310,10 +315,6 @@ def _source(routing_id: bytes) -> str:
     return f"routing id {routing_id.hex()}"
 
 
-def frame_bytes(frame: bytes | zmq.Frame) -> bytes:
-    return frame.bytes if isinstance(frame, zmq.Frame) else frame
-
-
 def frame_property(frame: bytes | zmq.Frame, name: str) -> int | str | None:
     """A property of the connection a message came on (None if ZeroMQ has none)."""
     if not isinstance(frame, zmq.Frame):
@@ -330,3 +331,122 @@ def _event_name(event: int) -> str:
         return zmq.Event(event).name or str(event)
     except ValueError:
         return str(event)
+
+
+_DIAL_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class Dial:
+    """Our DEALER to ``address``, from its handshake to its link's end: one per link, never
+    reconnecting (a new handshake gets a new one); its monitor says when its connection
+    fails or ends, and the handshake then fails, or the link ends.
+
+    ``handshake`` says hello and waits for the welcome; ``attach`` then hands the link's
+    messages (those that came right behind the welcome first) to ``on_payload`` and the
+    end of its connection to ``on_closed``. Construction raises PeerUnreachable when
+    CurveZMQ is on and the peer has no key, zmq.ZMQError when no socket can be opened.
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None,
+                 handshake_ms: int, bad: BadInput) -> None:
+        self.address = address
+        self._bad = bad
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            set_limits(sock, handshake_ms)
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection: a new link, a new DEALER
+            if keys is not None:
+                server_key = keys.by_address.get(address)
+                if server_key is None:
+                    raise PeerUnreachable(
+                        f"no public key for peer {address}: add '<its key> {address}' to "
+                        f"curve_allowed_keys_file")
+                sock.curve_serverkey = server_key
+                sock.curve_publickey = keys.public
+                sock.curve_secretkey = keys.secret
+            self._monitor = Monitor(ctx, sock, _DIAL_EVENTS, self._on_event,
+                                    f"peer {address} monitor")
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock = LoopSocket(sock, self._on_message, what=f"peer {address}")
+        self._welcome: asyncio.Future[PeerWelcome] = (
+            asyncio.get_running_loop().create_future())
+        self._on_payload: Callable[[bytes], None] | None = None
+        self._on_closed: Callable[[KvdError], None] | None = None
+        self._early: list[bytes] = []  # messages behind the welcome, until attach
+        self._sock.start()
+        sock.connect(f"tcp://{address}")
+
+    async def handshake(self, hello: bytes) -> PeerWelcome:
+        """Say ``hello`` and wait for the welcome (the caller bounds the wait): a
+        PeerUnreachable if the connection fails, the peer's error if it refuses."""
+        if not self._sock.send([hello]):
+            raise PeerUnreachable(f"peer {self.address} took no hello")
+        return await self._welcome
+
+    def attach(self, on_payload: Callable[[bytes], None],
+               on_closed: Callable[[KvdError], None]) -> None:
+        """The link is made: its messages go to ``on_payload`` from now on, the end of
+        its connection to ``on_closed``."""
+        self._on_payload = on_payload
+        self._on_closed = on_closed
+        early, self._early = self._early, []
+        for payload in early:  # what came right behind the welcome, before the link was made
+            on_payload(payload)
+
+    def send(self, data: bytes) -> bool:
+        return self._sock.send([data])
+
+    def close(self, linger_s: float = 0.0) -> None:
+        self._monitor.close()
+        self._sock.close(linger_s)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        """A message on our DEALER: the peer's answer to our hello, then the link's
+        messages."""
+        if len(frames) != 1 or not frames[0]:
+            self._bad.report("frames", None, ProtocolError(
+                f"expected one non-empty frame per message, got {len(frames)}"),
+                self.address)
+            return
+        if self._on_payload is not None:
+            self._on_payload(frames[0])
+        elif self._welcome.done():  # the link is being made: keep the message for it
+            self._early.append(frames[0])
+        else:
+            try:
+                msg = decode_peer(frames[0])
+            except ProtocolError as err:
+                self._bad.report("malformed", None, err, self.address)
+                return
+            if isinstance(msg, PeerWelcome):
+                if msg.protocol_version != PROTOCOL_VERSION:
+                    self._welcome.set_exception(ProtocolError(
+                        f"peer speaks protocol {msg.protocol_version}, we speak "
+                        f"{PROTOCOL_VERSION}"))
+                else:
+                    self._welcome.set_result(msg)
+            elif isinstance(msg, PeerError):
+                self._welcome.set_exception(
+                    error_from_code(msg.code, f"peer refused: {msg.message}"))
+
+    def _on_event(self, event: int, value: int) -> None:
+        """Our connection failed or ended: the handshake fails, or the link ends."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"it refused our public key (status {value}): is it in the peer's "
+                   f"curve_allowed_keys_file?")
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            why = ("the ZeroMQ handshake failed (a CurveZMQ key that does not match, or one "
+                   "side without CurveZMQ)")
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            why = "the ZeroMQ handshake failed"
+        elif event == zmq.EVENT_CLOSED:
+            why = "connection refused or closed"
+        else:
+            why = "connection closed"
+        if not self._welcome.done():
+            self._welcome.set_exception(PeerUnreachable(f"peer {self.address}: {why}"))
+        elif self._on_closed is not None:
+            self._on_closed(PeerUnreachable(f"connection to peer {self.address}: {why}"))

@@ -1,42 +1,26 @@
 """The peer plane: links to other daemons, their handshake, heartbeats and death.
 
-Each daemon binds a ZeroMQ ROUTER on ``tcp://peer_host:peer_port`` for control messages
-(``daemon/peer_sockets.py``) and listens on ``data_port`` (TCP) for bytes
-(``daemon/peer_data.py``). To talk to a peer it connects a DEALER of its own
-(``daemon/peer_dial.py``: one per link, a new handshake gets a new one) and says
-``PeerHello`` (version, node id, epoch, its address, its data port, a fresh *data token*,
-and the fingerprint of its data port's certificate when data is encrypted); the peer
-answers ``PeerWelcome`` with the same fields through its ROUTER, to the routing id the
-hello came from. The link (``daemon/peer_link.py``) then carries one msgspec message per
-ZeroMQ message both ways, in order (the NCCL channels rely on that order): ours on the
-DEALER, theirs on their ROUTER. Each side opens its own data connection to the other's
-data port for the bytes it sends, presenting the token it was given. Every ZeroMQ socket
-is read on the loop through ``kvd.loop_socket.LoopSocket``. What happens on links goes to
-one ``LinkEvents`` (``handle_with``).
-
-Security (``daemon/auth.py``): with ``curve_secret_key_file`` the ROUTER admits only the
-public keys on ``curve_allowed_keys_file``, and a peer's hello is taken only for the
-address the list gives its key; our DEALERs dial with the peer's key from the same list.
-With ``encrypt_data`` the data connections are TLS, pinned by the fingerprint exchanged
-over the CURVE-secured handshake. Without keys the plane is open: a daemon refuses to
-start so beyond loopback unless the operator allows it (``auth.check_exposure``).
+The protocol is docs/architecture.md's "Peer plane" and "Data connections": our ROUTER,
+which peers dial, and a DEALER of ours per link (``peer_sockets``: ``PeerRouter``,
+``Dial``); ``PeerHello`` and ``PeerWelcome``; then one message per ZeroMQ message both
+ways, in order (the NCCL channels rely on that order). Each side sends its bytes on a data
+connection of its own (``peer_data.DataPort``), admitted by the token the handshake gave.
+What happens on links goes to one ``LinkEvents`` (``handle_with``). With CurveZMQ
+(``auth.py``) a hello is taken only for the address the allow-list gives its key.
 
 A link ends at once when its connection does: the socket monitors say so (a DEALER's
 ``EVENT_DISCONNECTED`` is its link's; on the ROUTER the event names the connection's
-descriptor, which the hello's frame carried). A link silent for longer than
-``peer_grace_s`` ends too (a hung peer; heartbeats go both ways every
-``heartbeat_interval_s``, and any message counts as a sign of life), and so does a link to
-which ZeroMQ refuses a message (the peer stopped reading: ``SEND_HWM`` messages wait for
-it). Its transfers then fail with ``PeerUnreachable`` (through ``on_link_lost``) and its
-channels are aborted. A ``PeerHello`` claiming the address of a link that answers (heard
-within the grace) is refused: without CurveZMQ anyone could claim it. A peer that
-restarted closed its old connection when it died (or falls silent past the grace); its
-hello is taken then, and the old link dies the same way.
+descriptor, which the hello's frame carried). It ends too when silent past
+``peer_grace_s`` (a hung peer; any message is a sign of life), and when ZeroMQ refuses it
+a message (the peer stopped reading: ``SEND_HWM``). Its transfers then fail with
+``PeerUnreachable`` (``on_link_lost``) and its channels are aborted. A ``PeerHello``
+claiming the address of a link that answers is refused, since without CurveZMQ anyone
+could claim it; a restarted peer closed its old connection (or falls silent), and its
+hello is taken then.
 
-What a peer can make the daemon hold: ``MAX_LINKS`` links (a hello past it is refused),
-connections that have not linked yet (``daemon/peer_sockets.py`` bounds those to the
-ROUTER, which ``PeerRouter.linked`` is told of, ``daemon/peer_data.py`` those to the data
-port), and per connection what those two modules bound.
+What a peer can make the daemon hold: ``MAX_LINKS`` links, connections that have not
+linked yet (bounded by ``peer_sockets`` on the ROUTER, ``peer_data`` on the data port),
+and per connection what those two modules bound.
 """
 
 from __future__ import annotations
@@ -53,12 +37,13 @@ import zmq
 from kvd import timeline
 from kvd.config import Config
 from kvd.daemon.auth import CurveKeys, load_keys, make_data_tls
+from kvd.daemon.futures import keep_task
 from kvd.daemon.peer_data import DataPort
-from kvd.daemon.peer_dial import Dial
 from kvd.daemon.peer_link import CPU_DEVICE, LinkEvents, PeerLink
 from kvd.daemon.peer_sockets import (
     SEND_HWM,
     BadInput,
+    Dial,
     PeerRouter,
     Reply,
     frame_property,
@@ -86,20 +71,6 @@ log = logging.getLogger(__name__)
 MAX_LINKS = 256
 
 
-class _NoHandler:
-    """The plane's events before ``handle_with``: a mistake in the daemon's composition,
-    said as soon as something happens on a link."""
-
-    def on_message(self, link: PeerLink, msg: PeerMessage) -> None:
-        raise RuntimeError("PeerPlane.handle_with was not called")
-
-    def on_link_up(self, link: PeerLink) -> None:
-        raise RuntimeError("PeerPlane.handle_with was not called")
-
-    def on_link_lost(self, link: PeerLink, error: KvdError) -> None:
-        raise RuntimeError("PeerPlane.handle_with was not called")
-
-
 class PeerPlane:
     """Construct, ``listen`` (the ports are claimed), ``handle_with`` the component that
     takes the links' events, ``start``."""
@@ -112,7 +83,7 @@ class PeerPlane:
         # Told to peers too: our channels can split for blocking calls (config and NCCL).
         self.nccl_blocking_calls = nccl_blocking_calls
         self.epoch = epoch
-        self._events: LinkEvents = _NoHandler()
+        self._events: LinkEvents | None = None  # (set before start: no link before it)
         self._bad = self.bad_input = BadInput()
         self.bad_messages = self._bad.counts
         self.links: dict[str, PeerLink] = {}  # by address
@@ -142,7 +113,7 @@ class PeerPlane:
     def handle_with(self, events: LinkEvents) -> None:
         """Where the links' messages and ups and downs go: set once, before ``start``
         (the component that takes them is built with this plane)."""
-        if not isinstance(self._events, _NoHandler):
+        if self._events is not None:
             raise RuntimeError("the peer plane's events have a handler already")
         self._events = events
 
@@ -156,7 +127,7 @@ class PeerPlane:
         self._data.listen(cfg.peer_host, cfg.data_port)
 
     def start(self) -> None:
-        if isinstance(self._events, _NoHandler):
+        if self._events is None:
             raise RuntimeError("PeerPlane.handle_with must come before start")
         assert self._router is not None
         self._router.start()
@@ -266,16 +237,7 @@ class PeerPlane:
             del self._handshake_done[token]
             if not done.done():
                 done.set_result(None)
-        link = PeerLink(address=address, node_id=welcome.node_id, epoch=welcome.epoch,
-                        data_port=welcome.data_port, token_for_them=token,
-                        token_for_us=welcome.data_token, dial=dial,
-                        data_fingerprint=welcome.data_fingerprint,
-                        last_seen=self._loop.time(), devices=list(welcome.devices),
-                        nccl_blocking_calls=welcome.nccl_blocking_calls,
-                        pool_capacity_bytes=welcome.pool_capacity_bytes)
-        self._add_link(link)
-        log.info("peer up address=%s node=%s epoch=%d (outgoing)", address, link.node_id,
-                 link.epoch)
+        link = self._add_link(address, welcome, token, dial=dial)
         self._data.warm_up(link)
         self._link_up(link)
         dial.attach(lambda payload: self._on_link_payload(link, payload),
@@ -293,11 +255,6 @@ class PeerPlane:
                 f"encrypt_data (and CurveZMQ) the same on both")
 
     # ------------------------------------------------------------ links peers make
-
-    def _answers(self, link: PeerLink) -> bool:
-        """The link is up (its connection not known closed) and was heard within its
-        grace."""
-        return link.alive and self._loop.time() - link.last_seen <= self.config.peer_grace_s
 
     def _on_hello(self, routing_id: bytes, frame: bytes | zmq.Frame, hello: PeerHello,
                   reply: Reply) -> None:
@@ -328,10 +285,12 @@ class PeerPlane:
         if self._router is not None:
             self._router.drain_events()
         old = self.links.get(hello.address)
-        if old is not None and self._answers(old):
+        if (old is not None and old.alive
+                and self._loop.time() - old.last_seen <= self.config.peer_grace_s):
             # Without CurveZMQ anyone can claim an address: the link that holds it keeps
-            # it while it answers. A peer that restarted closed its old connection when it
-            # died (or falls silent past the grace), and its new hello is taken then.
+            # it while it answers (heard within its grace). A peer that restarted closed its
+            # old connection when it died (or falls silent past the grace), and its new
+            # hello is taken then.
             self._bad.report("takeover", reply, PeerUnreachable(
                 f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
                 f"and that link answers: refused until its connection closes or it is silent "
@@ -343,22 +302,13 @@ class PeerPlane:
                 f"hello from {hello.address} (node {hello.node_id}) refused"), source)
             return
         token = secrets.token_bytes(32)
-        link = PeerLink(address=hello.address, node_id=hello.node_id, epoch=hello.epoch,
-                        data_port=hello.data_port, token_for_them=token,
-                        token_for_us=hello.data_token, routing_id=routing_id,
-                        fd=fd if isinstance(fd, int) else -1,
-                        data_fingerprint=hello.data_fingerprint,
-                        last_seen=self._loop.time(), devices=list(hello.devices),
-                        nccl_blocking_calls=hello.nccl_blocking_calls,
-                        pool_capacity_bytes=hello.pool_capacity_bytes)
-        self._add_link(link)
+        link = self._add_link(hello.address, hello, token, routing_id=routing_id,
+                              fd=fd if isinstance(fd, int) else -1)
         self._by_routing_id[routing_id] = link
         if link.fd >= 0:
             self._by_fd[link.fd] = link
             if self._router is not None:
                 self._router.linked(link.fd)
-        log.info("peer up address=%s node=%s epoch=%d (incoming)", link.address,
-                 link.node_id, link.epoch)
         if not reply(encode(PeerWelcome(**self._hello_fields(token)))):
             self._lose(link, PeerUnreachable(f"peer {link.address} took no welcome"))
             return
@@ -380,15 +330,29 @@ class PeerPlane:
 
     # ------------------------------------------------------------ a link's life
 
-    def _add_link(self, link: PeerLink) -> None:
-        old = self.links.get(link.address)
+    def _add_link(self, address: str, said: PeerHello | PeerWelcome, token: bytes,
+                  dial: Dial | None = None, routing_id: bytes = b"", fd: int = -1
+                  ) -> PeerLink:
+        """The link a handshake made (``said``: the peer's hello or welcome; ``token``:
+        the one we gave it), in place of an old one to ``address``."""
+        link = PeerLink(address=address, node_id=said.node_id, epoch=said.epoch,
+                        data_port=said.data_port, token_for_them=token,
+                        token_for_us=said.data_token, dial=dial, routing_id=routing_id, fd=fd,
+                        data_fingerprint=said.data_fingerprint, last_seen=self._loop.time(),
+                        devices=list(said.devices),
+                        nccl_blocking_calls=said.nccl_blocking_calls,
+                        pool_capacity_bytes=said.pool_capacity_bytes)
+        old = self.links.get(address)
         if old is not None and old.alive:
             reason = ("peer restarted" if old.epoch != link.epoch
                       else "peer reconnected")
             self._lose(old, PeerUnreachable(f"{reason}: {link.address}"))
-        self.links[link.address] = link
-        self._by_token[link.token_for_them] = link
+        self.links[address] = link
+        self._by_token[token] = link
         link.recv_channel = self._data.recv_channel(link)
+        log.info("peer up address=%s node=%s epoch=%d (%s)", address, link.node_id,
+                 link.epoch, "outgoing" if dial else "incoming")
+        return link
 
     def _link_up(self, link: PeerLink) -> None:
         """Tell the daemon a link is up, once: an outgoing one as soon as it is made; an
@@ -396,6 +360,7 @@ class PeerPlane:
         drop (or refuse) a message that reaches it before its loop has made the link."""
         link.reported_up = True
         try:
+            assert self._events is not None
             self._events.on_link_up(link)
         except Exception:
             log.exception("unhandled error in the link-up handler")
@@ -434,6 +399,7 @@ class PeerPlane:
         if self._by_fd.get(link.fd) is link:
             del self._by_fd[link.fd]
         self._data.abort(link, error)
+        assert self._events is not None
         self._events.on_link_lost(link, error)
         callbacks, link.on_lost = link.on_lost, []  # what they hold goes with the link
         for callback in callbacks:
@@ -484,13 +450,12 @@ class PeerPlane:
             log.warning("peer %s reported: [%s] %s", link.address, msg.code, msg.message)
             return
         if isinstance(msg, PeerWelcome):
-            self._bad.report("unexpected", reply or self._link_reply(link),
+            self._bad.report("unexpected",
+                             reply or (lambda data: self._send_on(link, data)),
                              ProtocolError("unexpected peer_welcome"), link.address)
             return
+        assert self._events is not None
         self._events.on_message(link, msg)
-
-    def _link_reply(self, link: PeerLink) -> Reply:
-        return lambda data: self._send_on(link, data)
 
     # ------------------------------------------------------------ heartbeats
 
@@ -518,6 +483,4 @@ class PeerPlane:
                     with contextlib.suppress(KvdError):
                         await self.link_to(address, self.config.peer_connect_timeout_s)
 
-                task = self._loop.create_task(connect())
-                self._configuring.add(task)
-                task.add_done_callback(self._configuring.discard)
+                keep_task(self._configuring, connect())

@@ -4,8 +4,8 @@ Startup acquires in order (the socket path's claim, the HTTP port, the peer port
 host pool, GPU kernels and staging, the copy worker, the engine, the local socket, then the
 peer plane starts reading) on an ``AsyncExitStack``, so teardown runs in reverse whatever
 failed: every port is claimed before the pool is taken. The daemon composes its
-parts (``parts.DaemonParts``) through constructor arguments; the servers that answer for
-the whole daemon get its ``status`` and ``drain_on_request`` as callables. ``serve`` takes an
+parts through constructor arguments; the servers that answer for the whole daemon get its
+``status`` and ``drain_on_request`` as callables. ``serve`` takes an
 injectable ``shutdown_trigger`` (tests pass ``event.wait``); without one it installs
 SIGTERM/SIGINT handlers: the first signal drains (refuse new work, finish in-flight within
 ``drain_grace_s``, exit 0), a second one forces the exit.
@@ -24,22 +24,29 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
+
 from kvd import __version__, timeline
-from kvd.config import Config, check_socket_path, development_overrides, format_size
+from kvd.config import (
+    Config,
+    check_socket_path,
+    development_overrides,
+    format_size,
+    socket_dir_problem,
+)
 from kvd.daemon.auth import check_exposure
 from kvd.daemon.descriptors import PER_LIFELINE, PER_SEGMENT, DescriptorBudget
 from kvd.daemon.engine import Engine
 from kvd.daemon.gc_pauses import GcPauses, freeze_startup
 from kvd.daemon.http import HttpServer
-from kvd.daemon.local_server import MAX_SEGMENTS_PER_SESSION, LocalServer, prepare_socket_dir
+from kvd.daemon.local_server import MAX_SEGMENTS_PER_SESSION, LocalServer
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.notify import Notifier, StartupSteps
-from kvd.daemon.parts import DaemonParts
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.socket_files import PathClaim
 from kvd.daemon.transfer.nccl_links import NcclLinks
 from kvd.daemon.transfer.transfers import PeerTransfers
-from kvd.errors import Draining
+from kvd.errors import ConfigError, Draining
 from kvd.loop_socket import new_context
 from kvd.memory.pool import HostPool
 from kvd.transport.local import CopyWorker
@@ -52,13 +59,10 @@ from kvd.transport.nccl import (
 
 log = logging.getLogger(__name__)
 
-# How long the loop spins after each message where the daemon sees a GPU
-# (daemon/busy_poll.py). On the H200 host (a microVM) Python right after a 2 ms sleep ran
-# ~4x slower than hot (166 against 41 us), 8x after 20 ms: spinning 20 ms covers the
-# gaps between the messages of a flow of transfers, so the loop stays hot through it (a
-# 1 MiB put into a waiting get: 767 -> 452 us), and an idle daemon stops within 20 ms.
-# Without a GPU it does not spin: on a 2-core machine the spinning loop slowed a 32 MiB TCP
-# transfer (9.2 -> 13.2 ms), its threads waiting for the GIL.
+# How long the loop spins after each message where the daemon sees a GPU (busy_poll.py):
+# 20 ms covers the gaps between the messages of a flow of transfers, and an idle daemon
+# stops within it. Without a GPU it does not spin: on a 2-core machine the spinning loop
+# slowed TCP transfers, their threads waiting for the GIL (docs/architecture.md).
 BUSY_POLL_WINDOW_S = 0.02
 
 
@@ -87,9 +91,12 @@ class Daemon:
         self.ready = asyncio.Event()
         self.forced = False
         # The parts, as they come up (the metrics read them at scrape time).
-        self.parts = DaemonParts()
+        self.engine: Engine | None = None
+        self.peers: PeerPlane | None = None
+        self.transfers: PeerTransfers | None = None
+        self.local: LocalServer | None = None
         self.metrics = Metrics()
-        self.metrics.attach(self.parts)
+        self.metrics.attach(self)
         self.gc_pauses = GcPauses()
         self.notifier = Notifier()
         self.steps = StartupSteps(self.notifier)
@@ -179,11 +186,9 @@ class Daemon:
 
     async def drain_on_request(self, grace_s: float | None) -> dict[str, Any]:
         """``kvd drain``: drain as on SIGTERM, and report once in-flight work is done."""
-        if grace_s is None:
-            log.info("drain requested over the local socket (grace %.1fs: drain_grace_s)",
-                     self.config.drain_grace_s)
-        else:
-            log.info("drain requested over the local socket (grace %.1fs, as asked)", grace_s)
+        log.info("drain requested over the local socket (grace %.1fs%s)",
+                 self.config.drain_grace_s if grace_s is None else grace_s,
+                 ": drain_grace_s" if grace_s is None else ", as asked")
         self._grace_s = grace_s
         self._stop.set()
         await self.drained.wait()
@@ -206,7 +211,7 @@ class Daemon:
         steps.begin("claiming the socket path")
         check_socket_path(self.config)
         check_exposure(self.config)  # (peer_host off loopback needs keys, or a yes)
-        prepare_socket_dir(self.config.socket_path)
+        _prepare_socket_dir(self.config.socket_path)
         # The socket path is ours before anything is allocated: a second daemon on it is
         # refused here, and removes nothing of the first one's (socket_files.py).
         claim = PathClaim(self.config.socket_path)
@@ -229,7 +234,7 @@ class Daemon:
         steps.done(f"http listening on {self.http.address}")
         # Asked once: it decides the pool's pinning and whether the loop busy-polls.
         steps.begin("looking for a GPU")
-        sees_gpu = await asyncio.to_thread(_sees_gpu)
+        sees_gpu = await asyncio.to_thread(torch.cuda.is_available)
         steps.done("a GPU is seen: the host pool is pinned" if sees_gpu
                    else "no GPU seen: the host pool is not pinned")
         budget = DescriptorBudget.from_limit()
@@ -269,18 +274,18 @@ class Daemon:
         steps.begin("starting the engine and the peer plane")
         worker = CopyWorker("kvd-copy-local")
         stack.callback(worker.stop, 30.0)
-        engine = self.parts.engine = Engine(
+        engine = self.engine = Engine(
             self.config, pool, worker, self.metrics, gpu_pools,
             busy_poll_window_s(sees_gpu))
-        self.parts.peers = peers
+        self.peers = peers
         nccl = NcclLinks(self.config, peers) if gpus else None
-        remote = self.parts.transfers = PeerTransfers(engine, peers, nccl)
+        remote = self.transfers = PeerTransfers(engine, peers, nccl)
         peers.handle_with(remote)
         engine.remote = remote
         stack.push_async_callback(peers.close)  # (before the pool's: links end first)
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
-        local = self.parts.local = LocalServer(self.config, engine, zmq_context, self.epoch,
+        local = self.local = LocalServer(self.config, engine, zmq_context, self.epoch,
                                                self.status, budget, self.drain_on_request)
         stack.push_async_callback(local.close)
         steps.done("engine and peer plane set up")
@@ -339,8 +344,6 @@ class Daemon:
             return [], "nccl off (nccl = false)"
         if not nccl_available():
             return [], "nccl not available"
-        import torch
-
         gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return gpus, f"nccl {nccl_version()}, GPUs for channels: {', '.join(gpus) or 'none'}"
 
@@ -363,24 +366,6 @@ class Daemon:
             return False
         log.info("nccl calls: blocking, with peers that say so too")
         return True
-
-    # ------------------------------------------------------------ the parts
-
-    @property
-    def engine(self) -> Engine | None:
-        return self.parts.engine
-
-    @property
-    def peers(self) -> PeerPlane | None:
-        return self.parts.peers
-
-    @property
-    def transfers(self) -> PeerTransfers | None:
-        return self.parts.transfers
-
-    @property
-    def local(self) -> LocalServer | None:
-        return self.parts.local
 
     # ------------------------------------------------------------ what operators see
 
@@ -502,10 +487,19 @@ def run(config: Config, shutdown_trigger: ShutdownTrigger | None = None) -> int:
     return 130 if daemon.forced else 0
 
 
-def _sees_gpu() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
+def _prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory, and refuse one that another user could change
+    (``socket_dir_problem``: checked once it exists, so one made meanwhile by someone else
+    is caught too). First thing at startup: an unusable path is a config error before
+    anything else happens."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o750, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"socket_path: cannot create the directory of {path}: "
+                          f"{exc.strerror}") from None
+    if problem := socket_dir_problem(directory):
+        raise ConfigError(f"socket_path: {problem}")
 
 
 def _raise_open_file_limit() -> None:
@@ -544,8 +538,6 @@ def _report_limits(budget: DescriptorBudget, pinned: bool) -> None:
 
 def _warm_kernels(gpus: list[str]) -> None:
     """``gpu_copy.warm_up`` on each GPU before any NCCL kernel can run (see there why)."""
-    import torch
-
     from kvd.transport import gpu_copy
 
     for dev in gpus:

@@ -122,11 +122,6 @@ def bind_unix(sock: socket.socket, path: str) -> BoundFile:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     sock.bind(path)
-    return socket_identity(path)
-
-
-def socket_identity(path: str) -> BoundFile:
-    """The socket file now at ``path`` (one this process has just bound there)."""
     return BoundFile(path, *_identity(os.lstat(path)))
 
 

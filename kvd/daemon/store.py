@@ -179,13 +179,13 @@ class KeyStore:
         """Take ``key`` out of the store (its memory stays: see ``remove``)."""
         item = self._items.pop(key, None)
         if item is not None:
-            self._went(key, why)
+            self.mark_gone(key, why)
         return item
 
     def remove(self, item: Item, why: str) -> None:
         if self._items.get(item.key) is item:
             del self._items[item.key]
-            self._went(item.key, why)
+            self.mark_gone(item.key, why)
         item.release()
 
     def gone(self, key: str) -> str:
@@ -199,10 +199,7 @@ class KeyStore:
         return UnknownKey(f"no key {key!r}{where}")
 
     def mark_gone(self, key: str, why: str) -> None:
-        """Remember ``key`` as gone (``why``) though it is not here: it will not come."""
-        self._went(key, why)
-
-    def _went(self, key: str, why: str) -> None:
+        """Remember ``key`` as gone (``why``): a pull of it is answered at once."""
         _remember(self._gone, _name_hash(key), why)
 
     def keep_tail(self, key: str, first: int) -> None:
