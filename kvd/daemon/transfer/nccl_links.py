@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvd.config import Config
+from kvd.daemon.futures import keep_task
 from kvd.daemon.peer_link import PeerLink
 from kvd.daemon.peers import PeerPlane
 from kvd.errors import KvdError, PeerUnreachable, TransferFailed
@@ -246,9 +247,7 @@ class NcclLinks:
             entry.channel.abort(err)
             entry.channel.stop(_STOP_TIMEOUT_S)
 
-        task = self._loop.create_task(asyncio.to_thread(teardown))
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        keep_task(self._stopping, asyncio.to_thread(teardown))
 
     async def close(self) -> None:
         for entry in list(self._by_id.values()):

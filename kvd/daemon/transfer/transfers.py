@@ -29,7 +29,7 @@ import torch
 
 from kvd import timeline
 from kvd.daemon.engine import Engine
-from kvd.daemon.futures import TimedOut, on_loop, settle_awaited, time_out, wait_out
+from kvd.daemon.futures import TimedOut, keep_task, on_loop, settle_awaited, time_out, wait_out
 from kvd.daemon.peer_link import CPU_DEVICE, PeerLink
 from kvd.daemon.peers import PeerPlane
 from kvd.daemon.store import Item
@@ -347,9 +347,7 @@ class PeerTransfers:
                 return
             self._act(self.machine.tcp_ready(tid, None))
 
-        task = self._loop.create_task(connect())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        keep_task(self._tasks, connect())
 
     def _send_offer(self, tid: int, how: Offering) -> None:
         run = self._out.get(tid)
