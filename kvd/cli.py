@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from kvd import __version__
 from kvd.config import (
     OPERATOR_SETTINGS,
+    add_config_arguments,
     client_socket_path,
     config_from_args,
     format_size,
@@ -35,7 +36,6 @@ from kvd.config import (
 )
 from kvd.errors import ConfigError, KvdError
 from kvd.protocol import CLI_CLIENT_NAME, PROTOCOL_VERSION
-from kvd.settings_help import add_config_arguments
 
 # Where `kvd keygen` writes without --dir: the directory the systemd unit and the sample
 # config (systemd/kvd.toml) read the node's keys from.
