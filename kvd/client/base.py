@@ -3,7 +3,14 @@
 Both clients are thin I/O shells over ``RequestBuilder``: each method builds one request
 here (so validation, defaults and timeouts are written once) and maps the reply with
 ``result_of``. The async client is the reference; the sync client has the same methods,
-arguments and results.
+arguments and results (and their docstrings).
+
+What both promise: every call has a timeout. A call that ends before its reply (its timeout
+runs out, its task is cancelled or its thread interrupted), a transfer's ``cancel`` and
+closing the client stop the request in the daemon, and return only once the daemon says it
+has ended: no more bytes land in (or are read from) its blocks. Where the daemon does not
+say so within the client's timeout, the client drops its connection (``unconfirmed``): the
+daemon then stops every request of the session before it releases the regions.
 """
 
 from __future__ import annotations
@@ -148,7 +155,8 @@ def open_connection(socket_path: str, timeout_s: float
     (``ClientLifeline.reach``), and the DEALER's monitor (``ended_by``). Blocking, within
     ``timeout_s``."""
     lifeline = ClientLifeline.connect(socket_path, timeout_s)
-    sock: zmq.Socket[Any] = context().socket(zmq.DEALER)
+    # (the process's context for clients: one I/O thread, made on first use)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -167,11 +175,6 @@ def ended_by(event: list[bytes]) -> bool:
     sent before is in the DEALER then (one connection delivers in order)."""
     parsed = monitor_event(event)
     return parsed is not None and parsed[0] == zmq.EVENT_DISCONNECTED
-
-
-def context() -> zmq.Context[Any]:
-    """The process's ZeroMQ context for clients (one I/O thread, made on first use)."""
-    return zmq.Context.instance()
 
 
 _MAX_BLOCK_ID = 2**32 - 1
@@ -399,13 +402,43 @@ class RequestBuilder:
 
     def unconfirmed(self, target: int, why: str) -> DaemonUnavailable:
         """The error of a client that stopped waiting for request ``target`` without the
-        daemon's word that it ended: the client drops its connection, and says what that
-        leaves."""
-        return DaemonUnavailable(
+        daemon's word that it ended (logged here): the client drops its connection, and
+        says what that leaves."""
+        err = DaemonUnavailable(
             f"kvd daemon at {self.socket_path} did not confirm that request {target} "
             f"stopped ({why}): the connection is closed and the registrations are gone. The "
             "daemon stops the client's requests before it releases the regions, but until "
             "then bytes may still move in that request's blocks: create a new client")
+        log.warning("%s", err.message)
+        return err
+
+    def no_hello(self, exc: Exception) -> DaemonUnavailable:
+        return DaemonUnavailable(f"kvd daemon at {self.socket_path} did not answer hello: {exc}")
+
+
+class ClientShell:
+    """What both clients are around their ``RequestBuilder``: the public attributes."""
+
+    _b: RequestBuilder
+    node_id: str  # the daemon's, and its epoch: told in its welcome
+    epoch: int
+
+    @property
+    def socket_path(self) -> str:
+        return self._b.socket_path
+
+    @property
+    def name(self) -> str:
+        return self._b.name
+
+    def _welcomed(self, welcome: Welcome) -> None:
+        self.node_id, self.epoch = welcome.node_id, welcome.epoch
+        self._b.welcomed(welcome)
+
+
+def refusal(reply: Reply) -> str:
+    """Why a cancel's ``reply`` does not confirm its target ended ("": it does)."""
+    return "" if isinstance(reply, Done) else getattr(reply, "message", type(reply).__name__)
 
 
 def stoppable(call: Call) -> bool:

@@ -127,14 +127,11 @@ class SharedDealer:
         with self._replies_lock:
             return req_id in self._stash
 
-    def forget(self, req_id: int) -> None:
-        """Nobody waits for ``req_id`` any more: a reply to it that comes is dropped."""
+    def forget(self, req_id: int) -> Reply | None:
+        """Nobody waits for ``req_id`` any more: a reply to it that comes is dropped. The
+        one stashed already, if any."""
         with self._replies_lock:
             self._outstanding.discard(req_id)
-
-    def claim(self, req_id: int) -> Reply | None:
-        """The stashed reply to ``req_id``, out of the stash, if it came."""
-        with self._replies_lock:
             return self._stash.pop(req_id, None)
 
     def hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
