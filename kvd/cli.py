@@ -42,16 +42,12 @@ from kvd.protocol import CLI_CLIENT_NAME, PROTOCOL_VERSION
 DEFAULT_KEY_DIR = "/etc/kvd"
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvd.daemon.notify import StartupSteps
 
     began = time.monotonic()
-    _setup_logging()  # (reading the config may warn)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,  # (reading the config warns)
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.check:
         return _check_settings(args)
     config = config_from_args(args)  # a bad config fails before the second it takes to
@@ -329,13 +325,16 @@ def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.A
     return parser
 
 
-def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool],
-             words: str) -> Callable[[str], Any]:
-    """An argparse ``type``: ``parse``, then ``rule``; argparse names the option."""
+def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool], words: str,
+             expected: str = "") -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse`` (a ValueError: not ``expected``), then ``rule``;
+    argparse names the option."""
     def convert(text: str) -> Any:
         try:
             value = parse(text)
-        except (ValueError, ConfigError) as exc:
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if not rule(value):
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
@@ -344,29 +343,17 @@ def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool],
     return convert
 
 
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer, got {text!r}") from None
-
-
-_SECONDS = _checked(_float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
-_GRACE = _checked(_float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0")
+_SECONDS = _checked(float, lambda v: 0 < v < float("inf"), "a number of seconds > 0",
+                    "a number")
+_GRACE = _checked(float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0",
+                  "a number")
 _SIZE = _checked(parse_size, lambda v: v > 0, "a size > 0")
 _FILE_NAME = _checked(str, lambda v: v not in ("", ".", "..") and "/" not in v,
                       "a file name, with no /, in --dir")
 
 
 def _at_least(low: int) -> Callable[[str], Any]:
-    return _checked(_int, lambda v: v >= low, f"an integer >= {low}")
+    return _checked(int, lambda v: v >= low, f"an integer >= {low}", "an integer")
 
 
 def _client_options() -> _Parser:

@@ -407,13 +407,9 @@ def check_socket_path(config: Config) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(
-    *,
-    config_file: str | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, object] | None = None,
-    check_paths: bool = True,
-) -> Config:
+def load_config(*, config_file: str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, object] | None = None, check_paths: bool = True
+                ) -> Config:
     """Build a Config: defaults < TOML file < ``KVD_*`` env < ``overrides`` (flag values keyed
     by field name; ``None`` values are ignored; strings are parsed like env values, other
     values must have the field's type); development settings from ``KVD_DEV`` only.
@@ -422,13 +418,7 @@ def load_config(
     ``os.environ``. With ``check_paths`` (the default) the socket path must be usable by this
     process (see :func:`check_socket_path`); clients that only connect pass ``False``.
     """
-    return _load(
-        config_file=config_file,
-        file_origin="",
-        env=os.environ if env is None else env,
-        overrides=overrides or {},
-        check_paths=check_paths,
-    )[0]
+    return _load(config_file, "", env, overrides or {}, check_paths)[0]
 
 
 def _from_file(config_file: str, origin: str) -> dict[str, tuple[Any, str]]:
@@ -501,15 +491,10 @@ def _from_dev_env(text: str) -> dict[str, tuple[Any, str]]:
     return values
 
 
-def _load(
-    *,
-    config_file: str | None,
-    file_origin: str,
-    env: Mapping[str, str],
-    overrides: Mapping[str, object],
-    check_paths: bool,
-) -> tuple[Config, dict[str, str]]:
+def _load(config_file: str | None, file_origin: str, env: Mapping[str, str] | None,
+          overrides: Mapping[str, object], check_paths: bool) -> tuple[Config, dict[str, str]]:
     """The config, and where each setting not at its fixed default came from."""
+    env = os.environ if env is None else env
     if config_file is None and env.get(CONFIG_ENV):
         config_file, file_origin = env[CONFIG_ENV], f" (from env {CONFIG_ENV})"
     found: dict[str, tuple[Any, str]] = {}  # key -> (value, source); later sources win
@@ -561,32 +546,20 @@ def client_socket_path(flag: str | None, config_file: str | None = None,
     return str(_parse("socket_path", "default", spec.from_value, default_socket_path(env)))
 
 
-def config_from_args(
-    args: argparse.Namespace,
-    env: Mapping[str, str] | None = None,
-    *,
-    check_paths: bool = True,
-) -> Config:
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None, *,
+                     check_paths: bool = True) -> Config:
     """Load the config for a namespace parsed with :func:`add_config_arguments`."""
     return settings_from_args(args, env, check_paths=check_paths)[0]
 
 
-def settings_from_args(
-    args: argparse.Namespace,
-    env: Mapping[str, str] | None = None,
-    *,
-    check_paths: bool = True,
-) -> tuple[Config, dict[str, str]]:
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None, *,
+                       check_paths: bool = True) -> tuple[Config, dict[str, str]]:
     """:func:`config_from_args`, and where each setting came from (``file PATH``, ``env
     VAR``, ``flag --name``; a setting not named is at its default)."""
     config_file = getattr(args, "config", None)
-    return _load(
-        config_file=config_file,
-        file_origin=" (from flag --config)" if config_file is not None else "",
-        env=os.environ if env is None else env,
-        overrides={name: getattr(args, name, None) for name in _FIELDS},
-        check_paths=check_paths,
-    )
+    origin = " (from flag --config)" if config_file is not None else ""
+    flags = {name: getattr(args, name, None) for name in _FIELDS}
+    return _load(config_file, origin, env, flags, check_paths)
 
 
 def _help(name: str, f: dataclasses.Field[Any]) -> str:

@@ -159,7 +159,9 @@ class AsyncKvdClient(ClientShell):
 
     def _on_frames(self, frames: list[bytes]) -> None:
         for reply in decode_replies(frames[-1:]):  # (a DEALER gets the payload alone)
-            self._on_reply(reply)
+            fut = self._pending.pop(reply.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
 
     def _on_lifeline(self) -> None:
         """The lifeline is readable: a handoff's answer, or the daemon's end."""
@@ -199,21 +201,12 @@ class AsyncKvdClient(ClientShell):
     def _gone(self) -> None:
         if self._sock is not None and not self._sock.closed:
             self._sock.read_now()  # (its last replies, if their edge has not fired yet)
-            self._on_lost()
+            err = self._dead or self._b.disconnected()  # (_drop's says more)
+            if not self._closed:
+                self._dead = err
+            # (while closing too: a Bye waiting for its answer fails now, not at its timeout)
+            self._fail_pending(err)
             self._disconnect()
-
-    def _on_reply(self, reply: Reply) -> None:
-        fut = self._pending.pop(reply.req_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(reply)
-
-    def _on_lost(self) -> None:
-        self._lost = True
-        err = self._dead or self._b.disconnected()  # (_drop's says more)
-        if not self._closed:
-            self._dead = err
-        # (while closing too: a Bye waiting for its answer fails now, not at its timeout)
-        self._fail_pending(err)
 
     def _fail_pending(self, err: KvdError) -> None:
         for fut in self._pending.values():
@@ -273,11 +266,9 @@ class AsyncKvdClient(ClientShell):
 
     async def _stop(self, target: int, timeout_s: float | None) -> None:
         """Cancel request ``target`` in the daemon and return once the daemon says it has
-        ended (its reply, then the cancel's): no more bytes land in or are read from its
-        blocks. Without that word within ``timeout_s`` (the client's by default) the
-        connection is dropped (``_drop``) and ``DaemonUnavailable`` says what that leaves.
-        A cancel of the calling task does not cut this bounded wait short: it is raised
-        after."""
+        ended (its reply, then the cancel's); without that word within ``timeout_s`` (the
+        client's by default), drop the connection (``_drop``). A cancel of the calling
+        task does not cut this bounded wait short: it is raised after."""
         if self._dead is not None:
             raise self._dead  # the daemon has closed the session, or we dropped it
         call = self._b.cancel(target, timeout_s)
@@ -311,8 +302,7 @@ class AsyncKvdClient(ClientShell):
 
     def _drop(self, target: int, why: str) -> DaemonUnavailable:
         """Close the connection of a client whose request ``target`` the daemon did not
-        confirm stopped: the daemon then cancels every request of the session and keeps
-        its regions mapped until they end. What is in flight fails now."""
+        confirm stopped. What is in flight fails now."""
         err = self._b.unconfirmed(target, why)
         if self._dead is None:
             self._dead = err

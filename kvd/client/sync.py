@@ -174,7 +174,7 @@ class KvdClient(ClientShell):
         call = self._b.cancel(target, timeout_s)
         why = ""
         if self._dealer.closing:
-            if not self._dealer.wait_shut(call.timeout_s):
+            if not self._dealer.shut.wait(call.timeout_s):
                 why = f"the client did not close within {call.timeout_s:g}s"
         else:
             try:
