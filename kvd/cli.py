@@ -317,14 +317,6 @@ def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     return f"unrecognized option {name}: did you mean {' or '.join(hint)}?"
 
 
-def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
-            chosen: argparse.ArgumentParser = action.choices[name]
-            return chosen
-    return parser
-
-
 def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool], words: str,
              expected: str = "") -> Callable[[str], Any]:
     """An argparse ``type``: ``parse`` (a ValueError: not ``expected``), then ``rule``;
@@ -393,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "wrong); nothing is started, the socket's directory is not "
                             "checked")
     add_config_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_cmd_serve, parser=serve)
 
     demo = sub.add_parser(
         "demo", help="start a daemon, move blocks between two clients, check the bytes",
@@ -405,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KiB per block per tensor [default 64]")
     demo.add_argument("--layers", type=_at_least(1), default=4, metavar="N",
                       help="tensors in each region [default 4]")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, parser=demo)
 
     keygen = sub.add_parser(
         "keygen", help="create a CurveZMQ key pair for the peer plane",
@@ -421,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--json", action="store_true",
                         help="one line of JSON (the paths, the public key, the allow-list "
                              "line); an error too")
-    keygen.set_defaults(func=_cmd_keygen)
+    keygen.set_defaults(func=_cmd_keygen, parser=keygen)
 
     # Listed here; its own parser reads its flags (main hands them over untouched).
     sub.add_parser("vllm-proxy", add_help=False,
@@ -439,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() +
                            help_text[1:] + ".", parents=[common])
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, parser=p)  # (parser: the one whose usage an error shows)
         if name == "drain":
             p.add_argument("--grace", type=_GRACE, default=None, metavar="SECONDS",
                            help="how long in-flight work may take before it is cancelled "
@@ -485,8 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
-            command = _subcommand(parser, getattr(args, "command", None))
-            command.error(_unrecognized(command, extras))
+            args.parser.error(_unrecognized(args.parser, extras))
         code: int = args.func(args)
     except _UsageError as exc:
         if not as_json:

@@ -3,17 +3,10 @@ boolean) and checks, each of which also says in words what it allows (for ``--he
 the operator's guide), and :class:`Spec`, one setting's kind, checks and description.
 
 A kind reads a value two ways: from text (environment, flags, ``KVD_DEV``) and from a typed
-TOML value. A check takes the parsed value and returns it (possibly normalised) or raises
-:class:`InvalidValue`, whose message is the reason without the key or the source (the
-loader adds those).
-
-Text values
-    * Sizes: a non-negative number with an optional unit, case-insensitive, optional spaces:
-      ``B``; binary ``KiB MiB GiB TiB`` and bare ``K M G T`` (both 1024-based); decimal
-      ``KB MB GB TB`` (1000-based). Fractions are allowed when the result is a whole number of
-      bytes (``"1.5GiB"`` yes, ``"0.1KiB"`` no).
-    * Booleans: ``true/false``, ``1/0``, ``yes/no``, ``on/off`` (case-insensitive).
-    * Seconds: a finite float (``"30"``, ``"0.5"``).
+TOML value (what text each accepts: ``SIZES_IN_WORDS``, ``_TRUE``/``_FALSE``; a size may
+have a fraction when the bytes are whole: ``"1.5GiB"``, not ``"0.1KiB"``). A check takes
+the parsed value and returns it (possibly normalised) or raises :class:`InvalidValue`,
+whose message is the reason without the key or the source (the loader adds those).
 """
 
 from __future__ import annotations

@@ -142,10 +142,7 @@ class SharedDealer:
         """Every wait fails from now on; the sockets are closed once no thread polls them
         (a descriptor closed under a poll does not wake it, and its number may be
         reused)."""
-        with self._replies_lock:
-            if self.dead is None:
-                self.dead = DaemonUnavailable("client closed")
-            self._wake()
+        self._die(DaemonUnavailable("client closed"))
         if self._sock is not None:
             self._wake_reader()
             deadline = time.monotonic() + self._b.timeout_s

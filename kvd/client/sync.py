@@ -1,13 +1,11 @@
-"""``KvdClient``: the blocking twin of ``AsyncKvdClient``, same methods and results.
+"""``KvdClient``: the blocking twin of ``AsyncKvdClient``, with the same methods, results
+and docstrings (a method without one here takes its twin's: ``_twin_docs``).
 
-Requests are built by the shared ``RequestBuilder``; this shell only sends them and waits
-for their replies, on a ``SharedDealer`` (``kvd.client.shared_dealer``): a ZeroMQ DEALER
-it polls itself (no event loop), with its lifeline in the same poll. A client is safe to
-share between threads, and any number of them can have calls in flight on it at once,
-each waiting only for its own reply. For concurrency within a thread, use the async
-client. An exception such as ``KeyboardInterrupt`` ends a call as a timeout does: its
-request is stopped first (``kvd/client/base.py``). A method without a docstring here has
-its async twin's (``_twin_docs``).
+Requests are built by the shared ``RequestBuilder``; this shell sends them and waits for
+their replies on a ``SharedDealer`` (``kvd.client.shared_dealer``), which lets threads
+share one client. For concurrency within a thread, use the async client. An exception such
+as ``KeyboardInterrupt`` ends a call as a timeout does: its request is stopped first
+(``kvd/client/base.py``).
 """
 
 from __future__ import annotations
