@@ -170,14 +170,6 @@ class Check:
     metavar: str = ""
 
 
-def allowed_text(kind: Kind, checks: tuple[Check, ...]) -> str:
-    """What a setting of ``kind`` with ``checks`` allows, in words."""
-    for check in checks:
-        if check.whole:
-            return check.allowed
-    return " ".join([kind.allowed, ", ".join(c.allowed for c in checks if c.allowed)]).strip()
-
-
 def _rule(allowed: str, ok: Callable[[Any], Any], complaint: str, metavar: str = "") -> Check:
     """A check that lets a value through if ``ok(value)``; ``complaint`` (formatted with
     ``value``) says why it did not."""
@@ -240,7 +232,13 @@ class Spec:
         return self._check(self.kind.from_value(value))
 
     def allowed_values(self) -> str:
-        return self.allowed or allowed_text(self.kind, self.checks)
+        if self.allowed:
+            return self.allowed
+        for check in self.checks:
+            if check.whole:
+                return check.allowed
+        words = ", ".join(c.allowed for c in self.checks if c.allowed)
+        return " ".join([self.kind.allowed, words]).strip()
 
     def value_name(self) -> str:
         """What stands for a value in ``--help``: ``PORT``, ``debug|info|...``, ``SIZE``."""

@@ -31,6 +31,7 @@ from kvd.client.lifeline import ClientLifeline
 from kvd.client.shm import Segment, mark_ready, segment_of, tensor_spec
 from kvd.errors import (
     BadRequest,
+    ConfigError,
     DaemonUnavailable,
     KvdError,
     KvdTimeout,
@@ -95,7 +96,6 @@ def default_socket_path() -> str:
     a socket of theirs in it would get this client's tensors."""
     from kvd.config import default_socket_path as from_config
     from kvd.config import fallback_socket_dir, socket_dir_problem
-    from kvd.errors import ConfigError
 
     explicit = os.environ.get("KVD_SOCKET_PATH")
     if explicit:
@@ -127,7 +127,7 @@ class Call(NamedTuple):
 
     msg: Any
     timeout_s: float
-    kind: str  # "nbytes" | "region" | "rtt" | "stats" | "none"
+    kind: str  # "nbytes" | "region" | "rtt" | "stats" | "welcome" | "none" (result_of)
     tensors: tuple[Any, ...] = ()
 
 
