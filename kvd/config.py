@@ -410,13 +410,10 @@ def check_socket_path(config: Config) -> None:
 def load_config(*, config_file: str | None = None, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, object] | None = None, check_paths: bool = True
                 ) -> Config:
-    """Build a Config: defaults < TOML file < ``KVD_*`` env < ``overrides`` (flag values keyed
-    by field name; ``None`` values are ignored; strings are parsed like env values, other
-    values must have the field's type); development settings from ``KVD_DEV`` only.
-
-    The file is ``config_file``, else ``$KVD_CONFIG``, else none. ``env`` defaults to
-    ``os.environ``. With ``check_paths`` (the default) the socket path must be usable by this
-    process (see :func:`check_socket_path`); clients that only connect pass ``False``.
+    """Build a Config (module doc). ``overrides`` are flag values keyed by field name
+    (``None``: unset; strings are parsed like env values, other values must have the field's
+    type); ``env`` defaults to ``os.environ``. With ``check_paths`` the socket path must be
+    usable by this process (:func:`check_socket_path`); clients that only connect pass False.
     """
     return _load(config_file, "", env, overrides or {}, check_paths)[0]
 

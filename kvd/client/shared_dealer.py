@@ -92,8 +92,7 @@ class SharedDealer:
     # ------------------------------------------------------------ state, for the client
 
     @property
-    def connected(self) -> bool:
-        """Whether ``open`` made the DEALER (it may have closed since)."""
+    def connected(self) -> bool:  # (``open`` made the DEALER; it may have closed since)
         return self._sock is not None
 
     def begin_close(self) -> bool:
@@ -105,12 +104,10 @@ class SharedDealer:
             return True
 
     def in_flight(self) -> bool:
-        """Whether a request sent is still unanswered."""
         with self._replies_lock:
             return bool(self._outstanding - set(self._stash))
 
     def answered(self, req_id: int) -> bool:
-        """Whether the reply to ``req_id`` is in the stash."""
         with self._replies_lock:
             return req_id in self._stash
 
