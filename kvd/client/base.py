@@ -267,9 +267,6 @@ class RequestBuilder:
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
-    def next_id(self) -> int:
-        return next(self._ids)
-
     def check_socket(self) -> None:
         from kvd.daemon.socket_files import daemon_starting
 
@@ -301,7 +298,7 @@ class RequestBuilder:
         return min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
 
     def hello(self, timeout_s: float | None) -> Call:
-        msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
+        msg = Hello(req_id=next(self._ids), protocol_version=PROTOCOL_VERSION,
                     pid=os.getpid(), name=self.name)
         return Call(msg, self.hello_timeout(timeout_s), "welcome")
 
@@ -309,29 +306,29 @@ class RequestBuilder:
         """The daemon answers once it has closed the session: its requests ended, no more
         bytes move in its blocks."""
         wait_s = self.timeout_s if in_flight else min(self.timeout_s, BYE_TIMEOUT_S)
-        return Call(Bye(req_id=self.next_id()), wait_s, "none")
+        return Call(Bye(req_id=next(self._ids)), wait_s, "none")
 
     def ping(self, timeout_s: float | None) -> Call:
-        return Call(Ping(req_id=self.next_id()), self._t(timeout_s), "rtt")
+        return Call(Ping(req_id=next(self._ids)), self._t(timeout_s), "rtt")
 
     def stats(self, timeout_s: float | None) -> Call:
-        return Call(Stats(req_id=self.next_id()), self._t(timeout_s), "stats")
+        return Call(Stats(req_id=next(self._ids)), self._t(timeout_s), "stats")
 
     def register(self, name: str, tensors: Sequence[Any], block_dim: int,
                  timeout_s: float | None) -> Call:
         if not tensors:
             raise BadRequest("register needs at least one tensor")
         specs = [tensor_spec(t, i) for i, t in enumerate(tensors)]
-        msg = Register(req_id=self.next_id(), name=name, tensors=specs, block_dim=block_dim)
+        msg = Register(req_id=next(self._ids), name=name, tensors=specs, block_dim=block_dim)
         return Call(msg, self._t(timeout_s), "region", tuple(tensors))
 
     def unregister(self, region: Region | int, timeout_s: float | None) -> Call:
-        msg = Unregister(req_id=self.next_id(), region_id=_region_id(region))
+        msg = Unregister(req_id=next(self._ids), region_id=_region_id(region))
         return Call(msg, self._t(timeout_s), "none")
 
     def offload(self, key: str, region: Region | int, blocks: Iterable[int],
                 ttl_s: float | None, timeout_s: float | None) -> Call:
-        msg = Offload(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Offload(req_id=next(self._ids), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
 
@@ -339,25 +336,25 @@ class RequestBuilder:
             timeout_s: float | None, share: Share = ALL, into: Part = WHOLE,
             sender: str | None = None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
+        msg = Get(req_id=next(self._ids), key=key, region_id=_region_id(region),
                   blocks=_blocks(blocks), timeout_s=wait_s, share=share, into=into,
                   sender=sender or "")
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def renew(self, key: str, src: str, ttl_s: float, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Renew(req_id=self.next_id(), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
+        msg = Renew(req_id=next(self._ids), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def release(self, key: str, src: str, timeout_s: float | None, skip: int = 0) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Release(req_id=self.next_id(), key=key, src=src, timeout_s=wait_s, skip=skip)
+        msg = Release(req_id=next(self._ids), key=key, src=src, timeout_s=wait_s, skip=skip)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,
             ttl_s: float | None, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Put(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Put(req_id=next(self._ids), key=key, region_id=_reading(region),
                   blocks=_blocks(blocks), to=to or "", ttl_s=ttl_s, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
@@ -368,37 +365,37 @@ class RequestBuilder:
         if not 0.0 <= wait_for_key_s <= wait_s:
             raise BadRequest(f"wait_for_key_s must be between 0 and the timeout "
                              f"({wait_s:g}s), not {wait_for_key_s!r}")
-        msg = Pull(req_id=self.next_id(), key=key, src=src, region_id=_region_id(region),
+        msg = Pull(req_id=next(self._ids), key=key, src=src, region_id=_region_id(region),
                    blocks=_blocks(blocks), timeout_s=wait_s, wait_for_key_s=wait_for_key_s,
                    share=share, into=into)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int],
                 ttl_s: float | None, timeout_s: float | None) -> Call:
-        msg = Publish(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Publish(req_id=next(self._ids), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
 
     def lend(self, key: str, region: Region | int, blocks: Iterable[int], ttl_s: float,
              timeout_s: float | None) -> Call:
-        msg = Lend(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Lend(req_id=next(self._ids), key=key, region_id=_reading(region),
                    blocks=_blocks(blocks), ttl_s=ttl_s)
         # A read that began just before the TTL still ends before the reply.
         return Call(msg, ttl_s + self._t(timeout_s) + REPLY_MARGIN_S, "nbytes")
 
     def unpublish(self, key: str, timeout_s: float | None) -> Call:
-        return Call(Unpublish(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+        return Call(Unpublish(req_id=next(self._ids), key=key), self._t(timeout_s), "none")
 
     def delete(self, key: str, timeout_s: float | None) -> Call:
-        return Call(Delete(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+        return Call(Delete(req_id=next(self._ids), key=key), self._t(timeout_s), "none")
 
     def drain(self, grace_s: float | None, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        return Call(Drain(req_id=self.next_id(), grace_s=grace_s), wait_s, "stats")
+        return Call(Drain(req_id=next(self._ids), grace_s=grace_s), wait_s, "stats")
 
     def cancel(self, target: int, timeout_s: float | None) -> Call:
         """The daemon answers once ``target`` has ended (its own reply goes first)."""
-        return Call(Cancel(req_id=self.next_id(), target=target), self._t(timeout_s), "none")
+        return Call(Cancel(req_id=next(self._ids), target=target), self._t(timeout_s), "none")
 
     def unconfirmed(self, target: int, why: str) -> DaemonUnavailable:
         """The error of a client that stopped waiting for request ``target`` without the
