@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from kvd import __version__
 from kvd.config import (
     OPERATOR_SETTINGS,
+    add_config_arguments,
     client_socket_path,
     config_from_args,
     format_size,
@@ -35,23 +36,18 @@ from kvd.config import (
 )
 from kvd.errors import ConfigError, KvdError
 from kvd.protocol import CLI_CLIENT_NAME, PROTOCOL_VERSION
-from kvd.settings_help import add_config_arguments
 
 # Where `kvd keygen` writes without --dir: the directory the systemd unit and the sample
 # config (systemd/kvd.toml) read the node's keys from.
 DEFAULT_KEY_DIR = "/etc/kvd"
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvd.daemon.notify import StartupSteps
 
     began = time.monotonic()
-    _setup_logging()  # (reading the config may warn)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,  # (reading the config warns)
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.check:
         return _check_settings(args)
     config = config_from_args(args)  # a bad config fails before the second it takes to
@@ -321,21 +317,16 @@ def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     return f"unrecognized option {name}: did you mean {' or '.join(hint)}?"
 
 
-def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
-            chosen: argparse.ArgumentParser = action.choices[name]
-            return chosen
-    return parser
-
-
-def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool],
-             words: str) -> Callable[[str], Any]:
-    """An argparse ``type``: ``parse``, then ``rule``; argparse names the option."""
+def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool], words: str,
+             expected: str = "") -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse`` (a ValueError: not ``expected``), then ``rule``;
+    argparse names the option."""
     def convert(text: str) -> Any:
         try:
             value = parse(text)
-        except (ValueError, ConfigError) as exc:
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if not rule(value):
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
@@ -344,29 +335,17 @@ def _checked(parse: Callable[[str], Any], rule: Callable[[Any], bool],
     return convert
 
 
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer, got {text!r}") from None
-
-
-_SECONDS = _checked(_float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
-_GRACE = _checked(_float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0")
+_SECONDS = _checked(float, lambda v: 0 < v < float("inf"), "a number of seconds > 0",
+                    "a number")
+_GRACE = _checked(float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0",
+                  "a number")
 _SIZE = _checked(parse_size, lambda v: v > 0, "a size > 0")
 _FILE_NAME = _checked(str, lambda v: v not in ("", ".", "..") and "/" not in v,
                       "a file name, with no /, in --dir")
 
 
 def _at_least(low: int) -> Callable[[str], Any]:
-    return _checked(_int, lambda v: v >= low, f"an integer >= {low}")
+    return _checked(int, lambda v: v >= low, f"an integer >= {low}", "an integer")
 
 
 def _client_options() -> _Parser:
@@ -406,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "wrong); nothing is started, the socket's directory is not "
                             "checked")
     add_config_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_cmd_serve, parser=serve)
 
     demo = sub.add_parser(
         "demo", help="start a daemon, move blocks between two clients, check the bytes",
@@ -418,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KiB per block per tensor [default 64]")
     demo.add_argument("--layers", type=_at_least(1), default=4, metavar="N",
                       help="tensors in each region [default 4]")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, parser=demo)
 
     keygen = sub.add_parser(
         "keygen", help="create a CurveZMQ key pair for the peer plane",
@@ -434,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--json", action="store_true",
                         help="one line of JSON (the paths, the public key, the allow-list "
                              "line); an error too")
-    keygen.set_defaults(func=_cmd_keygen)
+    keygen.set_defaults(func=_cmd_keygen, parser=keygen)
 
     # Listed here; its own parser reads its flags (main hands them over untouched).
     sub.add_parser("vllm-proxy", add_help=False,
@@ -452,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() +
                            help_text[1:] + ".", parents=[common])
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, parser=p)  # (parser: the one whose usage an error shows)
         if name == "drain":
             p.add_argument("--grace", type=_GRACE, default=None, metavar="SECONDS",
                            help="how long in-flight work may take before it is cancelled "
@@ -498,8 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
-            command = _subcommand(parser, getattr(args, "command", None))
-            command.error(_unrecognized(command, extras))
+            args.parser.error(_unrecognized(args.parser, extras))
         code: int = args.func(args)
     except _UsageError as exc:
         if not as_json:

@@ -1,35 +1,25 @@
 """Typed, frozen daemon configuration: operator settings, and development settings apart.
 
 Every setting is one field of :class:`Config`; the field's metadata says how to parse it
-(kvd/settings_values.py), how to check it, and what it is for, in one line (``--help`` and
-docs/operations.md's table are made from it). Adding a setting is one line in ``Config``.
+(kvd/settings_values.py), how to check it, and what it is for, in one line: ``kvd serve``'s
+flags and docs/operations.md's table are made from it (:func:`add_config_arguments`,
+:func:`operator_settings_markdown`). Adding a setting is one line in ``Config``.
 
 **Operator settings** are what an operator decides: addresses, sizes of the memory given to
 the daemon, keys, timeouts and bounds, the log level. Precedence, lowest first: built-in
-defaults < TOML file < ``KVD_<KEY>`` environment < ``--<key>`` flags.
-
-    * TOML file: flat keys (the field names) at the top level, no tables. The path comes from
-      ``config_file=`` (``--config``) or, failing that, the ``KVD_CONFIG`` environment variable
-      (an empty ``KVD_CONFIG`` counts as unset). TOML values must have the field's type: an
-      integer for an integer, a number for seconds, a boolean for a boolean, a string for a
-      string. Size fields (``*_bytes``) also take a size string such as ``"512MiB"``.
-    * Environment: ``KVD_<FIELD_NAME_UPPER>``, e.g. ``KVD_POOL_SIZE_BYTES=2GiB``. Another
-      ``KVD_*`` variable (but ``KVD_CONFIG``, ``KVD_DEV`` and ``KVD_TIMELINE_DIR``, the
-      timeline marks of kvd/timeline.py) that is close to a setting's (a typo), or names a
-      setting that is gone, is an error; one that is like none is another program's, and is
-      ignored with a warning.
-    * Flags: ``--<field-name-with-dashes> VALUE``, parsed from text like the environment.
-
-The daemon (``kvd serve``) reads all of these. A client command reads only the socket path,
-with the same precedence (:func:`client_socket_path`).
+defaults < TOML file (flat keys; ``config_file=``, ``--config``, else ``KVD_CONFIG``) <
+``KVD_<KEY>`` environment < ``--<key>`` flags (docs/operations.md, "The config file", says
+what each accepts). A ``KVD_*`` variable close to a setting's name (a typo), or naming one
+that is gone, is an error; one like none is another program's, ignored with a warning. A
+client command reads only the socket path, with the same precedence
+(:func:`client_socket_path`).
 
 **Development settings** (chunk sizes, code-path switches) are for measuring the daemon,
 not for operators: none is a config key, a ``KVD_<KEY>`` variable or a flag (each of those
 is refused with a pointer here). They come from one place, the ``KVD_DEV`` environment
-variable: ``key=value`` items separated by commas (values hold no comma), read with the
-same parsers and checks, e.g. ``KVD_DEV=nccl_eager=false,nccl_chunk_bytes=64MiB``. The
-attributes are ``Config``'s like the others; code that builds a ``Config`` itself (a test)
-may ``dataclasses.replace`` them.
+variable: ``key=value`` items separated by commas, read with the same parsers and checks,
+e.g. ``KVD_DEV=nccl_eager=false,nccl_chunk_bytes=64MiB``. Code that builds a ``Config``
+itself (a test) may ``dataclasses.replace`` them.
 
 Errors are one-line :class:`~kvd.errors.ConfigError`\\ s naming the key and the source, e.g.
 ``http_port: expected an integer, got 'abc' (from flag --http-port)``.
@@ -59,6 +49,7 @@ from kvd.settings_socket import (
 )
 from kvd.settings_values import (
     BOOL,
+    BOOLEANS_IN_WORDS,
     INT,
     NO_WHITESPACE,
     NON_EMPTY,
@@ -67,6 +58,7 @@ from kvd.settings_values import (
     POWER_OF_TWO,
     SECONDS,
     SIZE,
+    SIZES_IN_WORDS,
     STR,
     Check,
     GiB,
@@ -90,10 +82,11 @@ else:  # pragma: no cover - exercised on 3.10 only
 log = logging.getLogger(__name__)
 
 __all__ = ["CONFIG_ENV", "DEVELOPMENT_SETTINGS", "DEV_ENV", "ENV_PREFIX", "MAX_SOCKET_PATH_BYTES",
-           "OPERATOR_SETTINGS", "Config", "check_socket_path",
+           "OPERATOR_SETTINGS", "Config", "add_config_arguments", "check_socket_path",
            "client_socket_path", "config_from_args", "default_socket_path",
            "development_overrides", "fallback_socket_dir", "format_size", "load_config",
-           "parse_size", "settings_from_args", "socket_dir_problem"]
+           "operator_settings_markdown", "parse_size", "settings_from_args",
+           "socket_dir_problem"]
 
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
@@ -404,11 +397,8 @@ def _read_toml(path: str, origin: str) -> dict[str, Any]:
 
 
 def check_socket_path(config: Config) -> None:
-    """Raise ConfigError unless the daemon could bind ``config.socket_path``: its directory
-    exists, is writable and no other user can replace the socket in it
-    (:func:`socket_dir_problem`), or it can be created (the nearest existing ancestor is a
-    writable directory). Creates nothing. :func:`load_config` runs this unless
-    ``check_paths=False``."""
+    """ConfigError unless the daemon could bind ``config.socket_path``
+    (``socket_path_problem``). :func:`load_config` checks it unless ``check_paths=False``."""
     problem = socket_path_problem(config.socket_path)
     if problem:
         raise ConfigError(f"socket_path: {problem}")
@@ -417,28 +407,15 @@ def check_socket_path(config: Config) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(
-    *,
-    config_file: str | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, object] | None = None,
-    check_paths: bool = True,
-) -> Config:
-    """Build a Config: defaults < TOML file < ``KVD_*`` env < ``overrides`` (flag values keyed
-    by field name; ``None`` values are ignored; strings are parsed like env values, other
-    values must have the field's type); development settings from ``KVD_DEV`` only.
-
-    The file is ``config_file``, else ``$KVD_CONFIG``, else none. ``env`` defaults to
-    ``os.environ``. With ``check_paths`` (the default) the socket path must be usable by this
-    process (see :func:`check_socket_path`); clients that only connect pass ``False``.
+def load_config(*, config_file: str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, object] | None = None, check_paths: bool = True
+                ) -> Config:
+    """Build a Config (module doc). ``overrides`` are flag values keyed by field name
+    (``None``: unset; strings are parsed like env values, other values must have the field's
+    type); ``env`` defaults to ``os.environ``. With ``check_paths`` the socket path must be
+    usable by this process (:func:`check_socket_path`); clients that only connect pass False.
     """
-    return _load(
-        config_file=config_file,
-        file_origin="",
-        env=os.environ if env is None else env,
-        overrides=overrides or {},
-        check_paths=check_paths,
-    )[0]
+    return _load(config_file, "", env, overrides or {}, check_paths)[0]
 
 
 def _from_file(config_file: str, origin: str) -> dict[str, tuple[Any, str]]:
@@ -511,15 +488,10 @@ def _from_dev_env(text: str) -> dict[str, tuple[Any, str]]:
     return values
 
 
-def _load(
-    *,
-    config_file: str | None,
-    file_origin: str,
-    env: Mapping[str, str],
-    overrides: Mapping[str, object],
-    check_paths: bool,
-) -> tuple[Config, dict[str, str]]:
+def _load(config_file: str | None, file_origin: str, env: Mapping[str, str] | None,
+          overrides: Mapping[str, object], check_paths: bool) -> tuple[Config, dict[str, str]]:
     """The config, and where each setting not at its fixed default came from."""
+    env = os.environ if env is None else env
     if config_file is None and env.get(CONFIG_ENV):
         config_file, file_origin = env[CONFIG_ENV], f" (from env {CONFIG_ENV})"
     found: dict[str, tuple[Any, str]] = {}  # key -> (value, source); later sources win
@@ -543,7 +515,7 @@ def _load(
     return config, {key: source for key, (_value, source) in found.items()}
 
 
-# --------------------------------------------------------------------------- for the CLI
+# --------------------------------------------------------------------------- for the CLI and docs
 
 
 def client_socket_path(flag: str | None, config_file: str | None = None,
@@ -571,29 +543,53 @@ def client_socket_path(flag: str | None, config_file: str | None = None,
     return str(_parse("socket_path", "default", spec.from_value, default_socket_path(env)))
 
 
-def config_from_args(
-    args: argparse.Namespace,
-    env: Mapping[str, str] | None = None,
-    *,
-    check_paths: bool = True,
-) -> Config:
-    """Load the config for a namespace parsed with ``settings_help.add_config_arguments``."""
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None, *,
+                     check_paths: bool = True) -> Config:
+    """Load the config for a namespace parsed with :func:`add_config_arguments`."""
     return settings_from_args(args, env, check_paths=check_paths)[0]
 
 
-def settings_from_args(
-    args: argparse.Namespace,
-    env: Mapping[str, str] | None = None,
-    *,
-    check_paths: bool = True,
-) -> tuple[Config, dict[str, str]]:
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None, *,
+                       check_paths: bool = True) -> tuple[Config, dict[str, str]]:
     """:func:`config_from_args`, and where each setting came from (``file PATH``, ``env
     VAR``, ``flag --name``; a setting not named is at its default)."""
     config_file = getattr(args, "config", None)
-    return _load(
-        config_file=config_file,
-        file_origin=" (from flag --config)" if config_file is not None else "",
-        env=os.environ if env is None else env,
-        overrides={name: getattr(args, name, None) for name in _FIELDS},
-        check_paths=check_paths,
-    )
+    origin = " (from flag --config)" if config_file is not None else ""
+    flags = {name: getattr(args, name, None) for name in _FIELDS}
+    return _load(config_file, origin, env, flags, check_paths)
+
+
+def _help(name: str, f: dataclasses.Field[Any]) -> str:
+    spec = _spec(f)
+    return (f"{spec.help} [{spec.allowed_values()}; default {_default_text(f)}; "
+            f"env {_env_var(name)}]").replace("%", "%%")  # (argparse formats help with %)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config PATH`` and one ``--<field-name>`` flag per operator setting (all default
+    ``None``, taken as text and parsed like environment values). A development setting's
+    flag is there but hidden, so that using it gets the pointer to ``KVD_DEV``."""
+    group = parser.add_argument_group(
+        "operator settings (flags > KVD_<KEY> env > config file > defaults)",
+        f"Config-file keys are the flags' names with _; {SIZES_IN_WORDS}; "
+        f"{BOOLEANS_IN_WORDS}.")
+    group.add_argument("--config", metavar="PATH", default=None,
+                       help=f"TOML config file, flat keys [env {CONFIG_ENV}]")
+    for name, f in _FIELDS.items():
+        spec = _spec(f)
+        group.add_argument(_flag(name), dest=name, metavar=spec.value_name(), type=str,
+                           default=None,
+                           help=argparse.SUPPRESS if spec.dev else _help(name, f))
+
+
+def operator_settings_markdown() -> str:
+    """The operator settings as the Markdown table in docs/operations.md (a test keeps the
+    two the same: regenerate it from here after changing a setting)."""
+    rows = ["| key | allowed values | default | what it sets |", "| --- | --- | --- | --- |"]
+    for name, f in _OPERATOR.items():
+        spec = _spec(f)
+        default = _default_text(f)
+        if not spec.default_text:
+            default = f"`{default}`"
+        rows.append(f"| `{name}` | {spec.allowed_values()} | {default} | {spec.help} |")
+    return "\n".join(rows) + "\n"

@@ -9,12 +9,25 @@ never reach a caller bare.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KvdError(Exception):
-    """Base of every kvd error."""
+    """Base of every kvd error. A subclass names its wire code, and whether it is retriable
+    where that differs from its parent's, in its class line: it is then in
+    ``ERRORS_BY_CODE`` (one without a code of its own travels as its parent)."""
 
     code: str = "error"
     retriable: bool = False
+
+    def __init_subclass__(cls, code: str = "", retriable: bool | None = None,
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if retriable is not None:
+            cls.retriable = retriable
+        if code:
+            cls.code = code
+            ERRORS_BY_CODE[code] = cls
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.__class__.__name__)
@@ -24,112 +37,68 @@ class KvdError(Exception):
         return str(self.args[0]) if self.args else ""
 
 
-class ConfigError(KvdError):
+ERRORS_BY_CODE: dict[str, type[KvdError]] = {KvdError.code: KvdError}
+
+
+class ConfigError(KvdError, code="config"):
     """A configuration value is unknown, of the wrong type, or unusable."""
 
-    code = "config"
 
-
-class ProtocolError(KvdError):
+class ProtocolError(KvdError, code="protocol"):
     """A message could not be decoded, or spoke the wrong protocol version."""
 
-    code = "protocol"
 
-
-class BadRequest(KvdError):
+class BadRequest(KvdError, code="bad_request"):
     """A well-formed request that asks for something invalid (range, name, size)."""
 
-    code = "bad_request"
 
-
-class KvdTimeout(KvdError, TimeoutError):
+class KvdTimeout(KvdError, TimeoutError, code="timeout", retriable=True):
     """A deadline passed before the operation completed."""
 
-    code = "timeout"
-    retriable = True
 
-
-class PeerUnreachable(KvdError):
+class PeerUnreachable(KvdError, code="peer_unreachable", retriable=True):
     """A peer daemon is down, restarted, or never answered."""
 
-    code = "peer_unreachable"
-    retriable = True
 
-
-class LayoutMismatch(KvdError):
+class LayoutMismatch(KvdError, code="layout_mismatch"):
     """Two regions (or a key and a region) do not share one block layout."""
 
-    code = "layout_mismatch"
 
-
-class PoolExhausted(KvdError):
+class PoolExhausted(KvdError, code="pool_exhausted", retriable=True):
     """No free memory of the requested size in the host pool (or staging)."""
 
-    code = "pool_exhausted"
-    retriable = True
 
-
-class UnknownKey(KvdError):
+class UnknownKey(KvdError, code="unknown_key"):
     """No stored or published key by that name."""
 
-    code = "unknown_key"
 
-
-class KeyGone(UnknownKey):
+class KeyGone(UnknownKey, code="key_gone"):
     """The key was there and is gone: taken by its one reader, expired, or withdrawn. A
     pull for it is answered at once, since waiting would not bring it back."""
 
-    code = "key_gone"
 
-
-class Cancelled(KvdError):
+class Cancelled(KvdError, code="cancelled"):
     """The operation was cancelled before it completed."""
 
-    code = "cancelled"
 
-
-class TransferFailed(KvdError):
+class TransferFailed(KvdError, code="transfer_failed"):
     """A transfer failed on the data plane."""
 
-    code = "transfer_failed"
 
-
-class DaemonUnavailable(KvdError):
+class DaemonUnavailable(KvdError, code="daemon_unavailable", retriable=True):
     """The local daemon cannot be reached, or is shutting down."""
 
-    code = "daemon_unavailable"
-    retriable = True
 
-
-class Draining(DaemonUnavailable):
+class Draining(DaemonUnavailable, code="draining"):
     """The daemon is draining: it refuses new work and finishes what is in flight."""
 
-    code = "draining"
 
-
-class InvalidFree(KvdError):
+class InvalidFree(KvdError, code="invalid_free"):
     """Memory returned to an allocator that it did not hand out (or twice)."""
 
-    code = "invalid_free"
 
-
-class InternalError(KvdError):
+class InternalError(KvdError, code="internal"):
     """A bug in the daemon; the request failed but the daemon keeps serving."""
-
-    code = "internal"
-
-
-def _all_subclasses(cls: type[KvdError]) -> list[type[KvdError]]:
-    out: list[type[KvdError]] = []
-    for sub in cls.__subclasses__():
-        out.append(sub)
-        out.extend(_all_subclasses(sub))
-    return out
-
-
-ERRORS_BY_CODE: dict[str, type[KvdError]] = {KvdError.code: KvdError}
-for _cls in _all_subclasses(KvdError):
-    ERRORS_BY_CODE[_cls.code] = _cls
 
 
 def error_from_code(code: str, message: str) -> KvdError:

@@ -1,9 +1,5 @@
-"""The local socket's path: its default, and whether a daemon may listen there.
-
-Whoever can change the socket's directory, or one above it, can move or replace the socket,
-and clients would then hand their tensors to whatever listens in its place: see
-:func:`socket_dir_problem` for the rules.
-"""
+"""The local socket's path: its default, and whether a daemon may listen there
+(:func:`socket_dir_problem` has the rules, and why)."""
 
 from __future__ import annotations
 

@@ -3,17 +3,10 @@ boolean) and checks, each of which also says in words what it allows (for ``--he
 the operator's guide), and :class:`Spec`, one setting's kind, checks and description.
 
 A kind reads a value two ways: from text (environment, flags, ``KVD_DEV``) and from a typed
-TOML value. A check takes the parsed value and returns it (possibly normalised) or raises
-:class:`InvalidValue`, whose message is the reason without the key or the source (the
-loader adds those).
-
-Text values
-    * Sizes: a non-negative number with an optional unit, case-insensitive, optional spaces:
-      ``B``; binary ``KiB MiB GiB TiB`` and bare ``K M G T`` (both 1024-based); decimal
-      ``KB MB GB TB`` (1000-based). Fractions are allowed when the result is a whole number of
-      bytes (``"1.5GiB"`` yes, ``"0.1KiB"`` no).
-    * Booleans: ``true/false``, ``1/0``, ``yes/no``, ``on/off`` (case-insensitive).
-    * Seconds: a finite float (``"30"``, ``"0.5"``).
+TOML value (what text each accepts: ``SIZES_IN_WORDS``, ``_TRUE``/``_FALSE``; a size may
+have a fraction when the bytes are whole: ``"1.5GiB"``, not ``"0.1KiB"``). A check takes
+the parsed value and returns it (possibly normalised) or raises :class:`InvalidValue`,
+whose message is the reason without the key or the source (the loader adds those).
 """
 
 from __future__ import annotations
@@ -31,22 +24,11 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": KiB,
-    "kib": KiB,
-    "kb": 1000,
-    "m": MiB,
-    "mib": MiB,
-    "mb": 1000**2,
-    "g": GiB,
-    "gib": GiB,
-    "gb": 1000**3,
-    "t": 1024 * GiB,
-    "tib": 1024 * GiB,
-    "tb": 1000**4,
-}
+# Bare letters and binary units are 1024-based, ``KB MB GB TB`` 1000-based.
+_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgt", start=1):
+    _SIZE_UNITS.update({_letter: 1024**_power, f"{_letter}ib": 1024**_power,
+                        f"{_letter}b": 1000**_power})
 _SIZE_RE = re.compile(r"\s*([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _INT_RE = re.compile(r"\s*[+-]?\d+\s*")
 _TRUE = frozenset({"true", "1", "yes", "on"})
@@ -107,12 +89,6 @@ def _int_from_text(text: str) -> int:
     return int(text)
 
 
-def _int_from_value(value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise InvalidValue(f"expected an integer, got {describe(value)}")
-
-
 def _finite_seconds(value: float) -> float:
     if not math.isfinite(value):
         raise InvalidValue(f"expected a finite number of seconds, got {value}")
@@ -142,16 +118,14 @@ def _bool_from_text(text: str) -> bool:
     raise InvalidValue(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {text!r}")
 
 
-def _bool_from_value(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise InvalidValue(f"expected a boolean, got {describe(value)}")
+def _exactly(kind: type, words: str) -> Callable[[object], Any]:
+    """A TOML value of type ``kind``, as it is (a boolean is no integer)."""
+    def read(value: object) -> Any:
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return value
+        raise InvalidValue(f"expected {words}, got {describe(value)}")
 
-
-def _str_from_value(value: object) -> str:
-    if isinstance(value, str):
-        return value
-    raise InvalidValue(f"expected a string, got {describe(value)}")
+    return read
 
 
 @dataclass(frozen=True)
@@ -167,11 +141,12 @@ class Kind:
     metavar: str
 
 
-STR = Kind("string", "text", str, _str_from_value, "TEXT")
-INT = Kind("integer", "an integer", _int_from_text, _int_from_value, "N")
+STR = Kind("string", "text", str, _exactly(str, "a string"), "TEXT")
+INT = Kind("integer", "an integer", _int_from_text, _exactly(int, "an integer"), "N")
 SIZE = Kind("size", "a size", _size_from_text, _size_from_value, "SIZE")
 SECONDS = Kind("seconds", "seconds", _seconds_from_text, _seconds_from_value, "SECONDS")
-BOOL = Kind("boolean", "true or false", _bool_from_text, _bool_from_value, "true|false")
+BOOL = Kind("boolean", "true or false", _bool_from_text, _exactly(bool, "a boolean"),
+            "true|false")
 
 
 SIZES_IN_WORDS = ("sizes are bytes, or a number with a unit: KiB, MiB, GiB, TiB (or K, M, G, T), "
@@ -195,58 +170,30 @@ class Check:
     metavar: str = ""
 
 
-def allowed_text(kind: Kind, checks: tuple[Check, ...]) -> str:
-    """What a setting of ``kind`` with ``checks`` allows, in words."""
-    for check in checks:
-        if check.whole:
-            return check.allowed
-    return " ".join([kind.allowed, ", ".join(c.allowed for c in checks if c.allowed)]).strip()
+def _rule(allowed: str, ok: Callable[[Any], Any], complaint: str, metavar: str = "") -> Check:
+    """A check that lets a value through if ``ok(value)``; ``complaint`` (formatted with
+    ``value``) says why it did not."""
+    def apply(value: Any) -> Any:
+        if not ok(value):
+            raise InvalidValue(complaint.format(value=value))
+        return value
+
+    return Check(allowed, apply, metavar=metavar)
 
 
 def at_least(low: float, shown: str | None = None) -> Check:
-    def apply(value: Any) -> Any:
-        if value < low:
-            raise InvalidValue(f"must be >= {low}, got {value}")
-        return value
-
-    return Check(f">= {shown or low}", apply)
+    return _rule(f">= {shown or low}", lambda v: v >= low, f"must be >= {low}, got {{value}}")
 
 
-def _positive(value: Any) -> Any:
-    if value <= 0:
-        raise InvalidValue(f"must be > 0, got {value}")
-    return value
-
-
-def _port(value: int) -> int:
-    if not 0 <= value <= 65535:
-        raise InvalidValue(f"must be a port in 0..65535, got {value}")
-    return value
-
-
-def _power_of_two(value: int) -> int:
-    if value <= 0 or value & (value - 1):
-        raise InvalidValue(f"must be a power of two, got {value}")
-    return value
-
-
-def _non_empty(value: str) -> str:
-    if not value.strip():
-        raise InvalidValue("must not be empty")
-    return value
-
-
-def _no_whitespace(value: str) -> str:
-    if any(ch.isspace() for ch in value):
-        raise InvalidValue(f"must not contain whitespace, got {value!r}")
-    return value
-
-
-POSITIVE = Check("> 0", _positive)
-PORT = Check("in 0..65535 (0: any free port)", _port, metavar="PORT")
-POWER_OF_TWO = Check("a power of two", _power_of_two)
-NON_EMPTY = Check("", _non_empty)  # (the field's own words say what it holds)
-NO_WHITESPACE = Check("", _no_whitespace)
+POSITIVE = _rule("> 0", lambda v: v > 0, "must be > 0, got {value}")
+PORT = _rule("in 0..65535 (0: any free port)", lambda v: 0 <= v <= 65535,
+             "must be a port in 0..65535, got {value}", metavar="PORT")
+POWER_OF_TWO = _rule("a power of two", lambda v: v > 0 and not v & (v - 1),
+                     "must be a power of two, got {value}")
+# (no words: the field's own say what it holds)
+NON_EMPTY = _rule("", lambda v: v.strip(), "must not be empty")
+NO_WHITESPACE = _rule("", lambda v: not any(ch.isspace() for ch in v),
+                      "must not contain whitespace, got {value!r}")
 
 
 def one_of(*choices: str) -> Check:
@@ -285,7 +232,13 @@ class Spec:
         return self._check(self.kind.from_value(value))
 
     def allowed_values(self) -> str:
-        return self.allowed or allowed_text(self.kind, self.checks)
+        if self.allowed:
+            return self.allowed
+        for check in self.checks:
+            if check.whole:
+                return check.allowed
+        words = ", ".join(c.allowed for c in self.checks if c.allowed)
+        return " ".join([self.kind.allowed, words]).strip()
 
     def value_name(self) -> str:
         """What stands for a value in ``--help``: ``PORT``, ``debug|info|...``, ``SIZE``."""

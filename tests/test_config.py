@@ -22,16 +22,17 @@ from kvd.config import (
     MAX_SOCKET_PATH_BYTES,
     OPERATOR_SETTINGS,
     Config,
+    add_config_arguments,
     check_socket_path,
     client_socket_path,
     config_from_args,
     development_overrides,
     format_size,
     load_config,
+    operator_settings_markdown,
     parse_size,
 )
 from kvd.errors import ConfigError, KvdError
-from kvd.settings_help import add_config_arguments, operator_settings_markdown
 from tests.conftest import ProcessDaemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -928,7 +929,7 @@ def settings_named(text: str) -> list[str]:
 
 def test_operations_md_holds_the_settings_table_and_no_development_setting() -> None:
     """docs/operations.md's table is the one made from Config (regenerate it with
-    ``python -c "from kvd.settings_help import operator_settings_markdown as t; print(t())"``)."""
+    ``python -c "from kvd.config import operator_settings_markdown as t; print(t())"``)."""
     text = (REPO / "docs" / "operations.md").read_text()
     assert operator_settings_markdown() in text
     assert settings_named(text) == []

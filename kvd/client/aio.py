@@ -3,12 +3,8 @@
 A ZeroMQ DEALER on the daemon's local socket, read on the loop (``kvd.loop_socket``):
 replies are matched to waiting futures by ``req_id`` as they arrive, so any number of
 requests can be in flight. Its lifeline (``kvd.client.lifeline``) is watched on the loop
-too: a daemon that goes away closes it, and every pending call fails at once. Every call
-has a timeout. A call that ends before its reply (its task is cancelled, its timeout runs
-out), a ``Transfer.cancel`` and ``aclose`` stop the request in the daemon and return only
-once the daemon says it has ended: no more bytes land in (or are read from) its blocks.
-Where the daemon does not say so within the client's timeout, the client drops its
-connection (``_drop``).
+too: a daemon that goes away closes it, and every pending call fails at once. How a call
+that ends early stops its request: ``kvd/client/base.py``.
 """
 
 from __future__ import annotations
@@ -24,19 +20,21 @@ import zmq
 
 from kvd.client.base import (
     Call,
+    ClientShell,
     Region,
     RequestBuilder,
     decode_replies,
     ended_by,
     open_connection,
+    refusal,
     result_of,
     stoppable,
 )
 from kvd.client.lifeline import LAST_WORDS_S, ClientLifeline, handoff_batches
 from kvd.client.shm import Segment
-from kvd.errors import Cancelled, DaemonUnavailable, KvdError
+from kvd.errors import DaemonUnavailable, KvdError
 from kvd.loop_socket import LoopSocket
-from kvd.protocol import ALL, WHOLE, Bye, Done, Part, Reply, Share
+from kvd.protocol import ALL, WHOLE, Bye, Part, Reply, Share
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +74,7 @@ class AsyncTransfer:
             await self._client._stop(self.req_id, timeout_s)
 
 
-class AsyncKvdClient:
+class AsyncKvdClient(ClientShell):
     """Talk to the local daemon: ``async with AsyncKvdClient() as c: await c.ping()``."""
 
     def __init__(self, socket_path: str | None = None, *, name: str = "",
@@ -94,14 +92,6 @@ class AsyncKvdClient:
         self._closed = False
         self.node_id = ""
         self.epoch = 0
-
-    @property
-    def socket_path(self) -> str:
-        return self._b.socket_path
-
-    @property
-    def name(self) -> str:
-        return self._b.name
 
     async def __aenter__(self) -> AsyncKvdClient:
         await self.connect()
@@ -129,11 +119,8 @@ class AsyncKvdClient:
             welcome = await self._call(self._b.hello(wait_s))
         except (KvdError, OSError) as exc:
             await self.aclose()
-            raise DaemonUnavailable(
-                f"kvd daemon at {self._b.socket_path} did not answer hello: {exc}"
-            ) from None
-        self.node_id, self.epoch = welcome.node_id, welcome.epoch
-        self._b.welcomed(welcome)
+            raise self._b.no_hello(exc) from None
+        self._welcomed(welcome)
 
     async def aclose(self) -> None:
         """Close the session. Its requests still in flight are stopped first: this
@@ -151,10 +138,7 @@ class AsyncKvdClient:
                     if in_flight:
                         log.warning("closing with requests in flight: %s", exc)
         finally:  # (also when aclose itself is cancelled: the connection goes regardless)
-            for fut in self._pending.values():
-                if not fut.done():
-                    _fail(fut, DaemonUnavailable("client closed"))
-            self._pending.clear()
+            self._fail_pending(DaemonUnavailable("client closed"))
             self._disconnect()
 
     def _disconnect(self) -> None:
@@ -175,7 +159,9 @@ class AsyncKvdClient:
 
     def _on_frames(self, frames: list[bytes]) -> None:
         for reply in decode_replies(frames[-1:]):  # (a DEALER gets the payload alone)
-            self._on_reply(reply)
+            fut = self._pending.pop(reply.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
 
     def _on_lifeline(self) -> None:
         """The lifeline is readable: a handoff's answer, or the daemon's end."""
@@ -215,20 +201,14 @@ class AsyncKvdClient:
     def _gone(self) -> None:
         if self._sock is not None and not self._sock.closed:
             self._sock.read_now()  # (its last replies, if their edge has not fired yet)
-            self._on_lost()
+            err = self._dead or self._b.disconnected()  # (_drop's says more)
+            if not self._closed:
+                self._dead = err
+            # (while closing too: a Bye waiting for its answer fails now, not at its timeout)
+            self._fail_pending(err)
             self._disconnect()
 
-    def _on_reply(self, reply: Reply) -> None:
-        fut = self._pending.pop(reply.req_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(reply)
-
-    def _on_lost(self) -> None:
-        self._lost = True
-        err = self._dead or self._b.disconnected()  # (_drop's says more)
-        if not self._closed:
-            self._dead = err
-        # (while closing too: a Bye waiting for its answer fails now, not at its timeout)
+    def _fail_pending(self, err: KvdError) -> None:
         for fut in self._pending.values():
             if not fut.done():
                 _fail(fut, err)
@@ -286,11 +266,9 @@ class AsyncKvdClient:
 
     async def _stop(self, target: int, timeout_s: float | None) -> None:
         """Cancel request ``target`` in the daemon and return once the daemon says it has
-        ended (its reply, then the cancel's): no more bytes land in or are read from its
-        blocks. Without that word within ``timeout_s`` (the client's by default) the
-        connection is dropped (``_drop``) and ``DaemonUnavailable`` says what that leaves.
-        A cancel of the calling task does not cut this bounded wait short: it is raised
-        after."""
+        ended (its reply, then the cancel's); without that word within ``timeout_s`` (the
+        client's by default), drop the connection (``_drop``). A cancel of the calling
+        task does not cut this bounded wait short: it is raised after."""
         if self._dead is not None:
             raise self._dead  # the daemon has closed the session, or we dropped it
         call = self._b.cancel(target, timeout_s)
@@ -314,8 +292,8 @@ class AsyncKvdClient:
             why = f"no answer to its cancel within {call.timeout_s:g}s"
         elif confirm.cancelled() or confirm.exception() is not None:
             why = "the connection was lost"
-        elif not isinstance(reply := confirm.result(), Done):
-            why = getattr(reply, "message", type(reply).__name__)
+        else:
+            why = refusal(confirm.result())
         err = self._drop(target, why) if why else None
         if interrupted:
             raise asyncio.CancelledError
@@ -324,36 +302,28 @@ class AsyncKvdClient:
 
     def _drop(self, target: int, why: str) -> DaemonUnavailable:
         """Close the connection of a client whose request ``target`` the daemon did not
-        confirm stopped: the daemon then cancels every request of the session and keeps
-        its regions mapped until they end. What is in flight fails now."""
+        confirm stopped. What is in flight fails now."""
         err = self._b.unconfirmed(target, why)
-        log.warning("%s", err.message)
         if self._dead is None:
             self._dead = err
         self._disconnect()
-        for fut in self._pending.values():
-            if not fut.done():
-                _fail(fut, self._dead)
-        self._pending.clear()
+        self._fail_pending(self._dead)
         return err
 
     # ------------------------------------------------------------ operations
 
     async def ping(self, *, timeout_s: float | None = None) -> float:
         """Round-trip time to the daemon, in seconds."""
-        result: float = await self._call(self._b.ping(timeout_s))
-        return result
+        return await self._call(self._b.ping(timeout_s))
 
     async def drain(self, *, grace_s: float | None = None,
                     timeout_s: float | None = None) -> dict[str, Any]:
         """Make the daemon stop taking work, finish what is in flight, and exit; returns
         its report (how much finished, how much was cancelled at the grace)."""
-        report: dict[str, Any] = await self._call(self._b.drain(grace_s, timeout_s))
-        return report
+        return await self._call(self._b.drain(grace_s, timeout_s))
 
     async def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call(self._b.stats(timeout_s))
-        return result
+        return await self._call(self._b.stats(timeout_s))
 
     async def register(self, name: str, tensors: Sequence[Any], *, block_dim: int = 0,
                        timeout_s: float | None = None) -> Region:
@@ -364,8 +334,7 @@ class AsyncKvdClient:
             if segments:
                 await self._hand_over(segments, call.timeout_s)
                 self._b.handed(segments)
-        region: Region = await self._call(call)
-        return region
+        return await self._call(call)
 
     async def _hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
         """Hand the segments over on the lifeline; returns once the session has them."""
@@ -391,8 +360,7 @@ class AsyncKvdClient:
                       ttl_s: float | None = None, timeout_s: float | None = None) -> int:
         """Copy blocks into the daemon's host pool under ``key``; returns bytes stored.
         Without ``ttl_s`` the key lives until deleted or this client goes away."""
-        nbytes: int = await self._call(self._b.offload(key, region, blocks, ttl_s, timeout_s))
-        return nbytes
+        return await self._call(self._b.offload(key, region, blocks, ttl_s, timeout_s))
 
     async def get(self, key: str, region: Region | int, blocks: Iterable[int], *,
                   timeout_s: float | None = None, share: Share = ALL,
@@ -400,9 +368,8 @@ class AsyncKvdClient:
         """Wait up to ``timeout_s`` for ``key`` and write it into ``blocks``. ``sender``:
         the daemon that puts the key here (host:port), if known: the get fails at once
         (``PeerUnreachable``) if that daemon cannot be reached or goes while it waits."""
-        nbytes: int = await self._call(self._b.get(key, region, blocks, timeout_s, share,
-                                                   into, sender))
-        return nbytes
+        return await self._call(self._b.get(key, region, blocks, timeout_s, share, into,
+                                            sender))
 
     async def put(self, key: str, region: Region | int, blocks: Iterable[int], *,
                   to: str | None = None, ttl_s: float | None = None,
@@ -461,15 +428,13 @@ class AsyncKvdClient:
         ``share``: what of the key this pull takes (a part of each block, from a block
         on, for how many readers; ``kvd.Share``); ``into``: the part of each of
         ``blocks`` it lands in (``kvd.Part``)."""
-        nbytes: int = await self._call(self._b.pull(key, src, region, blocks, timeout_s,
-                                                    wait_for_key_s, share, into))
-        return nbytes
+        return await self._call(self._b.pull(key, src, region, blocks, timeout_s,
+                                             wait_for_key_s, share, into))
 
     async def publish(self, key: str, region: Region | int, blocks: Iterable[int], *,
                       ttl_s: float | None = None, timeout_s: float | None = None) -> int:
         """Offer blocks under ``key`` in place (no copy) until unpublished."""
-        nbytes: int = await self._call(self._b.publish(key, region, blocks, ttl_s, timeout_s))
-        return nbytes
+        return await self._call(self._b.publish(key, region, blocks, ttl_s, timeout_s))
 
     async def unpublish(self, key: str, *, timeout_s: float | None = None) -> None:
         await self._call(self._b.unpublish(key, timeout_s))
@@ -481,7 +446,7 @@ class AsyncKvdClient:
         await transfer.cancel(timeout_s)
 
 
-__all__ = ["AsyncKvdClient", "AsyncTransfer", "Cancelled"]
+__all__ = ["AsyncKvdClient", "AsyncTransfer"]
 
 
 def _fail(fut: asyncio.Future[Any], err: KvdError) -> None:

@@ -3,7 +3,14 @@
 Both clients are thin I/O shells over ``RequestBuilder``: each method builds one request
 here (so validation, defaults and timeouts are written once) and maps the reply with
 ``result_of``. The async client is the reference; the sync client has the same methods,
-arguments and results.
+arguments and results (and their docstrings).
+
+What both promise: every call has a timeout. A call that ends before its reply (its timeout
+runs out, its task is cancelled or its thread interrupted), a transfer's ``cancel`` and
+closing the client stop the request in the daemon, and return only once the daemon says it
+has ended: no more bytes land in (or are read from) its blocks. Where the daemon does not
+say so within the client's timeout, the client drops its connection (``unconfirmed``): the
+daemon then stops every request of the session before it releases the regions.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from kvd.client.lifeline import ClientLifeline
 from kvd.client.shm import Segment, mark_ready, segment_of, tensor_spec
 from kvd.errors import (
     BadRequest,
+    ConfigError,
     DaemonUnavailable,
     KvdError,
     KvdTimeout,
@@ -88,7 +96,6 @@ def default_socket_path() -> str:
     a socket of theirs in it would get this client's tensors."""
     from kvd.config import default_socket_path as from_config
     from kvd.config import fallback_socket_dir, socket_dir_problem
-    from kvd.errors import ConfigError
 
     explicit = os.environ.get("KVD_SOCKET_PATH")
     if explicit:
@@ -120,7 +127,7 @@ class Call(NamedTuple):
 
     msg: Any
     timeout_s: float
-    kind: str  # "nbytes" | "region" | "rtt" | "stats" | "none"
+    kind: str  # "nbytes" | "region" | "rtt" | "stats" | "welcome" | "none" (result_of)
     tensors: tuple[Any, ...] = ()
 
 
@@ -148,7 +155,8 @@ def open_connection(socket_path: str, timeout_s: float
     (``ClientLifeline.reach``), and the DEALER's monitor (``ended_by``). Blocking, within
     ``timeout_s``."""
     lifeline = ClientLifeline.connect(socket_path, timeout_s)
-    sock: zmq.Socket[Any] = context().socket(zmq.DEALER)
+    # (the process's context for clients: one I/O thread, made on first use)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -167,11 +175,6 @@ def ended_by(event: list[bytes]) -> bool:
     sent before is in the DEALER then (one connection delivers in order)."""
     parsed = monitor_event(event)
     return parsed is not None and parsed[0] == zmq.EVENT_DISCONNECTED
-
-
-def context() -> zmq.Context[Any]:
-    """The process's ZeroMQ context for clients (one I/O thread, made on first use)."""
-    return zmq.Context.instance()
 
 
 _MAX_BLOCK_ID = 2**32 - 1
@@ -264,9 +267,6 @@ class RequestBuilder:
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
-    def next_id(self) -> int:
-        return next(self._ids)
-
     def check_socket(self) -> None:
         from kvd.daemon.socket_files import daemon_starting
 
@@ -298,7 +298,7 @@ class RequestBuilder:
         return min(self.timeout_s, HELLO_TIMEOUT_S) if timeout_s is None else timeout_s
 
     def hello(self, timeout_s: float | None) -> Call:
-        msg = Hello(req_id=self.next_id(), protocol_version=PROTOCOL_VERSION,
+        msg = Hello(req_id=next(self._ids), protocol_version=PROTOCOL_VERSION,
                     pid=os.getpid(), name=self.name)
         return Call(msg, self.hello_timeout(timeout_s), "welcome")
 
@@ -306,29 +306,29 @@ class RequestBuilder:
         """The daemon answers once it has closed the session: its requests ended, no more
         bytes move in its blocks."""
         wait_s = self.timeout_s if in_flight else min(self.timeout_s, BYE_TIMEOUT_S)
-        return Call(Bye(req_id=self.next_id()), wait_s, "none")
+        return Call(Bye(req_id=next(self._ids)), wait_s, "none")
 
     def ping(self, timeout_s: float | None) -> Call:
-        return Call(Ping(req_id=self.next_id()), self._t(timeout_s), "rtt")
+        return Call(Ping(req_id=next(self._ids)), self._t(timeout_s), "rtt")
 
     def stats(self, timeout_s: float | None) -> Call:
-        return Call(Stats(req_id=self.next_id()), self._t(timeout_s), "stats")
+        return Call(Stats(req_id=next(self._ids)), self._t(timeout_s), "stats")
 
     def register(self, name: str, tensors: Sequence[Any], block_dim: int,
                  timeout_s: float | None) -> Call:
         if not tensors:
             raise BadRequest("register needs at least one tensor")
         specs = [tensor_spec(t, i) for i, t in enumerate(tensors)]
-        msg = Register(req_id=self.next_id(), name=name, tensors=specs, block_dim=block_dim)
+        msg = Register(req_id=next(self._ids), name=name, tensors=specs, block_dim=block_dim)
         return Call(msg, self._t(timeout_s), "region", tuple(tensors))
 
     def unregister(self, region: Region | int, timeout_s: float | None) -> Call:
-        msg = Unregister(req_id=self.next_id(), region_id=_region_id(region))
+        msg = Unregister(req_id=next(self._ids), region_id=_region_id(region))
         return Call(msg, self._t(timeout_s), "none")
 
     def offload(self, key: str, region: Region | int, blocks: Iterable[int],
                 ttl_s: float | None, timeout_s: float | None) -> Call:
-        msg = Offload(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Offload(req_id=next(self._ids), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
 
@@ -336,25 +336,25 @@ class RequestBuilder:
             timeout_s: float | None, share: Share = ALL, into: Part = WHOLE,
             sender: str | None = None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Get(req_id=self.next_id(), key=key, region_id=_region_id(region),
+        msg = Get(req_id=next(self._ids), key=key, region_id=_region_id(region),
                   blocks=_blocks(blocks), timeout_s=wait_s, share=share, into=into,
                   sender=sender or "")
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def renew(self, key: str, src: str, ttl_s: float, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Renew(req_id=self.next_id(), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
+        msg = Renew(req_id=next(self._ids), key=key, src=src, ttl_s=ttl_s, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def release(self, key: str, src: str, timeout_s: float | None, skip: int = 0) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Release(req_id=self.next_id(), key=key, src=src, timeout_s=wait_s, skip=skip)
+        msg = Release(req_id=next(self._ids), key=key, src=src, timeout_s=wait_s, skip=skip)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def put(self, key: str, region: Region | int, blocks: Iterable[int], to: str | None,
             ttl_s: float | None, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        msg = Put(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Put(req_id=next(self._ids), key=key, region_id=_reading(region),
                   blocks=_blocks(blocks), to=to or "", ttl_s=ttl_s, timeout_s=wait_s)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
@@ -365,47 +365,77 @@ class RequestBuilder:
         if not 0.0 <= wait_for_key_s <= wait_s:
             raise BadRequest(f"wait_for_key_s must be between 0 and the timeout "
                              f"({wait_s:g}s), not {wait_for_key_s!r}")
-        msg = Pull(req_id=self.next_id(), key=key, src=src, region_id=_region_id(region),
+        msg = Pull(req_id=next(self._ids), key=key, src=src, region_id=_region_id(region),
                    blocks=_blocks(blocks), timeout_s=wait_s, wait_for_key_s=wait_for_key_s,
                    share=share, into=into)
         return Call(msg, wait_s + REPLY_MARGIN_S, "nbytes")
 
     def publish(self, key: str, region: Region | int, blocks: Iterable[int],
                 ttl_s: float | None, timeout_s: float | None) -> Call:
-        msg = Publish(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Publish(req_id=next(self._ids), key=key, region_id=_reading(region),
                       blocks=_blocks(blocks), ttl_s=ttl_s)
         return Call(msg, self._t(timeout_s), "nbytes")
 
     def lend(self, key: str, region: Region | int, blocks: Iterable[int], ttl_s: float,
              timeout_s: float | None) -> Call:
-        msg = Lend(req_id=self.next_id(), key=key, region_id=_reading(region),
+        msg = Lend(req_id=next(self._ids), key=key, region_id=_reading(region),
                    blocks=_blocks(blocks), ttl_s=ttl_s)
         # A read that began just before the TTL still ends before the reply.
         return Call(msg, ttl_s + self._t(timeout_s) + REPLY_MARGIN_S, "nbytes")
 
     def unpublish(self, key: str, timeout_s: float | None) -> Call:
-        return Call(Unpublish(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+        return Call(Unpublish(req_id=next(self._ids), key=key), self._t(timeout_s), "none")
 
     def delete(self, key: str, timeout_s: float | None) -> Call:
-        return Call(Delete(req_id=self.next_id(), key=key), self._t(timeout_s), "none")
+        return Call(Delete(req_id=next(self._ids), key=key), self._t(timeout_s), "none")
 
     def drain(self, grace_s: float | None, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
-        return Call(Drain(req_id=self.next_id(), grace_s=grace_s), wait_s, "stats")
+        return Call(Drain(req_id=next(self._ids), grace_s=grace_s), wait_s, "stats")
 
     def cancel(self, target: int, timeout_s: float | None) -> Call:
         """The daemon answers once ``target`` has ended (its own reply goes first)."""
-        return Call(Cancel(req_id=self.next_id(), target=target), self._t(timeout_s), "none")
+        return Call(Cancel(req_id=next(self._ids), target=target), self._t(timeout_s), "none")
 
     def unconfirmed(self, target: int, why: str) -> DaemonUnavailable:
         """The error of a client that stopped waiting for request ``target`` without the
-        daemon's word that it ended: the client drops its connection, and says what that
-        leaves."""
-        return DaemonUnavailable(
+        daemon's word that it ended (logged here): the client drops its connection, and
+        says what that leaves."""
+        err = DaemonUnavailable(
             f"kvd daemon at {self.socket_path} did not confirm that request {target} "
             f"stopped ({why}): the connection is closed and the registrations are gone. The "
             "daemon stops the client's requests before it releases the regions, but until "
             "then bytes may still move in that request's blocks: create a new client")
+        log.warning("%s", err.message)
+        return err
+
+    def no_hello(self, exc: Exception) -> DaemonUnavailable:
+        return DaemonUnavailable(f"kvd daemon at {self.socket_path} did not answer hello: {exc}")
+
+
+class ClientShell:
+    """What both clients are around their ``RequestBuilder``: the public attributes."""
+
+    _b: RequestBuilder
+    node_id: str  # the daemon's, and its epoch: told in its welcome
+    epoch: int
+
+    @property
+    def socket_path(self) -> str:
+        return self._b.socket_path
+
+    @property
+    def name(self) -> str:
+        return self._b.name
+
+    def _welcomed(self, welcome: Welcome) -> None:
+        self.node_id, self.epoch = welcome.node_id, welcome.epoch
+        self._b.welcomed(welcome)
+
+
+def refusal(reply: Reply) -> str:
+    """Why a cancel's ``reply`` does not confirm its target ended ("": it does)."""
+    return "" if isinstance(reply, Done) else getattr(reply, "message", type(reply).__name__)
 
 
 def stoppable(call: Call) -> bool:

@@ -58,7 +58,7 @@ class SharedDealer:
         # Held around each call on the DEALER (and while it is closed): ZeroMQ sockets are
         # not thread-safe. Never held while waiting for a reply.
         self._write_lock = threading.RLock()
-        # Guards the replies' side (stash, outstanding ids, who reads, _dead); threads
+        # Guards the replies' side (stash, outstanding ids, who reads, dead); threads
         # whose reply has not come sleep on _replies while another reads.
         self._replies_lock = threading.RLock()
         self._replies = threading.Condition(self._replies_lock)
@@ -69,11 +69,13 @@ class SharedDealer:
         self._reading = False  # a thread is reading the socket (at most one)
         self._sleepers = 0  # threads asleep on _replies (none: no one to wake)
         self._others = 0  # threads other than the main one waiting for a reply
-        self._dead: DaemonUnavailable | None = None
+        # Why every wait fails (the daemon is gone, or the client closed or dropped the
+        # connection); None while the connection is usable.
+        self.dead: DaemonUnavailable | None = None
         self._stash: dict[int, Reply] = {}
         self._outstanding: set[int] = set()
-        self._closed = False  # close began: only its Bye is sent from now on
-        self._shut = threading.Event()  # close ended
+        self.closing = False  # close began (begin_close): only its Bye is sent from now on
+        self.shut = threading.Event()  # close ended (shut_down)
 
     def open(self, wait_s: float) -> None:
         """Connect the lifeline, then the DEALER (the daemon's hello comes next)."""
@@ -90,57 +92,36 @@ class SharedDealer:
     # ------------------------------------------------------------ state, for the client
 
     @property
-    def connected(self) -> bool:
-        """Whether ``open`` made the DEALER (it may have closed since)."""
+    def connected(self) -> bool:  # (``open`` made the DEALER; it may have closed since)
         return self._sock is not None
-
-    @property
-    def dead(self) -> DaemonUnavailable | None:
-        """Why every wait fails (the daemon is gone, or the client closed or dropped the
-        connection); None while the connection is usable."""
-        return self._dead
-
-    @property
-    def closing(self) -> bool:
-        """``begin_close`` was called: only a Bye is sent from now on."""
-        return self._closed
 
     def begin_close(self) -> bool:
         """From now on only a Bye is sent; False if a close began already."""
         with self._write_lock:
-            if self._closed:
+            if self.closing:
                 return False
-            self._closed = True  # other threads send nothing after the Bye
+            self.closing = True  # other threads send nothing after the Bye
             return True
 
-    def wait_shut(self, timeout_s: float) -> bool:
-        """Whether ``shut_down`` ended within ``timeout_s``."""
-        return self._shut.wait(timeout_s)
-
     def in_flight(self) -> bool:
-        """Whether a request sent is still unanswered."""
         with self._replies_lock:
             return bool(self._outstanding - set(self._stash))
 
     def answered(self, req_id: int) -> bool:
-        """Whether the reply to ``req_id`` is in the stash."""
         with self._replies_lock:
             return req_id in self._stash
 
-    def forget(self, req_id: int) -> None:
-        """Nobody waits for ``req_id`` any more: a reply to it that comes is dropped."""
+    def forget(self, req_id: int) -> Reply | None:
+        """Nobody waits for ``req_id`` any more: a reply to it that comes is dropped. The
+        one stashed already, if any."""
         with self._replies_lock:
             self._outstanding.discard(req_id)
-
-    def claim(self, req_id: int) -> Reply | None:
-        """The stashed reply to ``req_id``, out of the stash, if it came."""
-        with self._replies_lock:
             return self._stash.pop(req_id, None)
 
     def hand_over(self, segments: Sequence[Segment], timeout_s: float) -> None:
         """Give the daemon shared-memory segments, on the lifeline."""
-        if self._lifeline is None or self._dead is not None:
-            raise self._dead or DaemonUnavailable("client is not connected")
+        if self._lifeline is None or self.dead is not None:
+            raise self.dead or DaemonUnavailable("client is not connected")
         self._lifeline.hand_over(segments, timeout_s)
 
     def hang_up(self, err: DaemonUnavailable) -> None:
@@ -158,10 +139,7 @@ class SharedDealer:
         """Every wait fails from now on; the sockets are closed once no thread polls them
         (a descriptor closed under a poll does not wake it, and its number may be
         reused)."""
-        with self._replies_lock:
-            if self._dead is None:
-                self._dead = DaemonUnavailable("client closed")
-            self._wake()
+        self._die(DaemonUnavailable("client closed"))
         if self._sock is not None:
             self._wake_reader()
             deadline = time.monotonic() + self._b.timeout_s
@@ -181,7 +159,7 @@ class SharedDealer:
                 if fd >= 0:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
-        self._shut.set()
+        self.shut.set()
 
     # ------------------------------------------------------------ I/O
 
@@ -228,10 +206,10 @@ class SharedDealer:
         """The connection is unusable: every wait fails from now on, with the first
         cause."""
         with self._replies_lock:
-            if self._dead is None:
-                self._dead = err
+            if self.dead is None:
+                self.dead = err
             self._wake()
-            return self._dead
+            return self.dead
 
     def send(self, call: Call, waits: bool = False) -> bool:
         """Send ``call``. ``waits``: the caller waits for its reply next, and is counted
@@ -239,10 +217,10 @@ class SharedDealer:
         req_id = call.msg.req_id
         counted = waits and threading.get_ident() != _MAIN_THREAD
         with self._write_lock:  # (another thread's write holds it at most its timeout)
-            if self._sock is None or (self._closed and not isinstance(call.msg, Bye)):
+            if self._sock is None or (self.closing and not isinstance(call.msg, Bye)):
                 raise DaemonUnavailable("client is not connected")
-            if self._dead is not None:
-                raise self._dead
+            if self.dead is not None:
+                raise self.dead
             with self._replies_lock:  # before it goes: another thread may read its reply
                 self._outstanding.add(req_id)
                 self._others += counted
@@ -322,8 +300,8 @@ class SharedDealer:
         if req_id in self._stash:
             self._outstanding.discard(req_id)
             return self._stash.pop(req_id)
-        if self._dead is not None:
-            raise self._dead
+        if self.dead is not None:
+            raise self.dead
         return None
 
     def _ready(self, wait_s: float) -> bool:
@@ -392,7 +370,7 @@ class SharedDealer:
         """Replies into the stash (None: the daemon is gone, and the client dead).
         Whether a waiter has news. (Under ``_replies_lock``.)"""
         if payloads is None:
-            self._dead = self._dead or self._b.disconnected()
+            self.dead = self.dead or self._b.disconnected()
             return True
         news = False
         for reply in decode_replies(payloads):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import math
 import mmap
 import os
 import threading
@@ -75,10 +76,9 @@ def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(d < 0 for d in dims):
         raise BadRequest(f"negative dimension in shape {dims}")
-    numel = 1
-    for d in dims:
-        numel *= d
-    nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
+    numel = math.prod(dims)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = max(numel * itemsize, 1)
     seg_id = next(_counter)
     fd = os.memfd_create(f"{SHM_PREFIX}{os.getpid()}-{seg_id}",
                          os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -97,19 +97,11 @@ def shared_empty(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
     # The mmap lives as long as any tensor on it; when it goes, so does our descriptor
     # (the daemon holds its own for as long as it maps the segment).
     weakref.finalize(mm, _forget, ptr, seg_id, fd)
-    return base[: numel * _itemsize(dtype)].view(dtype).view(dims)
+    return base[: numel * itemsize].view(dtype).view(dims)
 
 
 def shared_zeros(shape: Sequence[int] | int, dtype: Any = None) -> torch.Tensor:
-    t = shared_empty(shape, dtype)
-    t.zero_()
-    return t
-
-
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return int(torch.empty(0, dtype=dtype).element_size())
+    return shared_empty(shape, dtype).zero_()
 
 
 def segment_of(spec: ShmTensor) -> Segment:
