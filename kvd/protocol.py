@@ -15,13 +15,15 @@ types, so malformed input fails at decode with a message; nothing is unpickled.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
 from msgspec import Meta, Struct
 
 from kvd.errors import ProtocolError
+
+_T = TypeVar("_T")
 
 # Protocol versions (bump on any incompatible change to a message below):
 #   1 — 2026-11: Hello/Register(shm)/Offload/Get/Put(local)/Publish/Cancel/Stats.
@@ -121,6 +123,16 @@ class _WithBlocks(_Msg, frozen=True):
     def ids(self) -> np.ndarray[Any, Any]:
         """The block ids as int64 (the dtype torch indexes with)."""
         return np.frombuffer(self.blocks, dtype=BLOCK_ID_DTYPE).astype(np.int64)
+
+
+class _KeyBlocks(_WithBlocks, frozen=True):
+    """A request about ``key`` and blocks of one of the client's regions (all of them but
+    ``Pull``, whose ``src`` comes before ``region_id``)."""
+
+    req_id: ReqId
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
 
 
 # ---------------------------------------------------------------- tensors and regions
@@ -242,23 +254,15 @@ class Unregister(_Msg, tag="unregister", frozen=True):
     region_id: NonNeg
 
 
-class Offload(_WithBlocks, tag="offload", frozen=True):
+class Offload(_KeyBlocks, tag="offload", frozen=True):
     """Copy blocks into this daemon's host pool under ``key``."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     ttl_s: Seconds | None = None
 
 
-class Get(_WithBlocks, tag="get", frozen=True):
+class Get(_KeyBlocks, tag="get", frozen=True):
     """Wait (up to ``timeout_s``) for ``key`` and write it into these blocks."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     timeout_s: Seconds
     share: Share = ALL  # as in Pull
     into: Part = WHOLE  # as in Pull
@@ -268,13 +272,9 @@ class Get(_WithBlocks, tag="get", frozen=True):
     sender: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
-class Put(_WithBlocks, tag="put", frozen=True):
+class Put(_KeyBlocks, tag="put", frozen=True):
     """Send blocks to daemon ``to`` under ``key``; replied once the receiver has the bytes."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     to: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
     ttl_s: Seconds | None = None
     timeout_s: Seconds = 30.0
@@ -285,7 +285,7 @@ class Pull(_WithBlocks, tag="pull", frozen=True):
 
     req_id: ReqId
     key: Key
-    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    src: Name
     region_id: NonNeg
     blocks: BlockIds
     timeout_s: Seconds
@@ -296,25 +296,17 @@ class Pull(_WithBlocks, tag="pull", frozen=True):
     into: Part = WHOLE  # which part of each of ``blocks`` it lands in
 
 
-class Publish(_WithBlocks, tag="publish", frozen=True):
+class Publish(_KeyBlocks, tag="publish", frozen=True):
     """Offer blocks under ``key`` without copying them; gets and peers read them in place."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     ttl_s: Seconds | None = None
 
 
-class Lend(_WithBlocks, tag="lend", frozen=True):
+class Lend(_KeyBlocks, tag="lend", frozen=True):
     """Publish blocks in place for exactly one reader (a get here or a peer's pull). The
     reply comes when the daemon no longer touches the blocks: ``Done(nbytes)`` with the
     bytes that reader took, or 0 when nobody did before ``ttl_s`` or a cancel."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     ttl_s: Seconds
 
 
@@ -325,7 +317,7 @@ class Renew(_Msg, tag="renew", frozen=True):
 
     req_id: ReqId
     key: Key
-    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    src: Name
     ttl_s: Seconds
     timeout_s: Seconds = 10.0
 
@@ -344,7 +336,7 @@ class Release(_Msg, tag="release", frozen=True):
 
     req_id: ReqId
     key: Key
-    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    src: Name
     timeout_s: Seconds = 10.0
     skip: Skip = 0
 
@@ -487,13 +479,13 @@ class _PeerMsg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
-    """First message on a peer connection; answered by ``PeerWelcome``."""
+class _Intro(_PeerMsg, frozen=True):
+    """What a daemon says of itself when a peer connection opens."""
 
     protocol_version: int
     node_id: Name
     epoch: NonNeg
-    address: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]  # host:port
+    address: Name  # host:port
     data_port: Annotated[int, Meta(ge=0, le=65535)]
     data_token: Token  # the token a peer presents on our data port
     devices: Annotated[list[Device], Meta(max_length=64)]
@@ -507,17 +499,12 @@ class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
     pool_capacity_bytes: NonNeg = 0
 
 
-class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
-    protocol_version: int
-    node_id: Name
-    epoch: NonNeg
-    address: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-    data_port: Annotated[int, Meta(ge=0, le=65535)]
-    data_token: Token
-    devices: Annotated[list[Device], Meta(max_length=64)]
-    nccl_blocking_calls: bool = False  # as in PeerHello
-    data_fingerprint: Annotated[bytes, Meta(max_length=32)] = b""  # as in PeerHello
-    pool_capacity_bytes: NonNeg = 0  # as in PeerHello
+class PeerHello(_Intro, tag="peer_hello", frozen=True):
+    """First message on a peer connection; answered by ``PeerWelcome``."""
+
+
+class PeerWelcome(_Intro, tag="peer_welcome", frozen=True):
+    """The answer to ``PeerHello``: the same facts, of the daemon that answers."""
 
 
 class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
@@ -527,7 +514,18 @@ class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
 ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
-class Offer(_PeerMsg, tag="offer", frozen=True):
+class _OfTransfer(_PeerMsg, frozen=True):
+    transfer_id: TransferId
+
+
+class _Failure(_OfTransfer, frozen=True):
+    """The transfer failed: the error's wire code and message."""
+
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+class Offer(_OfTransfer, tag="offer", frozen=True):
     """``src_dev``: the sender's device for an NCCL channel ("cuda:N"), or "cpu" when it
     has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP);
     ``one_run``: each tensor's blocks are one contiguous run (NCCL can send them as is);
@@ -540,7 +538,6 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     themselves, in wire order, for host memory of at most ``MAX_INLINE_BYTES``; the
     receiver stores them and answers XFER_DONE (or BUSY / REFUSE), no ACCEPT."""
 
-    transfer_id: TransferId
     key: Key
     src_dev: Device
     dst_dev: Device
@@ -559,51 +556,39 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     first: Skip = 0
 
 
-class Accept(_PeerMsg, tag="accept", frozen=True):
+class Accept(_OfTransfer, tag="accept", frozen=True):
     """``channel`` 0: the bytes go over TCP. Otherwise over the NCCL channel with that id
     between ``src_dev`` and ``dst_dev``; ``nccl_uid`` is its ncclUniqueId, so a sender
     that does not have that channel yet joins it. ``chunk_bytes``: how both ends cut the
     bytes into NCCL messages (``transport.chunks.plan_chunks``); the receiver decides."""
 
-    transfer_id: TransferId
     dst_dev: Device = "cpu"
     channel: ChannelId = 0
     nccl_uid: Annotated[bytes, Meta(max_length=128)] = b""
     chunk_bytes: Annotated[int, Meta(ge=0, le=2**40)] = 0
 
 
-class Busy(_PeerMsg, tag="busy", frozen=True):
-    transfer_id: TransferId
+class Busy(_OfTransfer, tag="busy", frozen=True):
     retry_after_s: Seconds
 
 
-class Refuse(_PeerMsg, tag="refuse", frozen=True):
+class Refuse(_Failure, tag="refuse", frozen=True):
     """The receiver will not take this transfer (bad offer, layout, unknown key)."""
 
-    transfer_id: TransferId
-    code: Annotated[str, Meta(max_length=64)]
-    message: Annotated[str, Meta(max_length=4096)]
 
-
-class XferDone(_PeerMsg, tag="xfer_done", frozen=True):
-    transfer_id: TransferId
+class XferDone(_OfTransfer, tag="xfer_done", frozen=True):
     nbytes: NonNeg
 
 
-class XferFailed(_PeerMsg, tag="xfer_failed", frozen=True):
-    transfer_id: TransferId
-    code: Annotated[str, Meta(max_length=64)]
-    message: Annotated[str, Meta(max_length=4096)]
+class XferFailed(_Failure, tag="xfer_failed", frozen=True):
+    """The receive ended without the bytes (it failed, or was cancelled)."""
 
 
-class XferCancel(_PeerMsg, tag="xfer_cancel", frozen=True):
+class XferCancel(_OfTransfer, tag="xfer_cancel", frozen=True):
     """The other side gave up on this transfer; stop it if it has not started."""
 
-    transfer_id: TransferId
 
-
-class PullRequest(_PeerMsg, tag="pull_request", frozen=True):
-    transfer_id: TransferId
+class PullRequest(_OfTransfer, tag="pull_request", frozen=True):
     key: Key
     dst_dev: Device
     num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
@@ -693,33 +678,26 @@ def encode(msg: _Msg | _PeerMsg) -> bytes:
 _TOO_DEEP = "nested too deeply"
 
 
-def decode_request(data: bytes | memoryview) -> Request:
-    """Decode and validate one request; anything malformed is a ProtocolError."""
+def _decode(decoder: msgspec.msgpack.Decoder[_T], what: str, data: bytes | memoryview) -> _T:
+    """Decode and validate one message; anything malformed is a ProtocolError."""
     try:
-        return _request_decoder.decode(data)
+        return decoder.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise ProtocolError(f"malformed request: {exc}") from None
+        raise ProtocolError(f"malformed {what}: {exc}") from None
     except RecursionError:
-        raise ProtocolError(f"malformed request: {_TOO_DEEP}") from None
+        raise ProtocolError(f"malformed {what}: {_TOO_DEEP}") from None
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    return _decode(_request_decoder, "request", data)
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
-    try:
-        return _reply_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed reply: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(f"malformed reply: {_TOO_DEEP}") from None
+    return _decode(_reply_decoder, "reply", data)
 
 
 def decode_peer(data: bytes | memoryview) -> PeerMessage:
-    """Decode and validate one peer message; anything malformed is a ProtocolError."""
-    try:
-        return _peer_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed peer message: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(f"malformed peer message: {_TOO_DEEP}") from None
+    return _decode(_peer_decoder, "peer message", data)
 
 
 def salvage_req_id(data: bytes | memoryview) -> int:
