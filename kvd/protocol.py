@@ -35,25 +35,20 @@ _T = TypeVar("_T")
 #   7 — 2026-11: block ids travel packed (``BlockIds``: little-endian uint32 bytes).
 #   8 — 2026-11: the handshake's ``nccl_blocking_calls``.
 #   9 — 2026-12: a pull may wait for its key at the source (``wait_for_key_s``).
-#  10 — 2026-12: CPU tensors live in sealed memfd segments handed over as file
-#        descriptors (``SegmentHandoff`` on the segment socket); ``ShmTensor`` names a
-#        segment, not a path.
-#  11 — 2026-12: ZeroMQ frames; a session is opened with the token its lifeline (its
-#        connection to the segment socket) was given (``Lifeline``, ``Hello.lifeline``).
+#  10 — 2026-12: CPU tensors live in sealed memfd segments handed over as descriptors
+#        (``SegmentHandoff``); ``ShmTensor`` names a segment, not a path.
+#  11 — 2026-12: ZeroMQ frames; a session opens with its lifeline's token (``Lifeline``).
 #  12 — 2026-12: small host transfers carry their bytes in the OFFER (``Offer.inline``),
 #        answered XFER_DONE / BUSY / REFUSE without an ACCEPT.
-#  13 — 2026-12: the lifeline is the door: a client connects to ``socket_path`` itself
-#        (``SOCK_SEQPACKET``), hands over its private DEALER endpoint (``Reach``) and the
-#        daemon's ROUTER connects to it with the lifeline's token as routing id;
-#        ``Hello.lifeline`` is gone (the routing id is the token); ``Taken`` answers both
-#        handoffs; ``Welcome.max_message_bytes``.
-#  14 — 2026-12: a pull or get takes a share of a key (``Share``: a part of each block,
-#        from a block on, for a number of readers) into a part of its blocks (``into``).
-#  15 — 2026-12: leases: ``Renew`` and ``Release`` of a key lent at another daemon (or
-#        this one), ``LeaseRenew`` / ``LeaseRelease`` / ``LeaseAnswer`` between daemons;
-#        ``Get.sender`` (the daemon whose link the get watches).
-#  16 — 2026-12: a release may keep a key's tail (``Release.skip``, ``LeaseRelease.skip``):
-#        a put of it sends only the blocks from there on (``Offer.first``).
+#  13 — 2026-12: the lifeline is the door: the client hands over its DEALER's endpoint
+#        (``Reach``) and the daemon's ROUTER connects to it, the token as routing id
+#        (``Hello.lifeline`` is gone); ``Taken``; ``Welcome.max_message_bytes``.
+#  14 — 2026-12: a pull or get takes a share of a key (``Share``) into a part of its
+#        blocks (``into``).
+#  15 — 2026-12: leases (``Renew``, ``Release``; ``LeaseRenew``, ``LeaseRelease``,
+#        ``LeaseAnswer`` between daemons); ``Get.sender``.
+#  16 — 2026-12: a release may keep a key's tail (``Release.skip``, ``LeaseRelease.skip``),
+#        and a put of it sends only those blocks (``Offer.first``).
 PROTOCOL_VERSION = 16
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
@@ -107,7 +102,13 @@ class _Msg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class _WithBlocks(_Msg, frozen=True):
+class _Request(_Msg, frozen=True):
+    """A request: its ``req_id``, chosen by the client, comes back in its one reply."""
+
+    req_id: ReqId
+
+
+class _WithBlocks(_Request, frozen=True):
     """A request naming blocks of a region (``blocks``: packed ``BlockIds``)."""
 
     if TYPE_CHECKING:
@@ -129,7 +130,6 @@ class _KeyBlocks(_WithBlocks, frozen=True):
     """A request about ``key`` and blocks of one of the client's regions (all of them but
     ``Pull``, whose ``src`` comes before ``region_id``)."""
 
-    req_id: ReqId
     key: Key
     region_id: NonNeg
     blocks: BlockIds
@@ -227,30 +227,27 @@ Skip = Annotated[int, Meta(ge=0, lt=MAX_BLOCKS_PER_OP)]
 CLI_CLIENT_NAME = "kvd-cli"
 
 
-class Hello(_Msg, tag="hello", frozen=True):
-    req_id: ReqId
+class Hello(_Request, tag="hello", frozen=True):
     protocol_version: int
     pid: NonNeg = 0
     name: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
-class Bye(_Msg, tag="bye", frozen=True):
-    req_id: ReqId
+class Bye(_Request, tag="bye", frozen=True):
+    """End the session; answered once it is closed (no more bytes move in its blocks)."""
 
 
-class Ping(_Msg, tag="ping", frozen=True):
-    req_id: ReqId
+class Ping(_Request, tag="ping", frozen=True):
+    """Answered by ``Pong``."""
 
 
-class Register(_Msg, tag="register", frozen=True):
-    req_id: ReqId
+class Register(_Request, tag="register", frozen=True):
     name: Name
     tensors: Annotated[list[TensorSpec], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
     block_dim: Annotated[int, Meta(ge=0, lt=MAX_DIMS)] = 0
 
 
-class Unregister(_Msg, tag="unregister", frozen=True):
-    req_id: ReqId
+class Unregister(_Request, tag="unregister", frozen=True):
     region_id: NonNeg
 
 
@@ -283,7 +280,6 @@ class Put(_KeyBlocks, tag="put", frozen=True):
 class Pull(_WithBlocks, tag="pull", frozen=True):
     """Ask daemon ``src`` for its published (or offloaded) ``key``, into these blocks."""
 
-    req_id: ReqId
     key: Key
     src: Name
     region_id: NonNeg
@@ -310,19 +306,18 @@ class Lend(_KeyBlocks, tag="lend", frozen=True):
     ttl_s: Seconds
 
 
-class Renew(_Msg, tag="renew", frozen=True):
+class Renew(_Request, tag="renew", frozen=True):
     """The reader of ``key``, lent at daemon ``src`` (a peer address, or this daemon),
     asks that it be kept at least ``ttl_s`` more (at most ``max_ttl_s``): its lender's
     lease is extended, never shortened. Only a lent key is renewed."""
 
-    req_id: ReqId
     key: Key
     src: Name
     ttl_s: Seconds
     timeout_s: Seconds = 10.0
 
 
-class Release(_Msg, tag="release", frozen=True):
+class Release(_Request, tag="release", frozen=True):
     """The reader of ``key``, lent or pushed at daemon ``src`` (or to be), will not come:
     the key is dropped there now (its lend answers 0 bytes), pulls and gets waiting for it
     fail, a lend or put of it that comes later answers 0 at once (sending nothing), and
@@ -334,41 +329,36 @@ class Release(_Msg, tag="release", frozen=True):
     ``src`` to another daemon, if it comes later, sends only its blocks from ``skip`` on
     (all of them skipped: it answers 0 at once). A key held already is left as it is."""
 
-    req_id: ReqId
     key: Key
     src: Name
     timeout_s: Seconds = 10.0
     skip: Skip = 0
 
 
-class Unpublish(_Msg, tag="unpublish", frozen=True):
-    req_id: ReqId
+class Unpublish(_Request, tag="unpublish", frozen=True):
     key: Key
 
 
-class Delete(_Msg, tag="delete", frozen=True):
+class Delete(_Request, tag="delete", frozen=True):
     """Free a stored (offloaded or arrived) key now."""
 
-    req_id: ReqId
     key: Key
 
 
-class Cancel(_Msg, tag="cancel", frozen=True):
+class Cancel(_Request, tag="cancel", frozen=True):
     """Cancel this client's pending request ``target``."""
 
-    req_id: ReqId
     target: ReqId
 
 
-class Stats(_Msg, tag="stats", frozen=True):
-    req_id: ReqId
+class Stats(_Request, tag="stats", frozen=True):
+    """Answered by ``StatsReply``."""
 
 
-class Drain(_Msg, tag="drain", frozen=True):
+class Drain(_Request, tag="drain", frozen=True):
     """Stop taking new work, let in-flight work finish (within ``grace_s``), then exit;
     replied with a report once the in-flight work is done."""
 
-    req_id: ReqId
     grace_s: Seconds | None = None
 
 
