@@ -50,3 +50,6 @@ class PerTensorList(Generic[_T]):
         entry = (tuple(weakref.ref(t) for t in tensors), value, weakref.ref(tensors[0], forget))
         entries[key] = entry
         return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
