@@ -23,8 +23,6 @@ from msgspec import Meta, Struct
 
 from kvd.errors import ProtocolError
 
-_T = TypeVar("_T")
-
 # Protocol versions (bump on any incompatible change to a message below):
 #   1 — 2026-11: Hello/Register(shm)/Offload/Get/Put(local)/Publish/Cancel/Stats.
 #   2 — 2026-11: peer plane (PeerHello .. PullRequest), Pull, Put to another daemon.
@@ -666,6 +664,7 @@ def encode(msg: _Msg | _PeerMsg) -> bytes:
 # RecursionError at the interpreter's recursion limit (~1000 levels), even inside a field
 # it would refuse. No message of ours nests more than a few levels: deeper is malformed.
 _TOO_DEEP = "nested too deeply"
+_T = TypeVar("_T")
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[_T], what: str, data: bytes | memoryview) -> _T:

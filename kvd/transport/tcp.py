@@ -102,7 +102,8 @@ class Channel:
         self.io_timeout_s = io_timeout_s
         self._sock: socket.socket | None = None
         self._attached = threading.Event()
-        self._lock = threading.Lock()
+        # Also notified when a job is expected, or the channel fails or stops (RecvChannel).
+        self._lock = threading.Condition()
         self._error: KvdError | None = None
         self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
@@ -258,7 +259,6 @@ class RecvChannel(Channel):
         # How long an expected job may wait for the peer's data connection to appear.
         self.attach_timeout_s = io_timeout_s if attach_timeout_s is None else attach_timeout_s
         self._expected: dict[int, RecvJob] = {}
-        self._announced = threading.Condition()  # notified when a job is expected
         self._current: RecvJob | None = None  # the transfer whose chunks are arriving
         self._writing = False  # bytes are going into the current job's views right now
         self._stopping = False
@@ -274,8 +274,7 @@ class RecvChannel(Channel):
                 _settle(job.future, error=self._error)
             else:
                 self._expected[job.transfer_id] = job
-        with self._announced:
-            self._announced.notify_all()
+            self._lock.notify_all()
         return job.future
 
     def drop(self, transfer_id: int, nbytes: int) -> None:
@@ -304,17 +303,16 @@ class RecvChannel(Channel):
             _settle(job.future, error=Cancelled(f"transfer {transfer_id} cancelled"))
 
     def _stop(self) -> None:
-        self._stopping = True
-        with self._announced:
-            self._announced.notify_all()
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
 
     def _fail_pending(self, error: KvdError) -> None:
         with self._lock:
             jobs, self._expected = list(self._expected.values()), {}
             if self._current is not None and not self._writing:
                 jobs.append(self._current)
-        with self._announced:  # a worker waiting for an eager transfer's offer: wake it
-            self._announced.notify_all()
+            self._lock.notify_all()  # a worker waiting for an eager transfer's offer: wake it
         for job in jobs:
             _settle(job.future, error=error)
 
@@ -394,15 +392,13 @@ class RecvChannel(Channel):
         """The job the chunk with id ``tid`` belongs to (None: discard its bytes). The
         bytes of an eager transfer can overtake its OFFER (they travel on another
         connection): wait until the loop has answered it, one way or the other."""
-        if eager:
-            with self._announced:
-                if not self._announced.wait_for(
-                        lambda: (tid in self._expected or self._error is not None
-                                 or self._stopping or (self._current is not None)),
-                        self.io_timeout_s):
-                    raise ProtocolError(f"channel {self.name}: eager transfer {tid} was "
-                                        f"never offered")
         with self._lock:
+            if eager and not self._lock.wait_for(
+                    lambda: (tid in self._expected or self._error is not None
+                             or self._stopping or (self._current is not None)),
+                    self.io_timeout_s):
+                raise ProtocolError(f"channel {self.name}: eager transfer {tid} was "
+                                    f"never offered")
             if self._current is not None and self._current.transfer_id == tid:
                 return self._current
             if self._current is not None:
