@@ -195,15 +195,11 @@ class LoopSocket:
             self.refused_errno = exc.errno or 0
             return False
         finally:
-            self._check_after_send()
+            # The send may have consumed the edge that announced a message: the next loop
+            # turn reads what waits (module doc). Within a read, the read checks anyway.
+            if self._watching and not self._in_read:
+                self._read_soon()
         return True
-
-    def _check_after_send(self) -> None:
-        """The send may have consumed the edge that announced a message: the next loop
-        turn reads what waits (module doc). A send within a read needs nothing: the read
-        goes on until ``EVENTS`` shows no message."""
-        if self._watching and not self._in_read:
-            self._read_soon()
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop reading and close the socket; ``linger_s``: how long what is queued may

@@ -15,7 +15,7 @@ types, so malformed input fails at decode with a message; nothing is unpickled.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -33,25 +33,20 @@ from kvd.errors import ProtocolError
 #   7 — 2026-11: block ids travel packed (``BlockIds``: little-endian uint32 bytes).
 #   8 — 2026-11: the handshake's ``nccl_blocking_calls``.
 #   9 — 2026-12: a pull may wait for its key at the source (``wait_for_key_s``).
-#  10 — 2026-12: CPU tensors live in sealed memfd segments handed over as file
-#        descriptors (``SegmentHandoff`` on the segment socket); ``ShmTensor`` names a
-#        segment, not a path.
-#  11 — 2026-12: ZeroMQ frames; a session is opened with the token its lifeline (its
-#        connection to the segment socket) was given (``Lifeline``, ``Hello.lifeline``).
+#  10 — 2026-12: CPU tensors live in sealed memfd segments handed over as descriptors
+#        (``SegmentHandoff``); ``ShmTensor`` names a segment, not a path.
+#  11 — 2026-12: ZeroMQ frames; a session opens with its lifeline's token (``Lifeline``).
 #  12 — 2026-12: small host transfers carry their bytes in the OFFER (``Offer.inline``),
 #        answered XFER_DONE / BUSY / REFUSE without an ACCEPT.
-#  13 — 2026-12: the lifeline is the door: a client connects to ``socket_path`` itself
-#        (``SOCK_SEQPACKET``), hands over its private DEALER endpoint (``Reach``) and the
-#        daemon's ROUTER connects to it with the lifeline's token as routing id;
-#        ``Hello.lifeline`` is gone (the routing id is the token); ``Taken`` answers both
-#        handoffs; ``Welcome.max_message_bytes``.
-#  14 — 2026-12: a pull or get takes a share of a key (``Share``: a part of each block,
-#        from a block on, for a number of readers) into a part of its blocks (``into``).
-#  15 — 2026-12: leases: ``Renew`` and ``Release`` of a key lent at another daemon (or
-#        this one), ``LeaseRenew`` / ``LeaseRelease`` / ``LeaseAnswer`` between daemons;
-#        ``Get.sender`` (the daemon whose link the get watches).
-#  16 — 2026-12: a release may keep a key's tail (``Release.skip``, ``LeaseRelease.skip``):
-#        a put of it sends only the blocks from there on (``Offer.first``).
+#  13 — 2026-12: the lifeline is the door: the client hands over its DEALER's endpoint
+#        (``Reach``) and the daemon's ROUTER connects to it, the token as routing id
+#        (``Hello.lifeline`` is gone); ``Taken``; ``Welcome.max_message_bytes``.
+#  14 — 2026-12: a pull or get takes a share of a key (``Share``) into a part of its
+#        blocks (``into``).
+#  15 — 2026-12: leases (``Renew``, ``Release``; ``LeaseRenew``, ``LeaseRelease``,
+#        ``LeaseAnswer`` between daemons); ``Get.sender``.
+#  16 — 2026-12: a release may keep a key's tail (``Release.skip``, ``LeaseRelease.skip``),
+#        and a put of it sends only those blocks (``Offer.first``).
 PROTOCOL_VERSION = 16
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
@@ -105,7 +100,13 @@ class _Msg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class _WithBlocks(_Msg, frozen=True):
+class _Request(_Msg, frozen=True):
+    """A request: its ``req_id``, chosen by the client, comes back in its one reply."""
+
+    req_id: ReqId
+
+
+class _WithBlocks(_Request, frozen=True):
     """A request naming blocks of a region (``blocks``: packed ``BlockIds``)."""
 
     if TYPE_CHECKING:
@@ -121,6 +122,15 @@ class _WithBlocks(_Msg, frozen=True):
     def ids(self) -> np.ndarray[Any, Any]:
         """The block ids as int64 (the dtype torch indexes with)."""
         return np.frombuffer(self.blocks, dtype=BLOCK_ID_DTYPE).astype(np.int64)
+
+
+class _KeyBlocks(_WithBlocks, frozen=True):
+    """A request about ``key`` and blocks of one of the client's regions (all of them but
+    ``Pull``, whose ``src`` comes before ``region_id``)."""
+
+    key: Key
+    region_id: NonNeg
+    blocks: BlockIds
 
 
 # ---------------------------------------------------------------- tensors and regions
@@ -215,50 +225,39 @@ Skip = Annotated[int, Meta(ge=0, lt=MAX_BLOCKS_PER_OP)]
 CLI_CLIENT_NAME = "kvd-cli"
 
 
-class Hello(_Msg, tag="hello", frozen=True):
-    req_id: ReqId
+class Hello(_Request, tag="hello", frozen=True):
     protocol_version: int
     pid: NonNeg = 0
     name: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
-class Bye(_Msg, tag="bye", frozen=True):
-    req_id: ReqId
+class Bye(_Request, tag="bye", frozen=True):
+    """End the session; answered once it is closed (no more bytes move in its blocks)."""
 
 
-class Ping(_Msg, tag="ping", frozen=True):
-    req_id: ReqId
+class Ping(_Request, tag="ping", frozen=True):
+    """Answered by ``Pong``."""
 
 
-class Register(_Msg, tag="register", frozen=True):
-    req_id: ReqId
+class Register(_Request, tag="register", frozen=True):
     name: Name
     tensors: Annotated[list[TensorSpec], Meta(min_length=1, max_length=MAX_TENSORS_PER_REGION)]
     block_dim: Annotated[int, Meta(ge=0, lt=MAX_DIMS)] = 0
 
 
-class Unregister(_Msg, tag="unregister", frozen=True):
-    req_id: ReqId
+class Unregister(_Request, tag="unregister", frozen=True):
     region_id: NonNeg
 
 
-class Offload(_WithBlocks, tag="offload", frozen=True):
+class Offload(_KeyBlocks, tag="offload", frozen=True):
     """Copy blocks into this daemon's host pool under ``key``."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     ttl_s: Seconds | None = None
 
 
-class Get(_WithBlocks, tag="get", frozen=True):
+class Get(_KeyBlocks, tag="get", frozen=True):
     """Wait (up to ``timeout_s``) for ``key`` and write it into these blocks."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     timeout_s: Seconds
     share: Share = ALL  # as in Pull
     into: Part = WHOLE  # as in Pull
@@ -268,13 +267,9 @@ class Get(_WithBlocks, tag="get", frozen=True):
     sender: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
-class Put(_WithBlocks, tag="put", frozen=True):
+class Put(_KeyBlocks, tag="put", frozen=True):
     """Send blocks to daemon ``to`` under ``key``; replied once the receiver has the bytes."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     to: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
     ttl_s: Seconds | None = None
     timeout_s: Seconds = 30.0
@@ -283,9 +278,8 @@ class Put(_WithBlocks, tag="put", frozen=True):
 class Pull(_WithBlocks, tag="pull", frozen=True):
     """Ask daemon ``src`` for its published (or offloaded) ``key``, into these blocks."""
 
-    req_id: ReqId
     key: Key
-    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    src: Name
     region_id: NonNeg
     blocks: BlockIds
     timeout_s: Seconds
@@ -296,41 +290,32 @@ class Pull(_WithBlocks, tag="pull", frozen=True):
     into: Part = WHOLE  # which part of each of ``blocks`` it lands in
 
 
-class Publish(_WithBlocks, tag="publish", frozen=True):
+class Publish(_KeyBlocks, tag="publish", frozen=True):
     """Offer blocks under ``key`` without copying them; gets and peers read them in place."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     ttl_s: Seconds | None = None
 
 
-class Lend(_WithBlocks, tag="lend", frozen=True):
+class Lend(_KeyBlocks, tag="lend", frozen=True):
     """Publish blocks in place for exactly one reader (a get here or a peer's pull). The
     reply comes when the daemon no longer touches the blocks: ``Done(nbytes)`` with the
     bytes that reader took, or 0 when nobody did before ``ttl_s`` or a cancel."""
 
-    req_id: ReqId
-    key: Key
-    region_id: NonNeg
-    blocks: BlockIds
     ttl_s: Seconds
 
 
-class Renew(_Msg, tag="renew", frozen=True):
+class Renew(_Request, tag="renew", frozen=True):
     """The reader of ``key``, lent at daemon ``src`` (a peer address, or this daemon),
     asks that it be kept at least ``ttl_s`` more (at most ``max_ttl_s``): its lender's
     lease is extended, never shortened. Only a lent key is renewed."""
 
-    req_id: ReqId
     key: Key
-    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    src: Name
     ttl_s: Seconds
     timeout_s: Seconds = 10.0
 
 
-class Release(_Msg, tag="release", frozen=True):
+class Release(_Request, tag="release", frozen=True):
     """The reader of ``key``, lent or pushed at daemon ``src`` (or to be), will not come:
     the key is dropped there now (its lend answers 0 bytes), pulls and gets waiting for it
     fail, a lend or put of it that comes later answers 0 at once (sending nothing), and
@@ -342,41 +327,36 @@ class Release(_Msg, tag="release", frozen=True):
     ``src`` to another daemon, if it comes later, sends only its blocks from ``skip`` on
     (all of them skipped: it answers 0 at once). A key held already is left as it is."""
 
-    req_id: ReqId
     key: Key
-    src: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    src: Name
     timeout_s: Seconds = 10.0
     skip: Skip = 0
 
 
-class Unpublish(_Msg, tag="unpublish", frozen=True):
-    req_id: ReqId
+class Unpublish(_Request, tag="unpublish", frozen=True):
     key: Key
 
 
-class Delete(_Msg, tag="delete", frozen=True):
+class Delete(_Request, tag="delete", frozen=True):
     """Free a stored (offloaded or arrived) key now."""
 
-    req_id: ReqId
     key: Key
 
 
-class Cancel(_Msg, tag="cancel", frozen=True):
+class Cancel(_Request, tag="cancel", frozen=True):
     """Cancel this client's pending request ``target``."""
 
-    req_id: ReqId
     target: ReqId
 
 
-class Stats(_Msg, tag="stats", frozen=True):
-    req_id: ReqId
+class Stats(_Request, tag="stats", frozen=True):
+    """Answered by ``StatsReply``."""
 
 
-class Drain(_Msg, tag="drain", frozen=True):
+class Drain(_Request, tag="drain", frozen=True):
     """Stop taking new work, let in-flight work finish (within ``grace_s``), then exit;
     replied with a report once the in-flight work is done."""
 
-    req_id: ReqId
     grace_s: Seconds | None = None
 
 
@@ -487,13 +467,13 @@ class _PeerMsg(Struct, tag_field="op", frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
-    """First message on a peer connection; answered by ``PeerWelcome``."""
+class _Intro(_PeerMsg, frozen=True):
+    """What a daemon says of itself when a peer connection opens."""
 
     protocol_version: int
     node_id: Name
     epoch: NonNeg
-    address: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]  # host:port
+    address: Name  # host:port
     data_port: Annotated[int, Meta(ge=0, le=65535)]
     data_token: Token  # the token a peer presents on our data port
     devices: Annotated[list[Device], Meta(max_length=64)]
@@ -507,17 +487,12 @@ class PeerHello(_PeerMsg, tag="peer_hello", frozen=True):
     pool_capacity_bytes: NonNeg = 0
 
 
-class PeerWelcome(_PeerMsg, tag="peer_welcome", frozen=True):
-    protocol_version: int
-    node_id: Name
-    epoch: NonNeg
-    address: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-    data_port: Annotated[int, Meta(ge=0, le=65535)]
-    data_token: Token
-    devices: Annotated[list[Device], Meta(max_length=64)]
-    nccl_blocking_calls: bool = False  # as in PeerHello
-    data_fingerprint: Annotated[bytes, Meta(max_length=32)] = b""  # as in PeerHello
-    pool_capacity_bytes: NonNeg = 0  # as in PeerHello
+class PeerHello(_Intro, tag="peer_hello", frozen=True):
+    """First message on a peer connection; answered by ``PeerWelcome``."""
+
+
+class PeerWelcome(_Intro, tag="peer_welcome", frozen=True):
+    """The answer to ``PeerHello``: the same facts, of the daemon that answers."""
 
 
 class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
@@ -527,7 +502,18 @@ class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
 ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
-class Offer(_PeerMsg, tag="offer", frozen=True):
+class _OfTransfer(_PeerMsg, frozen=True):
+    transfer_id: TransferId
+
+
+class _Failure(_OfTransfer, frozen=True):
+    """The transfer failed: the error's wire code and message."""
+
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+class Offer(_OfTransfer, tag="offer", frozen=True):
     """``src_dev``: the sender's device for an NCCL channel ("cuda:N"), or "cpu" when it
     has no NCCL; ``src_gpu``: the bytes are in GPU memory (they cannot go over TCP);
     ``one_run``: each tensor's blocks are one contiguous run (NCCL can send them as is);
@@ -540,7 +526,6 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     themselves, in wire order, for host memory of at most ``MAX_INLINE_BYTES``; the
     receiver stores them and answers XFER_DONE (or BUSY / REFUSE), no ACCEPT."""
 
-    transfer_id: TransferId
     key: Key
     src_dev: Device
     dst_dev: Device
@@ -559,51 +544,39 @@ class Offer(_PeerMsg, tag="offer", frozen=True):
     first: Skip = 0
 
 
-class Accept(_PeerMsg, tag="accept", frozen=True):
+class Accept(_OfTransfer, tag="accept", frozen=True):
     """``channel`` 0: the bytes go over TCP. Otherwise over the NCCL channel with that id
     between ``src_dev`` and ``dst_dev``; ``nccl_uid`` is its ncclUniqueId, so a sender
     that does not have that channel yet joins it. ``chunk_bytes``: how both ends cut the
     bytes into NCCL messages (``transport.chunks.plan_chunks``); the receiver decides."""
 
-    transfer_id: TransferId
     dst_dev: Device = "cpu"
     channel: ChannelId = 0
     nccl_uid: Annotated[bytes, Meta(max_length=128)] = b""
     chunk_bytes: Annotated[int, Meta(ge=0, le=2**40)] = 0
 
 
-class Busy(_PeerMsg, tag="busy", frozen=True):
-    transfer_id: TransferId
+class Busy(_OfTransfer, tag="busy", frozen=True):
     retry_after_s: Seconds
 
 
-class Refuse(_PeerMsg, tag="refuse", frozen=True):
+class Refuse(_Failure, tag="refuse", frozen=True):
     """The receiver will not take this transfer (bad offer, layout, unknown key)."""
 
-    transfer_id: TransferId
-    code: Annotated[str, Meta(max_length=64)]
-    message: Annotated[str, Meta(max_length=4096)]
 
-
-class XferDone(_PeerMsg, tag="xfer_done", frozen=True):
-    transfer_id: TransferId
+class XferDone(_OfTransfer, tag="xfer_done", frozen=True):
     nbytes: NonNeg
 
 
-class XferFailed(_PeerMsg, tag="xfer_failed", frozen=True):
-    transfer_id: TransferId
-    code: Annotated[str, Meta(max_length=64)]
-    message: Annotated[str, Meta(max_length=4096)]
+class XferFailed(_Failure, tag="xfer_failed", frozen=True):
+    """The receive ended without the bytes (it failed, or was cancelled)."""
 
 
-class XferCancel(_PeerMsg, tag="xfer_cancel", frozen=True):
+class XferCancel(_OfTransfer, tag="xfer_cancel", frozen=True):
     """The other side gave up on this transfer; stop it if it has not started."""
 
-    transfer_id: TransferId
 
-
-class PullRequest(_PeerMsg, tag="pull_request", frozen=True):
-    transfer_id: TransferId
+class PullRequest(_OfTransfer, tag="pull_request", frozen=True):
     key: Key
     dst_dev: Device
     num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS_PER_OP)]
@@ -691,35 +664,29 @@ def encode(msg: _Msg | _PeerMsg) -> bytes:
 # RecursionError at the interpreter's recursion limit (~1000 levels), even inside a field
 # it would refuse. No message of ours nests more than a few levels: deeper is malformed.
 _TOO_DEEP = "nested too deeply"
+_T = TypeVar("_T")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_T], what: str, data: bytes | memoryview) -> _T:
+    """Decode and validate one message; anything malformed is a ProtocolError."""
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise ProtocolError(f"malformed {what}: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"malformed {what}: {_TOO_DEEP}") from None
 
 
 def decode_request(data: bytes | memoryview) -> Request:
-    """Decode and validate one request; anything malformed is a ProtocolError."""
-    try:
-        return _request_decoder.decode(data)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise ProtocolError(f"malformed request: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(f"malformed request: {_TOO_DEEP}") from None
+    return _decode(_request_decoder, "request", data)
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
-    try:
-        return _reply_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed reply: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(f"malformed reply: {_TOO_DEEP}") from None
+    return _decode(_reply_decoder, "reply", data)
 
 
 def decode_peer(data: bytes | memoryview) -> PeerMessage:
-    """Decode and validate one peer message; anything malformed is a ProtocolError."""
-    try:
-        return _peer_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed peer message: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(f"malformed peer message: {_TOO_DEEP}") from None
+    return _decode(_peer_decoder, "peer message", data)
 
 
 def salvage_req_id(data: bytes | memoryview) -> int:

@@ -82,9 +82,6 @@ class _LowestSet:
             heapq.heappop(heap)
         return heap[0]
 
-    def __contains__(self, x: int) -> bool:
-        return x in self._members
-
     def __iter__(self) -> Iterator[int]:
         return iter(self._members)
 
@@ -245,10 +242,6 @@ class BuddyAllocator:
         if units is None:
             raise BadRequest(f"offset {offset} is not a live allocation")
         return units * self._unit
-
-    @property
-    def min_block_bytes(self) -> int:
-        return self._unit
 
     @property
     def capacity_bytes(self) -> int:

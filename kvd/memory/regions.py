@@ -12,7 +12,7 @@ CPU tensors arrive as segments (``protocol.ShmTensor``): memfds the client hande
 file descriptors (daemon/lifelines.py), sealed so that they can never shrink under
 the daemon's mapping; a spec names one of its session's segments by id, so a client
 cannot make the daemon map anything it did not hand over. GPU tensors (CUDA IPC) are
-another kind of spec, mapped by the same ``RegionTable.register``.
+another kind of spec, mapped by the same ``build_region_tensors``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import contextlib
 import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -48,20 +48,8 @@ FEW_IDS = 64
 # Sections of a packed buffer start on this boundary so that every dtype view is aligned.
 PACK_ALIGN_BYTES = 64
 
-_DTYPES: dict[DType, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "bool": torch.bool,
-}
+# The wire's dtype names are torch's own.
+_DTYPES: dict[DType, torch.dtype] = {name: getattr(torch, name) for name in get_args(DType)}
 DTYPE_NAMES: dict[torch.dtype, DType] = {v: k for k, v in _DTYPES.items()}
 
 
@@ -313,13 +301,6 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def register(
-        self, owner: int, name: str, specs: Sequence[TensorSpec], block_dim: int,
-        segments: Mapping[int, int] | None = None,
-    ) -> Region:
-        self.check_name(owner, name)
-        return self.add(owner, name, *build_region_tensors(name, specs, block_dim, segments))
-
     def check_name(self, owner: int, name: str) -> None:
         if (owner, name) in self._by_name:
             raise BadRequest(f"region {name!r} is already registered by this client")
@@ -329,23 +310,10 @@ class RegionTable:
         """Record a region whose tensors ``build_region_tensors`` made (on the loop)."""
         self.check_name(owner, name)
         num_blocks = tensors[0].shape[0]
-        layout = tuple(
-            LayoutEntry(
-                bytes_per_block=(t[0].numel() if num_blocks else 0) * t.element_size(),
-                dtype=DTYPE_NAMES[t.dtype],
-            )
-            for t in tensors
-        )
-        region = Region(
-            region_id=self._next_id,
-            name=name,
-            owner=owner,
-            tensors=tensors,
-            num_blocks=num_blocks,
-            layout=layout,
-            mappings=list(maps.values()),
-            ready_events=ready_events or [],
-        )
+        layout = tuple(LayoutEntry((t[0].numel() if num_blocks else 0) * t.element_size(),
+                                   DTYPE_NAMES[t.dtype]) for t in tensors)
+        region = Region(self._next_id, name, owner, tensors, num_blocks, layout,
+                        list(maps.values()), ready_events or [])
         self._next_id += 1
         self._by_id[region.region_id] = region
         self._by_name[(owner, name)] = region.region_id

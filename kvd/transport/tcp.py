@@ -69,26 +69,26 @@ class RecvJob:
     eager: bool = False  # its bytes may arrive before it is expected (see FLAG_EAGER)
 
 
-class _Cursor:
-    """Walks a list of views: ``take(n)`` is the next n bytes as views."""
+def _nonempty(views: Sequence[memoryview]) -> list[memoryview]:
+    return [v for v in views if len(v)]
 
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._pending = [v for v in views if len(v)]
 
-    def take(self, n: int) -> list[memoryview]:
-        out: list[memoryview] = []
-        while n:
-            if not self._pending:
-                raise ProtocolError("more bytes than the transfer's views hold")
-            head = self._pending[0]
-            if len(head) <= n:
-                out.append(self._pending.pop(0))
-                n -= len(head)
-            else:
-                out.append(head[:n])
-                self._pending[0] = head[n:]
-                n = 0
-        return out
+def _take(pending: list[memoryview], n: int) -> list[memoryview]:
+    """Remove the first ``n`` bytes from ``pending`` (a partly taken view is cut) and
+    return them as views."""
+    out: list[memoryview] = []
+    while n:
+        if not pending:
+            raise ProtocolError("more bytes than the transfer's views hold")
+        head = pending[0]
+        if len(head) <= n:
+            out.append(pending.pop(0))
+            n -= len(head)
+        else:
+            out.append(head[:n])
+            pending[0] = head[n:]
+            n = 0
+    return out
 
 
 class Channel:
@@ -102,14 +102,11 @@ class Channel:
         self.io_timeout_s = io_timeout_s
         self._sock: socket.socket | None = None
         self._attached = threading.Event()
-        self._lock = threading.Lock()
+        # Also notified when a job is expected, or the channel fails or stops (RecvChannel).
+        self._lock = threading.Condition()
         self._error: KvdError | None = None
         self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
-
-    @property
-    def broken(self) -> KvdError | None:
-        return self._error
 
     def attach(self, sock: socket.socket) -> None:
         sock.settimeout(self.io_timeout_s)
@@ -182,7 +179,7 @@ class Channel:
         raise NotImplementedError
 
     def _fail_pending(self, error: KvdError) -> None:
-        raise NotImplementedError
+        """Fail the jobs waiting (a send worker drains its queue and fails each itself)."""
 
 
 def _settle(fut: concurrent.futures.Future[int], *, result: int | None = None,
@@ -212,9 +209,6 @@ class SendChannel(Channel):
     def _stop(self) -> None:
         self._jobs.put(_STOP)
 
-    def _fail_pending(self, error: KvdError) -> None:
-        pass  # the worker drains the queue and fails each job
-
     def _run(self) -> None:
         while (job := self._jobs.get()) is not _STOP:
             if not job.future.set_running_or_notify_cancel():
@@ -232,27 +226,25 @@ class SendChannel(Channel):
         job.started_at = time.monotonic()
         timeline.mark("tcp.send.start")
         total = sum(len(v) for v in job.views)
-        cursor, left = _Cursor(job.views), total
+        cursor, left = _nonempty(job.views), total
+        eager = FLAG_EAGER if job.eager else 0
         while True:
             if job.stop.is_set():
-                sock.sendall(HEADER.pack(MAGIC, job.transfer_id, 0,
-                                         FLAG_CANCELLED | (FLAG_EAGER if job.eager else 0)))
+                sock.sendall(HEADER.pack(MAGIC, job.transfer_id, 0, FLAG_CANCELLED | eager))
                 _settle(job.future, error=Cancelled(
                     f"transfer {job.transfer_id} cancelled after {total - left} bytes"))
                 return
             n = min(left, self.chunk_bytes)
             left -= n
             # Header and chunk in one call: one syscall per chunk in the common case.
-            flags = (0 if left else FLAG_LAST) | (FLAG_EAGER if job.eager else 0)
-            header = HEADER.pack(MAGIC, job.transfer_id, n, flags)
-            pending = [memoryview(header), *cursor.take(n)]
+            header = HEADER.pack(MAGIC, job.transfer_id, n, (0 if left else FLAG_LAST) | eager)
+            pending = [memoryview(header), *_take(cursor, n)]
             if isinstance(sock, ssl.SSLSocket):  # no sendmsg: one record stream
                 for view in pending:
                     sock.sendall(view)
                 pending = []
             while pending:
-                sent = sock.sendmsg(pending[:512])
-                _advance(pending, sent)
+                _take(pending, sock.sendmsg(pending[:512]))
             if not left:
                 _settle(job.future, result=total)
                 return
@@ -267,7 +259,6 @@ class RecvChannel(Channel):
         # How long an expected job may wait for the peer's data connection to appear.
         self.attach_timeout_s = io_timeout_s if attach_timeout_s is None else attach_timeout_s
         self._expected: dict[int, RecvJob] = {}
-        self._announced = threading.Condition()  # notified when a job is expected
         self._current: RecvJob | None = None  # the transfer whose chunks are arriving
         self._writing = False  # bytes are going into the current job's views right now
         self._stopping = False
@@ -283,8 +274,7 @@ class RecvChannel(Channel):
                 _settle(job.future, error=self._error)
             else:
                 self._expected[job.transfer_id] = job
-        with self._announced:
-            self._announced.notify_all()
+            self._lock.notify_all()
         return job.future
 
     def drop(self, transfer_id: int, nbytes: int) -> None:
@@ -313,24 +303,23 @@ class RecvChannel(Channel):
             _settle(job.future, error=Cancelled(f"transfer {transfer_id} cancelled"))
 
     def _stop(self) -> None:
-        self._stopping = True
-        with self._announced:
-            self._announced.notify_all()
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
 
     def _fail_pending(self, error: KvdError) -> None:
         with self._lock:
             jobs, self._expected = list(self._expected.values()), {}
             if self._current is not None and not self._writing:
                 jobs.append(self._current)
-        with self._announced:  # a worker waiting for an eager transfer's offer: wake it
-            self._announced.notify_all()
+            self._lock.notify_all()  # a worker waiting for an eager transfer's offer: wake it
         for job in jobs:
             _settle(job.future, error=error)
 
     def _run(self) -> None:
         header = bytearray(HEADER.size)
         received = 0
-        cursor: _Cursor | None = None
+        cursor: list[memoryview] | None = None
         unattached_since: float | None = None
         while not self._stopping:
             try:
@@ -348,7 +337,7 @@ class RecvChannel(Channel):
                     raise ProtocolError(f"channel {self.name}: bad data header {magic!r}")
                 job = self._start(tid, eager=bool(flags & FLAG_EAGER))
                 if job is not None and cursor is None:
-                    cursor, received = _Cursor(job.views), 0
+                    cursor, received = _nonempty(job.views), 0
                 if flags & FLAG_CANCELLED:
                     if job is not None:
                         _settle(job.future, error=Cancelled(
@@ -362,7 +351,7 @@ class RecvChannel(Channel):
                 if self._begin_write(job):
                     assert job is not None and cursor is not None
                     try:
-                        self._recv_exactly(sock, cursor.take(n))
+                        self._recv_exactly(sock, _take(cursor, n))
                     finally:
                         self._end_write(job)
                 else:
@@ -403,15 +392,13 @@ class RecvChannel(Channel):
         """The job the chunk with id ``tid`` belongs to (None: discard its bytes). The
         bytes of an eager transfer can overtake its OFFER (they travel on another
         connection): wait until the loop has answered it, one way or the other."""
-        if eager:
-            with self._announced:
-                if not self._announced.wait_for(
-                        lambda: (tid in self._expected or self._error is not None
-                                 or self._stopping or (self._current is not None)),
-                        self.io_timeout_s):
-                    raise ProtocolError(f"channel {self.name}: eager transfer {tid} was "
-                                        f"never offered")
         with self._lock:
+            if eager and not self._lock.wait_for(
+                    lambda: (tid in self._expected or self._error is not None
+                             or self._stopping or (self._current is not None)),
+                    self.io_timeout_s):
+                raise ProtocolError(f"channel {self.name}: eager transfer {tid} was "
+                                    f"never offered")
             if self._current is not None and self._current.transfer_id == tid:
                 return self._current
             if self._current is not None:
@@ -463,7 +450,7 @@ class RecvChannel(Channel):
                       idle_ok: bool = False) -> bool:
         """Fill ``views`` completely. With ``idle_ok``, a timeout before any byte arrived
         is not an error (an idle channel): returns False."""
-        pending = [v for v in views if len(v)]
+        pending = _nonempty(views)
         got_any = False
         while pending:
             try:
@@ -476,20 +463,8 @@ class RecvChannel(Channel):
             if n == 0:
                 raise PeerUnreachable(f"channel {self.name}: connection closed by peer")
             got_any = True
-            _advance(pending, n)
+            _take(pending, n)
         return True
-
-
-def _advance(pending: list[memoryview], n: int) -> None:
-    """Drop ``n`` bytes from the front of ``pending`` (a partly done view is cut)."""
-    while n and pending:
-        head = pending[0]
-        if n >= len(head):
-            n -= len(head)
-            pending.pop(0)
-        else:
-            pending[0] = head[n:]
-            n = 0
 
 
 def data_hello(token: bytes) -> bytes:
