@@ -103,7 +103,7 @@ class Channel:
         self._sock: socket.socket | None = None
         self._attached = threading.Event()
         # Also notified when a job is expected, or the channel fails or stops (RecvChannel).
-        self._lock = threading.Condition()
+        self._lock = threading.Condition(threading.Lock())  # (never taken twice by one thread)
         self._error: KvdError | None = None
         self._thread = threading.Thread(target=self._run, name=name)
         self._thread.start()
