@@ -464,9 +464,11 @@ class Daemon:
             gpu_copy.copy(0, reader.pieces(), src=reader, dst=writer)
         event = torch.cuda.Event()
         event.record()  # on the current stream, the copy's (nothing else runs on this GPU)
+        self.mark("launched")
 
         def poll() -> None:
             if event.query():
+                self.mark("copied")
                 self.copied(put, get, nbytes)
             else:
                 self.loop.call_soon(self.entry, poll)
@@ -911,6 +913,12 @@ HOPS = {
              ("b", "send done", "client", "recv done@rx", "b -> rx  Done (ipc)"),
              ("b", "send xfer_done", "a", "recv xfer_done", "b -> a   XferDone (tcp)"),
              ("a", "send done", "client", "recv done@tx", "a -> tx  Done (ipc)")],
+    # One GPU, one daemon (d): "send done/1" is its first Done of each transfer (the put's).
+    "gpu put": [("client", "send put", "a", "recv put", "tx -> d   Put (ipc)"),
+                ("a", "recv put", "a", "launched", "d: the copy launched, its event recorded"),
+                ("a", "launched", "a", "copied", "d: the event polled until done"),
+                ("a", "send done/1", "client", "recv done@tx", "d -> tx  Done (ipc)"),
+                ("a", "send done/2", "client", "recv done@rx", "d -> rx  Done (ipc)")],
 }
 
 
@@ -920,7 +928,9 @@ def hop_times(marks: dict[str, list[tuple[float, str]]], flow: str, skip: int
     a message with the n-th receipt: transfers run one at a time)."""
     out = []
     for sender, sent, receiver, got, label in HOPS[flow]:
-        a = [t for t, what in marks[sender] if what == sent][skip:]
+        sent, _, nth = sent.partition("/")  # (the n-th of two such marks per transfer)
+        a = [t for t, what in marks[sender] if what == sent]
+        a = (a[int(nth) - 1::2] if nth else a)[skip:]
         b = [t for t, what in marks[receiver] if what == got][skip:]
         if len(a) == len(b) and a:
             out.append((label, statistics.median((y - x) * 1e6 for x, y in zip(a, b,
@@ -1016,26 +1026,35 @@ def free_port() -> int:
 
 
 def hops_main(args: argparse.Namespace) -> int:
-    """Each hop of the floor's 4 KiB put and pull, beside raw pyzmq round trips."""
+    """Each hop of the floor's 4 KiB put and pull, beside raw pyzmq round trips; on one
+    GPU (``--device cuda``), each hop of a 1 MiB put into a get waiting on its daemon."""
     import torch
 
     from kvd import shared_zeros
+
+    gpu = args.device == "cuda"
 
     root = tempfile.mkdtemp(prefix="kvd-floor-", dir="/tmp")
     marks_dir = os.path.join(root, "marks")
     os.makedirs(marks_dir)
     os.environ[MARKS_ENV] = marks_dir
     report: dict[str, Any] = {}
-    for flow in ("put", "pull"):
+    flows = ("gpu put",) if gpu else ("put", "pull")
+    for flow in flows:
         for name in os.listdir(marks_dir):
             os.unlink(os.path.join(marks_dir, name))
-        f = Floor(root, lambda cmd, env, **kw: subprocess.Popen(cmd, env=env, **kw))
-        src = [shared_zeros((1, 4096), torch.uint8).fill_(7)]
-        dst = [shared_zeros((1, 4096), torch.uint8)]
+        f = Floor(root, lambda cmd, env, **kw: subprocess.Popen(cmd, env=env, **kw),
+                  args.device)
+        if gpu:
+            src = [torch.full((1, 2**20), 7, dtype=torch.uint8, device="cuda")]
+            dst = [torch.zeros((1, 2**20), dtype=torch.uint8, device="cuda")]
+        else:
+            src = [shared_zeros((1, 4096), torch.uint8).fill_(7)]
+            dst = [shared_zeros((1, 4096), torch.uint8)]
         try:
             f.start()
             r_src, r_dst = f.map("a", src), f.map(f.receiver, dst)
-            once = put_once if flow == "put" else pull_once
+            once = pull_once if flow == "pull" else put_once
             totals = [once(f, f"floor-{flow}-{i}", r_src, r_dst, [0]) * 1e6
                       for i in range(args.warmup + args.repeat)][args.warmup:]
             if flow == "put":
@@ -1045,7 +1064,7 @@ def hops_main(args: argparse.Namespace) -> int:
         finally:
             f.close()
         marks = {}
-        for role in ("client", "a", "b"):
+        for role in ("client", "a", "b")[:2 if gpu else 3]:
             with open(os.path.join(marks_dir, f"{role}.json")) as fh:
                 marks[role] = [(t, what) for t, what in json.load(fh)]
         hops = hop_times(marks, flow, args.warmup)
@@ -1054,15 +1073,16 @@ def hops_main(args: argparse.Namespace) -> int:
     import shutil
 
     shutil.rmtree(root, ignore_errors=True)
-    rtt = report["rtt_p50_us"]
-    print("round trips, µs p50, alternated: raw pyzmq (control_plane.py's echo) ipc "
-          f"{rtt['raw_ipc']:.0f} (client on uvloop: {rtt['raw_ipc_async']:.0f}), tcp "
-          f"{rtt['raw_tcp']:.0f}; the floor's: a client's ping to its daemon (ipc, the "
-          f"daemon on uvloop) {rtt['floor_ipc']:.0f}, daemon to daemon (tcp, both on "
-          f"uvloop) {rtt['floor_tcp']:.0f}")
-    print(f"the floor, 4 KiB, {args.repeat} transfers each, µs p50, each hop from its "
-          "send to its receipt:")
-    for flow in ("put", "pull"):
+    if not gpu:
+        rtt = report["rtt_p50_us"]
+        print("round trips, µs p50, alternated: raw pyzmq (control_plane.py's echo) ipc "
+              f"{rtt['raw_ipc']:.0f} (client on uvloop: {rtt['raw_ipc_async']:.0f}), tcp "
+              f"{rtt['raw_tcp']:.0f}; the floor's: a client's ping to its daemon (ipc, the "
+              f"daemon on uvloop) {rtt['floor_ipc']:.0f}, daemon to daemon (tcp, both on "
+              f"uvloop) {rtt['floor_tcp']:.0f}")
+    print(f"the floor, {'1 MiB on one GPU' if gpu else '4 KiB'}, {args.repeat} transfers "
+          "each, µs p50, each hop from its send to its receipt:")
+    for flow in flows:
         r = report[flow]
         hops = r["hops_p50_us"]
         print(f"{flow}: total {r['total_p50_us']:.0f}, sum of hops "
@@ -1080,7 +1100,9 @@ def main() -> int:
     serve = sub.add_parser("serve", help="one floor daemon (run by benchmarks/peers.py)")
     serve.add_argument("name")
     serve.add_argument("root")
-    hops = sub.add_parser("hops", help="time each hop of a 4 KiB put and pull")
+    hops = sub.add_parser("hops", help="time each hop of a 4 KiB put and pull (or, with "
+                          "--device cuda, of a 1 MiB put on one GPU)")
+    hops.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     hops.add_argument("--repeat", type=int, default=400)
     hops.add_argument("--warmup", type=int, default=40)
     hops.add_argument("--json", action="store_true")
