@@ -54,6 +54,7 @@ import ctypes
 import json
 import multiprocessing
 import os
+import re
 import select
 import signal
 import socket
@@ -265,10 +266,10 @@ class Daemon:
     def log_path(self) -> str:
         return os.path.join(self.root, "daemon.log")
 
-    def log_lines(self, text: str) -> int:
+    def log_lines(self, text: str) -> list[str]:
         with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
-            return sum(text in line for line in f)
-        return 0
+            return [line for line in f if text in line]
+        return []
 
     def log_tail(self) -> str:
         with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
@@ -477,6 +478,15 @@ def merge(results: list[LoadResult]) -> LoadResult:
     return total
 
 
+def loss_reasons(lines: list[str]) -> dict[str, int]:
+    """"peer down" log lines counted by their reason, addresses and numbers taken out."""
+    reasons: Counter[str] = Counter()
+    for line in lines:
+        reason = line.split("peer down", 1)[1].split(": ", 1)[-1].strip()
+        reasons[re.sub(r"[0-9]+(\.[0-9]+)*(:[0-9]+)?", "N", reason)] += 1
+    return dict(reasons)
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -620,7 +630,9 @@ class Run:
         for row in mesh_rows:
             refused.update({k: v for k, v in row["refused_hellos"].items() if v})
         out["refused_hellos"] = dict(refused)
-        out["link_losses"] = sum(d.log_lines("peer down") for d in self.mesh)
+        losses = [line for d in self.mesh for line in d.log_lines("peer down")]
+        out["link_losses"] = len(losses)
+        out["link_loss_reasons"] = loss_reasons(losses)
         if self.hub is not None:
             self.hub_idle = next(row for row in rows if row["name"] == "hub")
         if len(self.mesh) > 1:  # the mesh's per-link figures, for --skip-links
@@ -633,7 +645,7 @@ class Run:
 
     def restart(self) -> None:
         victim, others = self.mesh[-1], self.mesh[:-1]
-        losses_before = sum(d.log_lines("peer down") for d in self.mesh)
+        losses_before = sum(len(d.log_lines("peer down")) for d in self.mesh)
         say(f"restart: SIGKILL {victim.name}")
         t_kill = time.monotonic()
         self.fleet.kill(victim)
@@ -660,7 +672,7 @@ class Run:
                                       else round(time.monotonic() - t_kill, 3))
         self.out["restart_transfer_ok"] = self.checked_transfer(others[0], victim)
         self.out["restart_link_losses"] = (
-            sum(d.log_lines("peer down") for d in self.mesh) - losses_before)
+            sum(len(d.log_lines("peer down")) for d in self.mesh) - losses_before)
         say(f"restart: others saw it gone in {self.out['restart_seen_gone_s']} s; it answered"
             f" {self.out['restart_ready_s']} s after its start, linked with all again at "
             f"{self.out['restart_relinked_s']} s; a transfer to it: "
@@ -733,6 +745,8 @@ class Run:
         out = self.out
         out.update({"links_peers": "fake", "links_requested": self.args.links,
                     "links_made": made, "links_refused": refused, "links_failed": failed,
+                    # (made, then gone by the time of measuring: the hub's "peer down")
+                    "links_lost": max(0, linked - made),
                     "links_refusal_reasons": dict(reasons),
                     "links_settled": took is not None,
                     "hub_no_links": {k: base[k] for k in ("threads", "fds", "tcp", "rss_mib",
@@ -824,15 +838,23 @@ def started_workers(count: int) -> Iterator[list[tuple[BaseProcess, Connection]]
             workers.append((proc, mine))
         yield workers
     finally:
-        for _proc, conn in workers:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for worker, conn in workers:
+        stop_workers(workers)
+
+
+def stop_workers(workers: list[tuple[BaseProcess, Connection]]) -> None:
+    """Idle workers end when told; one still loading (the run was stopped) is killed at
+    once: its clients' daemons are stopped next, and it must not hold them up."""
+    for _worker, conn in workers:
+        with contextlib.suppress(OSError):
+            conn.send(None)
+    deadline = time.monotonic() + 2
+    for worker, conn in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
             worker.join(5)
-            if worker.is_alive():
-                worker.kill()
-                worker.join(5)
-            conn.close()
+        conn.close()
+    workers.clear()
 
 
 def parse_args() -> argparse.Namespace:
@@ -900,6 +922,7 @@ def main() -> int:
             else:
                 run.many_links()
         finally:
+            stop_workers(workers)
             run.stop_fakes()
             fleet.stop_all()
             launcher.close()

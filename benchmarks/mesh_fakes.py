@@ -219,15 +219,17 @@ async def run(keys_file: str, daemon_address: str, daemon_key: str) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not os.read(0, 4096) else None)
     server = await fakes.serve_data_port()
+    # Heartbeats from the start: a link made first must not fall silent past the daemon's
+    # grace while the others are being made.
+    beats = asyncio.create_task(fakes.heartbeats())
     try:
         await fakes.make_all()
         report: dict[str, Any] = {"linked": fakes.tally.linked, "refused": fakes.tally.refused,
                                   "failed": fakes.tally.failed, "reasons": fakes.tally.reasons}
         print(json.dumps(report), flush=True)
-        beats = asyncio.create_task(fakes.heartbeats())
         await stop.wait()
-        beats.cancel()
     finally:
+        beats.cancel()
         for task in fakes.tasks:
             task.cancel()
         server.close()

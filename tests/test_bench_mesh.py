@@ -4,6 +4,7 @@ another, and the run leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,10 +51,8 @@ def reap(tag: str) -> list[tuple[int, str]]:
         time.sleep(0.1)
         left = marked(tag)
     for pid, _ in left:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return left
 
 
