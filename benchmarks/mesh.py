@@ -54,6 +54,7 @@ import ctypes
 import json
 import multiprocessing
 import os
+import random
 import re
 import select
 import signal
@@ -90,10 +91,22 @@ def exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds the finally blocks that stop every process
 
 
+# Listening ports come from below the kernel's ephemeral range (32768 and up by default):
+# a port the kernel handed out for a bind to 0 and took back may be handed again, or be
+# taken as the source port of one of the mesh's own connections before its daemon
+# listens (64 daemons' 128 ports collided so). Each is checked free and given out once.
+_next_port = iter(range(random.randrange(20000, 28000), 32768))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for port in _next_port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port left below 32768")
 
 
 # ------------------------------------------------------------------ launching kvd
