@@ -60,6 +60,11 @@ class PeerUnreachable(KvdError, code="peer_unreachable", retriable=True):
     """A peer daemon is down, restarted, or never answered."""
 
 
+class LinkedAlready(PeerUnreachable, code="linked_already"):
+    """A peer refused our hello: it is linked with us already, or dialling us too, and
+    its link is the pair's (between daemons; the dialler takes that link instead)."""
+
+
 class LayoutMismatch(KvdError, code="layout_mismatch"):
     """Two regions (or a key and a region) do not share one block layout."""
 

@@ -232,8 +232,12 @@ class ThreadDaemon:
             self._error = exc
             self._started.set()
 
-    def start(self) -> ThreadDaemon:
+    def start(self, wait: bool = True) -> ThreadDaemon:
+        """Start its thread; with ``wait``, return once it is ready (``wait_ready``)."""
         self._thread.start()
+        return self.wait_ready() if wait else self
+
+    def wait_ready(self) -> ThreadDaemon:
         if not self._started.wait(READY_TIMEOUT_S):
             self.stop()
             raise AssertionError(f"daemon thread not ready in {READY_TIMEOUT_S:g}s")

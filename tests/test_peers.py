@@ -34,7 +34,14 @@ from kvd.protocol import (
     Refuse,
     decode_peer,
 )
-from tests.conftest import ProcessDaemon, free_port, start_daemons, wait_until
+from tests.conftest import (
+    ProcessDaemon,
+    ThreadDaemon,
+    free_port,
+    make_config,
+    start_daemons,
+    wait_until,
+)
 
 pack = msgspec.msgpack.encode
 BLOCK = 64 * 1024  # bytes per block in these tests (one uint8 tensor per region)
@@ -1089,3 +1096,65 @@ def test_fp8_blocks_move_as_their_bytes(nodes: Nodes) -> None:
     for dst, where in ((dst_a, back), (dst_b, back)):
         assert torch.equal(dst[where].view(torch.uint8), src[ids].view(torch.uint8))
     assert torch.equal(dst_a[ids].view(torch.uint8), src[ids].view(torch.uint8))
+
+
+
+def test_daemons_that_dial_each_other_at_once_keep_one_link_each_and_lose_none(
+        tmp_path: Path) -> None:
+    """Four daemons, not linked yet; then every pair's clients put to each other at the
+    same moment, so each pair's daemons dial each other at once. Each pair keeps one link
+    (where the dials cross, the lesser address's; the other's hello is refused and it
+    takes that link), none is lost or refused as a takeover, and every put lands."""
+    daemons = []
+    for i in range(4):
+        (tmp_path / f"d{i}").mkdir()
+        daemons.append(ThreadDaemon(make_config(str(tmp_path / f"d{i}"), node_id=f"d{i}",
+                                                peer_port=free_port())))
+    try:
+        for d in daemons:  # all at once, then each waited for
+            d.start(wait=False)
+        clients = [KvdClient(d.wait_ready().socket_path, timeout_s=30) for d in daemons]
+        for c in clients:
+            c.connect()
+        addresses = [c.stats()["peer"]["address"] for c in clients]
+        src = shared_zeros((1, BLOCK), torch.uint8).fill_(7)
+        dst = shared_zeros((12, BLOCK), torch.uint8)
+        regions = [(c.register("src", [src]), c.register("dst", [dst])) for c in clients]
+        pairs = list(itertools.permutations(range(4), 2))
+        gets = [clients[j].start_get(f"k{i}{j}", regions[j][1], [n], timeout_s=30)
+                for n, (i, j) in enumerate(pairs)]
+        start = threading.Barrier(len(pairs))
+        moved: dict[tuple[int, int], int | BaseException] = {}
+
+        def put(i: int, j: int) -> None:
+            start.wait(10)
+            try:
+                moved[i, j] = clients[i].put(f"k{i}{j}", regions[i][0], [0], to=addresses[j],
+                                             timeout_s=30).wait(30)
+            except BaseException as exc:  # (reported below)
+                moved[i, j] = exc
+
+        threads = [threading.Thread(target=put, args=pair) for pair in pairs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert moved == dict.fromkeys(pairs, BLOCK), moved
+        assert [g.wait(30) for g in gets] == [BLOCK] * len(pairs)
+        assert bool((dst == 7).all())
+        time.sleep(0.3)  # (a link replaced late would show now)
+        peers = [c.stats()["peer"] for c in clients]
+        for i, peer in enumerate(peers):
+            assert peer["links_lost"] == 0, peer
+            assert "takeover" not in peer["bad_messages"], peer["bad_messages"]
+            assert sorted(x["address"] for x in peer["links"]) == sorted(
+                a for a in addresses if a != addresses[i])
+        direction = {(i, x["address"]): x["direction"]
+                     for i, peer in enumerate(peers) for x in peer["links"]}
+        for i, j in pairs:  # one link per pair: one end dialled it, the other took it
+            assert {direction[i, addresses[j]], direction[j, addresses[i]]} == {"in", "out"}
+        for c in clients:
+            c.close()
+    finally:
+        for d in daemons:
+            d.stop()

@@ -170,6 +170,10 @@ class _StateCollector(Collector):
             ("kvd_peers_connected", len(peers.links) if peers else 0, "Peer daemons linked."),
         ):
             yield GaugeMetricFamily(name, text, value=value)
+        yield CounterMetricFamily("kvd_peer_links_lost", "Peer links that ended: a peer "
+                                  "gone, restarted or silent past its grace (two dials that "
+                                  "cross leave one link and lose none).",
+                                  value=peers.links_lost if peers else 0)
         yield CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
                                   "polled without sleeping (busy polling, on nodes that "
                                   "see a GPU).", value=engine.busy_poll.turns)

@@ -18,6 +18,12 @@ claiming the address of a link that answers is refused, since without CurveZMQ a
 could claim it; a restarted peer closed its old connection (or falls silent), and its
 hello is taken then.
 
+Two daemons keep one link between them. When both dial at once, the hello of the one
+with the greater address is refused (``LinkedAlready``) by the other, whose own dial is
+in flight and becomes the pair's link; a hello to a daemon already linked with us is
+refused the same way. The refused dialler takes the link the peer made instead of failing
+(``link_to``): no link is replaced, and no transfer fails, because two dials crossed.
+
 What a peer can make the daemon hold: ``MAX_LINKS`` links, connections that have not
 linked yet (bounded by ``peer_sockets`` on the ROUTER, ``peer_data`` on the data port),
 and per connection what those two modules bound.
@@ -48,7 +54,7 @@ from kvd.daemon.peer_sockets import (
     Reply,
     frame_property,
 )
-from kvd.errors import BadRequest, KvdError, PeerUnreachable, ProtocolError
+from kvd.errors import BadRequest, KvdError, LinkedAlready, PeerUnreachable, ProtocolError
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -95,6 +101,9 @@ class PeerPlane:
         # it has welcomed us, before our loop has made the link that knows the token.
         self._handshake_done: dict[bytes, asyncio.Future[None]] = {}
         self._linking: dict[str, asyncio.Task[PeerLink]] = {}
+        # Callers whose dial the peer refused (LinkedAlready), waiting for its link.
+        self._awaited: dict[str, asyncio.Future[None]] = {}
+        self.links_lost = 0  # links that ended, for any reason (stats, metrics)
         self._configuring: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self.keys: CurveKeys | None = load_keys(config)
@@ -161,7 +170,7 @@ class PeerPlane:
     def stats(self) -> dict[str, Any]:
         return {"address": self.address, "data_port": self.data_port,
                 "links": [link.describe(self._loop.time()) for link in self.links.values()],
-                "configured": list(self.configured),
+                "configured": list(self.configured), "links_lost": self.links_lost,
                 "bad_messages": dict(self.bad_messages)}
 
     # ------------------------------------------------------------ links we make
@@ -177,20 +186,33 @@ class PeerPlane:
 
     async def link_to(self, address: str, timeout_s: float) -> PeerLink:
         """The live link to ``address``, after a handshake if there is none. Concurrent
-        callers share one handshake."""
-        link = self.links.get(address)
-        if link is not None and link.alive:
-            return link
+        callers share one handshake. When the peer refuses it because its own link to us
+        is the pair's (module doc), that link is awaited (it may come behind the refusal),
+        and the peer dialled again if it never does (its dial failed)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    link = self.links.get(address)
+                    if link is not None and link.alive:
+                        return link
+                    try:
+                        return await asyncio.shield(self._dial(address, timeout_s))
+                    except LinkedAlready:
+                        arrived = self._awaited.setdefault(address, self._loop.create_future())
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.config.peer_connect_timeout_s):
+                                await asyncio.shield(arrived)
+        except TimeoutError:
+            raise PeerUnreachable(f"no answer from peer {address} within {timeout_s:g}s") from None
+
+    def _dial(self, address: str, timeout_s: float) -> asyncio.Task[PeerLink]:
+        """The handshake with ``address`` in flight, begun if there is none."""
         pending = self._linking.get(address)
         if pending is None:
             pending = self._loop.create_task(self._handshake(address, timeout_s))
             self._linking[address] = pending
             pending.add_done_callback(lambda task: self._handshake_ended(address, task))
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await asyncio.shield(pending)
-        except TimeoutError:
-            raise PeerUnreachable(f"no answer from peer {address} within {timeout_s:g}s") from None
+        return pending
 
     def _handshake_ended(self, address: str, task: asyncio.Task[PeerLink]) -> None:
         """A shared handshake is over. Its failure is taken here: each caller waits within
@@ -222,7 +244,8 @@ class PeerPlane:
             if dial is not None:
                 self._dials.discard(dial)
                 dial.close()
-            if isinstance(exc, KvdError) and not isinstance(exc, PeerUnreachable):
+            if isinstance(exc, KvdError) and (isinstance(exc, LinkedAlready)
+                                              or not isinstance(exc, PeerUnreachable)):
                 raise
             hint = (" (with CurveZMQ: is our public key in its curve_allowed_keys_file?)"
                     if self.keys is not None and isinstance(exc, TimeoutError) else "")
@@ -284,6 +307,13 @@ class PeerPlane:
             return
         if self._router is not None:
             self._router.drain_events()
+        if hello.address in self._linking and self.address < hello.address:
+            # Crossed dials: ours is the pair's link (the lesser address's). Not bad input,
+            # so not counted; the peer takes our link when it comes.
+            log.debug("hello refused: we are dialling %s too, and ours is kept", source)
+            reply(encode(PeerError(code=LinkedAlready.code, message=(
+                f"{self.address} is dialling {hello.address} too; its link is the one kept"))))
+            return
         old = self.links.get(hello.address)
         if (old is not None and old.alive
                 and self._loop.time() - old.last_seen <= self.config.peer_grace_s):
@@ -291,7 +321,7 @@ class PeerPlane:
             # it while it answers (heard within its grace). A peer that restarted closed its
             # old connection when it died (or falls silent past the grace), and its new
             # hello is taken then.
-            self._bad.report("takeover", reply, PeerUnreachable(
+            self._bad.report("takeover", reply, LinkedAlready(
                 f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
                 f"and that link answers: refused until its connection closes or it is silent "
                 f"for {self.config.peer_grace_s:g}s"), source)
@@ -349,6 +379,8 @@ class PeerPlane:
             self._lose(old, PeerUnreachable(f"{reason}: {link.address}"))
         self.links[address] = link
         self._by_token[token] = link
+        if (awaited := self._awaited.pop(address, None)) is not None and not awaited.done():
+            awaited.set_result(None)
         link.recv_channel = self._data.recv_channel(link)
         log.info("peer up address=%s node=%s epoch=%d (%s)", address, link.node_id,
                  link.epoch, "outgoing" if dial else "incoming")
@@ -389,6 +421,7 @@ class PeerPlane:
         if not link.alive:
             return
         link.alive = False
+        self.links_lost += 1
         log.warning("peer down address=%s node=%s epoch=%d: %s", link.address, link.node_id,
                     link.epoch, error.message)
         if self.links.get(link.address) is link:
