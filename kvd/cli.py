@@ -1,10 +1,11 @@
-"""The ``kvd`` command: ``serve``, ``status``, ``peers``, ``drain``, ``bench``, ``demo``,
-``keygen``, ``stats``, ``ping``, ``--version``.
+"""The ``kvd`` command: ``serve``, ``status``, ``peers``, ``drain``, ``reload``, ``bench``,
+``demo``, ``keygen``, ``stats``, ``ping``, ``--version``.
 
 Each command takes only its own options: ``serve`` the daemon's settings; the client
-commands (``ping``, ``stats``, ``status``, ``peers``, ``drain``, ``bench``) where the daemon
-is (``--socket-path``, read from nowhere else but ``KVD_SOCKET_PATH`` and the config file's
-``socket_path``), how long to wait, ``--json``, and their own. No option may be abbreviated.
+commands (``ping``, ``stats``, ``status``, ``peers``, ``drain``, ``reload``, ``bench``) where
+the daemon is (``--socket-path``, read from nowhere else but ``KVD_SOCKET_PATH`` and the
+config file's ``socket_path``), how long to wait, ``--json``, and their own. No option may be
+abbreviated.
 
 Errors are one line on stderr and a non-zero exit: 2 for bad configuration or usage,
 1 for a failed operation. Under ``--json`` (the client commands and ``keygen``) an error is
@@ -189,6 +190,19 @@ def _cmd_drain(args: argparse.Namespace) -> int:
               f"{report['cancelled']} cancelled at the grace, "
               f"{report['gets_refused']} waiting gets refused; the daemon is exiting")
     return 0 if report["cancelled"] == 0 else 1
+
+
+def _cmd_reload(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        report = client.reload()
+    if args.json:
+        _print_json(report)
+    else:
+        print(f"allow-list reloaded: {report['allowed_keys']} keys; added "
+              f"{', '.join(report['added']) or 'none'}; removed "
+              f"{', '.join(report['removed']) or 'none'}; links ended "
+              f"{', '.join(report['links_ended']) or 'none'}")
+    return 0
 
 
 def _cmd_ping(args: argparse.Namespace) -> int:
@@ -427,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("stats", _cmd_stats, "the daemon's counters as JSON"),
         ("ping", _cmd_ping, "check that the daemon answers"),
         ("drain", _cmd_drain, "stop taking work, finish in-flight work, exit; report"),
+        ("reload", _cmd_reload, "read the allow-list again (curve_allowed_keys_file), as "
+                                "SIGHUP does"),
         ("bench", _cmd_bench, "move data to a peer and back; throughput and latency"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() +

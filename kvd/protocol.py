@@ -47,7 +47,9 @@ from kvd.errors import ProtocolError
 #        ``LeaseAnswer`` between daemons); ``Get.sender``.
 #  16 — 2026-12: a release may keep a key's tail (``Release.skip``, ``LeaseRelease.skip``),
 #        and a put of it sends only those blocks (``Offer.first``).
-PROTOCOL_VERSION = 16
+#  17 — 2026-12: ``Reload`` (the allow-list read again); a hello refused because the pair
+#        is linked already, or both dialled at once, says ``linked_already``.
+PROTOCOL_VERSION = 17
 
 # The most bytes an OFFER carries itself (``Offer.inline``): below this, a transfer's own
 # round through the data connection's threads costs more than the bytes' copy on the loops.
@@ -360,9 +362,14 @@ class Drain(_Request, tag="drain", frozen=True):
     grace_s: Seconds | None = None
 
 
+class Reload(_Request, tag="reload", frozen=True):
+    """Read the allow-list again (as on SIGHUP); answered by ``StatsReply`` with what
+    changed, or an error (the list kept as it was)."""
+
+
 Request = (
     Hello | Bye | Ping | Register | Unregister | Offload | Get | Put | Pull | Publish | Lend
-    | Unpublish | Delete | Cancel | Stats | Drain | Renew | Release
+    | Unpublish | Delete | Cancel | Stats | Drain | Reload | Renew | Release
 )
 
 # ---------------------------------------------------------------- replies

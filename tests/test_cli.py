@@ -34,7 +34,7 @@ from kvd.bench import Progress
 from kvd.config import OPERATOR_SETTINGS
 from tests.conftest import ProcessDaemon, start_daemons, wait_until
 
-CLIENT_COMMANDS = ("ping", "stats", "status", "peers", "drain", "bench")
+CLIENT_COMMANDS = ("ping", "stats", "status", "peers", "drain", "reload", "bench")
 CLIENT_OPTIONS = {"--help", "--socket-path", "--config", "--timeout", "--json"}
 OWN_OPTIONS = {"drain": {"--grace"}, "bench": {"--to", "--size", "--blocks", "--repeat"}}
 

@@ -781,6 +781,62 @@ def test_curve_refuses_strangers(nodes: Nodes, sock_dir: str) -> None:
     assert a.client.stats()["peer"]["bad_messages"]["auth"] == bad["auth"] + 1
 
 
+
+def test_reload_takes_keys_added_and_ends_the_links_of_keys_taken_off(
+        nodes: Nodes, sock_dir: str) -> None:
+    """a's allow-list knows b, not c: c is refused. c's line added and ``kvd reload``: c
+    links at once. b's line taken off and SIGHUP (the unit's reload): b's link ends, and
+    b is refused from then on. A list that is not valid is refused by the reload, which
+    says why, and a keeps the list it had. Each change is counted."""
+    keys, args = curve_setup(sock_dir, {"a": ["b"], "b": ["a"], "c": ["a"]})
+    a, b, c = nodes.each(args["a"], args["b"], args["c"])
+    allowed = args["a"][args["a"].index("--curve-allowed-keys-file") + 1]
+    with open(allowed) as f:
+        lines = f.read().splitlines()
+    src = random_region(1, 12)
+    dst = shared_zeros((1, BLOCK), torch.uint8)
+    r_dst = a.client.register("kv", [dst])
+
+    def put(node: Node, key: str) -> None:
+        get = a.client.start_get(key, r_dst, [0], timeout_s=10)
+        node.client.put(key, node.client.register(key, [src]), [0], to=a.address,
+                        timeout_s=5).wait(10)
+        assert get.wait(10) == BLOCK and torch.equal(dst, src)
+        dst.zero_()
+
+    put(b, "from-b")
+    with pytest.raises(kvd.PeerUnreachable, match="refused our public key"):
+        c.client.put("no", c.client.register("no", [src]), [0], to=a.address,
+                     timeout_s=3).wait(10)
+
+    c_line = f"{keys['c'][0].decode()} {c.address}"
+    with open(allowed, "a") as f:
+        f.write(c_line + "\n")
+    assert a.client.reload() == {"allowed_keys": 3, "added": [c.address], "removed": [],
+                                 "links_ended": []}
+    put(c, "from-c")
+
+    with open(allowed, "w") as f:  # b taken off, by the unit's reload
+        f.write("\n".join(line for line in lines if b.address not in line) + f"\n{c_line}\n")
+    a.proc.signal(signal.SIGHUP)
+    peer = wait_until(lambda: (p := a.client.stats()["peer"])["keys_changed"]["removed"]
+                      and p)
+    assert peer["keys_changed"] == {"added": 1, "removed": 1} and peer["allowed_keys"] == 2
+    assert [x["address"] for x in peer["links"]] == [c.address]
+    assert "the key of peer" in a.proc.log() and "taken off" in a.proc.log()
+    with pytest.raises(kvd.PeerUnreachable):
+        b.client.put("gone", b.client.register("gone", [src]), [0], to=a.address,
+                     timeout_s=3).wait(10)
+    put(c, "from-c-again")
+
+    with open(allowed, "a") as f:
+        f.write("not a key line\n")
+    with pytest.raises(kvd.ConfigError, match=r"line 4 .* is not"):
+        a.client.reload()
+    assert a.client.stats()["peer"]["allowed_keys"] == 2
+    put(c, "after-a-bad-reload")
+
+
 def test_curve_and_encrypted_data_connections(nodes: Nodes, sock_dir: str) -> None:
     """With CurveZMQ and encrypt_data (its default) the bytes of host-memory transfers go
     over TLS data connections: they arrive byte-exact both ways, and the data port speaks

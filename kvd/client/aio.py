@@ -322,6 +322,13 @@ class AsyncKvdClient(ClientShell):
         its report (how much finished, how much was cancelled at the grace)."""
         return await self._call(self._b.drain(grace_s, timeout_s))
 
+    async def reload(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Make the daemon read its allow-list (``curve_allowed_keys_file``) again: keys
+        added are accepted at once, and a peer whose key was taken off loses its links.
+        Returns what changed; a ``ConfigError`` if the file is not valid (the daemon keeps
+        the list it had)."""
+        return await self._call(self._b.reload(timeout_s))
+
     async def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return await self._call(self._b.stats(timeout_s))
 

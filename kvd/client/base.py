@@ -63,6 +63,7 @@ from kvd.protocol import (
     Register,
     Registered,
     Release,
+    Reload,
     Renew,
     Reply,
     Share,
@@ -392,6 +393,9 @@ class RequestBuilder:
     def drain(self, grace_s: float | None, timeout_s: float | None) -> Call:
         wait_s = self._t(timeout_s)
         return Call(Drain(req_id=next(self._ids), grace_s=grace_s), wait_s, "stats")
+
+    def reload(self, timeout_s: float | None) -> Call:
+        return Call(Reload(req_id=next(self._ids)), self._t(timeout_s), "stats")
 
     def cancel(self, target: int, timeout_s: float | None) -> Call:
         """The daemon answers once ``target`` has ended (its own reply goes first)."""

@@ -209,6 +209,9 @@ class KvdClient(ClientShell):
               timeout_s: float | None = None) -> dict[str, Any]:
         return self._call(self._b.drain(grace_s, timeout_s))
 
+    def reload(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call(self._b.reload(timeout_s))
+
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return self._call(self._b.stats(timeout_s))
 

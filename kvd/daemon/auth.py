@@ -114,6 +114,15 @@ def load_keys(config: Config) -> CurveKeys | None:
         raise ConfigError(f"curve_secret_key_file: {secret_file!r} holds no secret key "
                           "(give the .key_secret file)")
     keys = CurveKeys(public=public, secret=secret)
+    keys.by_address, keys.address_of = read_allowed(allowed_file)
+    return keys
+
+
+def read_allowed(allowed_file: str) -> tuple[dict[str, bytes], dict[bytes, str]]:
+    """The allow-list: each address's key and each key's address (ConfigError if the file
+    cannot be read or a line is not ``<key> <host:port>``)."""
+    by_address: dict[str, bytes] = {}
+    address_of: dict[bytes, str] = {}
     try:
         with open(allowed_file, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -132,12 +141,12 @@ def load_keys(config: Config) -> CurveKeys | None:
                 or not _host_port(parts[1]):
             raise ConfigError(f"curve_allowed_keys_file: line {number} of {allowed_file!r} is "
                               "not '<40-character z85 public key> <host:port>'")
-        if parts[1] in keys.by_address and keys.by_address[parts[1]] != key:
+        if parts[1] in by_address and by_address[parts[1]] != key:
             raise ConfigError(f"curve_allowed_keys_file: line {number} of {allowed_file!r}: "
                               f"{parts[1]} has another key already")
-        keys.by_address[parts[1]] = key
-        keys.address_of[key] = parts[1]
-    return keys
+        by_address[parts[1]] = key
+        address_of[key] = parts[1]
+    return by_address, address_of
 
 
 def _valid_z85(key: bytes) -> bool:

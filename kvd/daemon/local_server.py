@@ -71,6 +71,7 @@ from kvd.protocol import (
     Register,
     Registered,
     Release,
+    Reload,
     Renew,
     Reply,
     Request,
@@ -128,10 +129,11 @@ def _level(session: Session) -> int:
 class LocalServer:
     def __init__(self, config: Config, engine: Engine, ctx: zmq.Context[Any], epoch: int,
                  status: Callable[[], dict[str, Any]], budget: DescriptorBudget,
-                 drain: Callable[[float | None], Awaitable[dict[str, Any]]] | None = None
-                 ) -> None:
+                 drain: Callable[[float | None], Awaitable[dict[str, Any]]] | None = None,
+                 reload: Callable[[], dict[str, Any]] | None = None) -> None:
         self._status = status  # the daemon's report, for Stats
         self._drain_daemon = drain  # kvd drain; None: this daemon is not drained from here
+        self._reload = reload  # kvd reload; None: nothing here to reload
         self.config = config
         self.engine = engine
         self.epoch = epoch
@@ -379,6 +381,10 @@ class LocalServer:
                               name="kvd-drain-request")
                 case Cancel():
                     self._spawn(s, msg.req_id, op, self._cancel(s, msg.target))
+                case Reload():
+                    if self._reload is None:
+                        raise ProtocolError("this daemon cannot be reloaded over its socket")
+                    self._send(s.identity, StatsReply(req_id=msg.req_id, stats=self._reload()))
                 case _:  # pragma: no cover - the decoder admits only the types above
                     raise ProtocolError(f"unsupported operation {op!r}")
             if msg.req_id not in s.tasks:  # answered inline (a task counts when it ends)

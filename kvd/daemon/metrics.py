@@ -174,6 +174,12 @@ class _StateCollector(Collector):
                                   "gone, restarted or silent past its grace (two dials that "
                                   "cross leave one link and lose none).",
                                   value=peers.links_lost if peers else 0)
+        changes = CounterMetricFamily("kvd_allowed_key_changes", "Keys added to or taken off "
+                                      "the allow-list by reloads (kvd reload, SIGHUP).",
+                                      labels=["change"])
+        for change, count in (peers.keys_changed if peers else {}).items():
+            changes.add_metric([change], count)
+        yield changes
         yield CounterMetricFamily("kvd_busy_poll_turns", "Turns of the event loop that "
                                   "polled without sleeping (busy polling, on nodes that "
                                   "see a GPU).", value=engine.busy_poll.turns)

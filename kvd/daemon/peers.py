@@ -42,7 +42,7 @@ import zmq
 
 from kvd import timeline
 from kvd.config import Config
-from kvd.daemon.auth import CurveKeys, load_keys, make_data_tls
+from kvd.daemon.auth import CurveKeys, load_keys, make_data_tls, read_allowed
 from kvd.daemon.futures import keep_task
 from kvd.daemon.peer_data import DataPort
 from kvd.daemon.peer_link import CPU_DEVICE, LinkEvents, PeerLink
@@ -54,7 +54,14 @@ from kvd.daemon.peer_sockets import (
     Reply,
     frame_property,
 )
-from kvd.errors import BadRequest, KvdError, LinkedAlready, PeerUnreachable, ProtocolError
+from kvd.errors import (
+    BadRequest,
+    ConfigError,
+    KvdError,
+    LinkedAlready,
+    PeerUnreachable,
+    ProtocolError,
+)
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -104,6 +111,7 @@ class PeerPlane:
         # Callers whose dial the peer refused (LinkedAlready), waiting for its link.
         self._awaited: dict[str, asyncio.Future[None]] = {}
         self.links_lost = 0  # links that ended, for any reason (stats, metrics)
+        self.keys_changed = {"added": 0, "removed": 0}  # by reloads of the allow-list
         self._configuring: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self.keys: CurveKeys | None = load_keys(config)
@@ -171,7 +179,34 @@ class PeerPlane:
         return {"address": self.address, "data_port": self.data_port,
                 "links": [link.describe(self._loop.time()) for link in self.links.values()],
                 "configured": list(self.configured), "links_lost": self.links_lost,
+                "allowed_keys": len(self.keys.address_of) if self.keys else None,
+                "keys_changed": dict(self.keys_changed),
                 "bad_messages": dict(self.bad_messages)}
+
+    def reload_keys(self) -> dict[str, Any]:
+        """Read the allow-list again (``kvd reload``, SIGHUP). A key added is accepted from
+        now on (the ZAP handler and our next dials read the new list); a peer whose key
+        was taken off, or changed, loses its links now. What changed; ConfigError, the list
+        kept as it was, without keys or when the file is not a valid list."""
+        if self.keys is None:
+            raise ConfigError("this daemon runs without CurveZMQ keys: there is no "
+                              "allow-list to reload")
+        by_address, address_of = read_allowed(self.config.curve_allowed_keys_file)
+        old = self.keys.by_address
+        added = sorted(a for a, key in by_address.items() if old.get(a) != key)
+        removed = sorted(a for a, key in old.items() if by_address.get(a) != key)
+        self.keys.by_address, self.keys.address_of = by_address, address_of
+        self.keys_changed["added"] += len(added)
+        self.keys_changed["removed"] += len(removed)
+        ended = [link for link in self.links.values() if link.address in removed]
+        for link in ended:
+            self._lose(link, PeerUnreachable(
+                f"the key of peer {link.address} was taken off curve_allowed_keys_file"))
+        log.info("allow-list reloaded from %s: %d keys; added %s; removed %s; links ended %s",
+                 self.config.curve_allowed_keys_file, len(address_of), added or "none",
+                 removed or "none", [link.address for link in ended] or "none")
+        return {"allowed_keys": len(address_of), "added": added, "removed": removed,
+                "links_ended": [link.address for link in ended]}
 
     # ------------------------------------------------------------ links we make
 

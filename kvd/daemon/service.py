@@ -160,6 +160,8 @@ class Daemon:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, self._on_signal, sig)
                     outer.callback(_force_exit_on, loop, sig)
+                loop.add_signal_handler(signal.SIGHUP, self._on_hangup)  # (the unit's reload)
+                outer.callback(loop.remove_signal_handler, signal.SIGHUP)
                 trigger: Awaitable[Any] = self._stop.wait()
             else:
                 trigger = _first(shutdown_trigger(), self._stop.wait())
@@ -193,6 +195,19 @@ class Daemon:
         self._stop.set()
         await self.drained.wait()
         return self.drain_report
+
+    def reload(self) -> dict[str, Any]:
+        """``kvd reload`` and SIGHUP: read the allow-list again (``PeerPlane.reload_keys``).
+        What changed; ConfigError if there is nothing to reload or the file is not valid."""
+        if self.peers is None:
+            raise ConfigError("this daemon has no peer plane: there is nothing to reload")
+        return self.peers.reload_keys()
+
+    def _on_hangup(self) -> None:
+        try:
+            self.reload()
+        except ConfigError as err:  # (the list is kept as it was)
+            log.error("SIGHUP: reload failed, the allow-list is kept as it was: %s", err)
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -286,7 +301,8 @@ class Daemon:
         if nccl is not None:
             stack.push_async_callback(nccl.close)  # before the peer plane: CHANNEL_DOWN goes out
         local = self.local = LocalServer(self.config, engine, zmq_context, self.epoch,
-                                               self.status, budget, self.drain_on_request)
+                                               self.status, budget, self.drain_on_request,
+                                               self.reload)
         stack.push_async_callback(local.close)
         steps.done("engine and peer plane set up")
         steps.begin("opening the local socket")
