@@ -23,8 +23,9 @@ Run: ``python benchmarks/mesh.py [--daemons N] [--seconds S] [--rate R] [--links
   connections (its socket descriptors found in /proc/net/tcp and tcp6), RSS, and idle CPU
   (% of a core over ``--idle-s`` with no load; from each thread's schedstat).
 * **Link losses**: the daemons' own "peer down" log lines (logged at warning), which give
-  each loss's reason and outlive a restart (``links_lost`` in ``kvd status`` starts again), from start to the end of the load (the simultaneous dials of the
-  mesh forming, and the load); refused hellos (``bad_messages``) are reported beside them.
+  each loss's reason and outlive a restart (``links_lost`` in ``kvd status`` starts
+  again), from start to the end of the load (the simultaneous dials of the mesh forming,
+  and the load); refused hellos (``bad_messages``) are reported beside them.
 * **Restart**: the last daemon is SIGKILLed; the time until no other daemon lists it as
   linked, then it is started again on the same ports and keys: the time until it answers,
   until it and every other daemon list each other again, and one checked transfer to it.
