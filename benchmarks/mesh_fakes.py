@@ -12,16 +12,18 @@ What each fake link does, as a daemon that dials would (kvd/daemon/peers.py):
   certificate), then the ``PeerWelcome``;
 * its data connection to the daemon's data port (TLS, the welcome's token), and it takes
   the daemon's data connection on this process's data port (one listener for all fakes);
-* a ``Heartbeat`` on every link every second (the daemon drops a link silent for
-  ``peer_grace_s``), and it reads (and drops) what the daemon sends.
+* ZeroMQ's own heartbeats on its DEALER, as a daemon sets them (kvd/daemon/peer_sockets.py
+  ``set_limits``: a PING every second on a quiet connection, one silent for 3 s closed),
+  and no ``Heartbeat`` of kvd's after the first (a daemon sends those on links in use
+  only); it reads (and drops) what the daemon sends.
 
 It moves no bytes: the case measures what idle links cost the daemon. Links are made a
 few at a time (the daemon shuts down handshakes past 256 pending). A refusal (a
 ``PeerError``: the daemon's 256-link limit) is counted with its reason.
 
 On stdout, once every link is made or refused, one JSON line:
-``{"linked", "refused", "failed", "reasons"}``; it then keeps the links (heartbeats) until
-stdin closes or it gets SIGTERM.
+``{"linked", "refused", "failed", "reasons"}``; it then keeps the links until stdin closes
+or it gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from kvd.transport.tcp import DATA_HELLO, data_hello, parse_data_hello
 
 LINKS_AT_ONCE = 16  # handshakes in flight (well under the daemon's 256 pending)
 HANDSHAKE_S = 10.0
-HEARTBEAT_S = 1.0
+HEARTBEAT_MS, GRACE_MS = 1000, 3000  # a daemon's defaults (heartbeat_interval_s, peer_grace_s)
 
 
 @dataclass
@@ -132,6 +134,10 @@ class Fakes:
         sock.curve_publickey = link.public
         sock.curve_secretkey = link.secret
         sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, GRACE_MS // 1000)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, HEARTBEAT_MS // 1000)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 2)
         sock.connect(f"tcp://{self.daemon_address}")
         hello = PeerHello(protocol_version=PROTOCOL_VERSION, node_id=f"fake-{link.address}",
                           epoch=self.epoch, address=link.address, data_port=self.data_port,
@@ -180,15 +186,6 @@ class Fakes:
             while True:
                 await sock.recv()
 
-    async def heartbeats(self) -> None:
-        beat = encode(Heartbeat(epoch=self.epoch))
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            for link in self.links:
-                if link.sock is not None:
-                    with contextlib.suppress(zmq.ZMQError):
-                        await link.sock.send(beat)
-
     def close(self) -> None:
         for link in self.links:
             for writer in link.writers:
@@ -219,9 +216,6 @@ async def run(keys_file: str, daemon_address: str, daemon_key: str) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not os.read(0, 4096) else None)
     server = await fakes.serve_data_port()
-    # Heartbeats from the start: a link made first must not fall silent past the daemon's
-    # grace while the others are being made.
-    beats = asyncio.create_task(fakes.heartbeats())
     try:
         await fakes.make_all()
         report: dict[str, Any] = {"linked": fakes.tally.linked, "refused": fakes.tally.refused,
@@ -229,7 +223,6 @@ async def run(keys_file: str, daemon_address: str, daemon_key: str) -> None:
         print(json.dumps(report), flush=True)
         await stop.wait()
     finally:
-        beats.cancel()
         for task in fakes.tasks:
             task.cancel()
         server.close()

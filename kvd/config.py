@@ -207,7 +207,8 @@ class Config:
                                        "(or at 0) refused at once, and the puller asks again")
     # ---- timeouts
     heartbeat_interval_s: float = _opt(1.0, SECONDS, POSITIVE,
-                                       help="a quiet peer link sends a heartbeat this often")
+                                       help="a peer link in use sends a heartbeat this often "
+                                            "(idle ones are probed by TCP keepalives)")
     peer_grace_s: float = _opt(3.0, SECONDS, POSITIVE,
                                help="a peer silent this long is dead and its transfers fail "
                                     "(keep it >= 2 x heartbeat_interval_s)")

@@ -503,7 +503,11 @@ class PeerWelcome(_Intro, tag="peer_welcome", frozen=True):
 
 
 class Heartbeat(_PeerMsg, tag="heartbeat", frozen=True):
+    """Sent on a link with work in flight; ``ask``: answer with one (a daemon with no work
+    on the link sends none of its own, and the asker must hear it all the same)."""
+
     epoch: NonNeg
+    ask: bool = False
 
 
 ChannelId = Annotated[int, Meta(ge=0, le=2**63 - 1)]

@@ -28,7 +28,8 @@ class PeerLink:
     routing_id: bytes = b""  # an incoming link: their connection on our ROUTER
     fd: int = -1  # an incoming link: that connection's descriptor (its monitor events)
     data_fingerprint: bytes = b""  # their data port's certificate (b"": plain TCP)
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # when its last message came, heartbeats included
+    busy_since: float = 0.0  # since when work is on it (0: none; PeerPlane's heartbeats)
     devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
     nccl_blocking_calls: bool = False  # the peer splits its channels for blocking calls
     pool_capacity_bytes: int = 0  # the peer's host pool (0: not told)
@@ -63,6 +64,9 @@ class LinkEvents(Protocol):
 
     def on_message(self, link: PeerLink, msg: PeerMessage) -> None:
         """A message on a live link (not a handshake, heartbeat or PeerError)."""
+
+    def busy_links(self) -> set[PeerLink]:
+        """The links with work in flight on them (their heartbeats watch them)."""
 
     def on_link_up(self, link: PeerLink) -> None:
         """A link is up, once per link: an outgoing one as soon as it is made, an incoming

@@ -10,13 +10,15 @@ What happens on links goes to one ``LinkEvents`` (``handle_with``). With CurveZM
 
 A link ends at once when its connection does: the socket monitors say so (a DEALER's
 ``EVENT_DISCONNECTED`` is its link's; on the ROUTER the event names the connection's
-descriptor, which the hello's frame carried). It ends too when silent past
-``peer_grace_s`` (a hung peer; any message is a sign of life), and when ZeroMQ refuses it
-a message (the peer stopped reading: ``SEND_HWM``). Its transfers then fail with
-``PeerUnreachable`` (``on_link_lost``) and its channels are aborted. A ``PeerHello``
-claiming the address of a link that answers is refused, since without CurveZMQ anyone
-could claim it; a restarted peer closed its old connection (or falls silent), and its
-hello is taken then.
+descriptor, which the hello's frame carried); TCP keepalives close a connection whose
+peer's host stopped answering, idle or not (``peer_sockets.set_limits``). A link with
+work in flight ends too when no message of the peer's came within ``peer_grace_s`` (a
+frozen or hung peer: kvd's heartbeats, on busy links only, so that an idle link costs no
+CPU), and when ZeroMQ refuses it a message (the peer stopped reading: ``SEND_HWM``). Its
+transfers then fail with ``PeerUnreachable`` (``on_link_lost``) and its channels are
+aborted. A ``PeerHello`` claiming the address of a live link is refused, since without
+CurveZMQ anyone could claim it; a restarted peer closed its old connection (or its host
+stopped answering), and its hello is taken then.
 
 Two daemons keep one link between them. When both dial at once, the hello of the one
 with the greater address is refused (``LinkedAlready``) by the other, whose own dial is
@@ -120,6 +122,10 @@ class PeerPlane:
             self._bad, self._link_for_token, self._lose)
         # Our dials' ZeroMQ handshake (our ROUTER's is peer_sockets.HANDSHAKE_S).
         self.handshake_ms = max(1, int(config.peer_connect_timeout_s * 1000))
+        # ZeroMQ's heartbeats on every peer connection (peer_sockets.set_limits): interval
+        # and grace, in ms.
+        self._heartbeat_ms = (max(1, int(config.heartbeat_interval_s * 1000)),
+                              max(1, int(config.peer_grace_s * 1000)))
         self._router: PeerRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
@@ -139,7 +145,7 @@ class PeerPlane:
         cfg = self.config
         self._router = PeerRouter(self.ctx, self.keys, self._bad,
                                   self._on_router_message, self._on_disconnected,
-                                  cfg.peer_host, cfg.peer_port)
+                                  cfg.peer_host, cfg.peer_port, *self._heartbeat_ms)
         self.address = f"{cfg.advertise_host or cfg.peer_host}:{self._router.port}"
         self._data.listen(cfg.peer_host, cfg.data_port)
 
@@ -268,7 +274,8 @@ class PeerPlane:
         dial: Dial | None = None
         try:
             try:
-                dial = Dial(self.ctx, address, self.keys, self.handshake_ms, self._bad)
+                dial = Dial(self.ctx, address, self.keys, self.handshake_ms,
+                            *self._heartbeat_ms, self._bad)
             except zmq.ZMQError as exc:  # (out of sockets or descriptors)
                 raise PeerUnreachable(f"cannot open a socket to peer {address}: {exc}") from None
             self._dials.add(dial)
@@ -350,16 +357,21 @@ class PeerPlane:
                 f"{self.address} is dialling {hello.address} too; its link is the one kept"))))
             return
         old = self.links.get(hello.address)
-        if (old is not None and old.alive
-                and self._loop.time() - old.last_seen <= self.config.peer_grace_s):
+        if old is not None and old.alive:
             # Without CurveZMQ anyone can claim an address: the link that holds it keeps
-            # it while it answers (heard within its grace). A peer that restarted closed its
-            # old connection when it died (or falls silent past the grace), and its new
-            # hello is taken then.
-            self._bad.report("takeover", reply, LinkedAlready(
+            # it while its connection lives. A peer that restarted closed its old
+            # connection when it died (or its host stopped answering: TCP keepalives), and
+            # its new hello is taken then.
+            refusal = LinkedAlready(
                 f"{hello.address} is linked already (node {old.node_id}, epoch {old.epoch}) "
-                f"and that link answers: refused until its connection closes or it is silent "
-                f"for {self.config.peer_grace_s:g}s"), source)
+                f"and that link answers: refused until its connection closes or its host "
+                f"stops answering")
+            if (hello.node_id, hello.epoch) == (old.node_id, old.epoch):
+                # The same daemon dialled while our dial to it was made: crossed dials,
+                # not bad input. It takes this link (link_to).
+                reply(encode(PeerError(code=refusal.code, message=refusal.message)))
+            else:
+                self._bad.report("takeover", reply, refusal, source)
             return
         if old is None and len(self.links) >= MAX_LINKS:  # (one in old's place adds none)
             self._bad.report("link_limit", reply, PeerUnreachable(
@@ -382,7 +394,9 @@ class PeerPlane:
     def _on_disconnected(self, fd: int) -> None:
         link = self._by_fd.get(fd)
         if link is not None:
-            self._lose(link, PeerUnreachable(f"connection from peer {link.address} closed"))
+            self._lose(link, PeerUnreachable(
+                f"connection from peer {link.address} closed (by the peer, or its host "
+                f"stopped answering)"))
 
     async def _link_for_token(self, token: bytes) -> PeerLink | None:
         """The link whose data token this is; if its handshake is in flight (the peer
@@ -512,6 +526,8 @@ class PeerPlane:
         if not link.reported_up:
             self._link_up(link)
         if isinstance(msg, Heartbeat):
+            if msg.ask and not link.busy_since:  # (a busy link's own heartbeats answer)
+                self.send(link, Heartbeat(epoch=self.epoch))
             return
         timeline.mark(f"peer.recv.{msg.__struct_config__.tag}")
         if isinstance(msg, PeerError):
@@ -528,19 +544,30 @@ class PeerPlane:
     # ------------------------------------------------------------ heartbeats
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat_interval_s
+        """Heartbeats on the links with work in flight (``LinkEvents.busy_links``), asking
+        for an answer: a frozen peer, or one whose loop has stopped, is found within the
+        grace, counted from its last message or from when the work began (a peer says
+        nothing on an idle link). Idle links cost nothing here: TCP keepalives watch them,
+        in the kernel (``peer_sockets.set_limits``); a frozen peer behind one is found
+        once it is used."""
+        interval, grace = self.config.heartbeat_interval_s, self.config.peer_grace_s
         while True:
             self._link_configured()
             await asyncio.sleep(interval)
             now = self._loop.time()
+            assert self._events is not None
+            busy = self._events.busy_links()
             for link in list(self.links.values()):
-                silent = now - link.last_seen
-                if silent > self.config.peer_grace_s:
+                if link not in busy:
+                    link.busy_since = 0.0
+                    continue
+                link.busy_since = link.busy_since or now
+                silent = now - max(link.last_seen, link.busy_since)
+                if silent > grace:
                     self._lose(link, PeerUnreachable(
-                        f"peer {link.address} silent for {silent:.1f}s "
-                        f"(grace {self.config.peer_grace_s:g}s)"))
+                        f"peer {link.address} silent for {silent:.1f}s (grace {grace:g}s)"))
                 else:
-                    self.send(link, Heartbeat(epoch=self.epoch))
+                    self.send(link, Heartbeat(epoch=self.epoch, ask=True))
 
     def _link_configured(self) -> None:
         """Keep a link to every configured peer (retried each heartbeat)."""

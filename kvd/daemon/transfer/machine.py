@@ -617,6 +617,12 @@ class TransferMachine(Generic[L]):
     def waits_for(self, key: str) -> bool:
         return key in self.waiting_for
 
+    def busy_links(self) -> set[L]:
+        """The links with work of ours on them: sends, pulls, pulls waiting here for their
+        key, and pulls of the peer's we serve (the driver adds its receives)."""
+        return ({s.link for s in self.sends.values()} | {p.link for p in self.pulls.values()}
+                | {link for link, _ in self.waiting} | set(self.served))
+
     def key_appeared(self, key: str) -> list[Action[L]]:
         """The daemon stored, published or lent ``key``: the pulls waiting for it are
         served, in the order they came (one, if it is lent; the others wait on)."""

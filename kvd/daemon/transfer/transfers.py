@@ -217,6 +217,9 @@ class PeerTransfers:
         else:
             self._act(self.machine.message(link, msg, self._loop.time()))
 
+    def busy_links(self) -> set[PeerLink]:
+        return self.machine.busy_links() | {link for link, _ in self._in}
+
     def on_link_up(self, link: PeerLink) -> None:
         if self.nccl is not None:
             self.nccl.warm_up(link)
