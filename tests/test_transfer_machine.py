@@ -9,6 +9,7 @@ key, timers and lost links: each driven through the machine alone.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from kvd.daemon.peer_link import PeerLink
@@ -40,6 +41,7 @@ from kvd.daemon.transfer.machine import (
     Tell,
     Timer,
     TransferMachine,
+    new_id,
 )
 from kvd.errors import (
     BadRequest,
@@ -725,3 +727,20 @@ def test_a_cancel_drops_our_receive_and_ends_the_pull_we_serve() -> None:
     assert m.message(c, XferCancel(transfer_id=2), 1.0) == []
     acts = m.message(b, XferCancel(transfer_id=2), 1.0)
     assert isinstance(acts[0], Finish) and isinstance(acts[0].result, Cancelled)
+
+
+def test_a_forked_process_draws_transfer_ids_of_its_own() -> None:
+    """Daemons forked from one process that imported kvd (a prefork launcher, the tests'
+    serve_forks.py, benchmarks/mesh.py) must not draw the same transfer ids: a peer refuses
+    the second of two equal ids (duplicate_transfer), and that transfer waited out its
+    deadline. The child's first id differs from the parent's next."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first id, then out at once
+        os.write(write, str(new_id()).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child_id = int(pipe.read())
+    os.waitpid(pid, 0)
+    assert child_id != new_id()

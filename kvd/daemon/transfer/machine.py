@@ -44,6 +44,7 @@ the request is refused with the retriable ``PoolExhausted``.
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 from collections.abc import Hashable
@@ -82,8 +83,11 @@ from kvd.protocol import (
 CPU_DEVICE = "cpu"
 # Transfer ids only have to differ (a peer is authenticated before it sends any): a
 # generator seeded once from the OS, not an os.urandom call per transfer (~7 us each in a
-# daemon on the GPU host).
+# daemon on the GPU host), and seeded again in a forked child: daemons forked from one
+# process (a prefork launcher; tests/serve_forks.py, benchmarks/mesh.py) drew the same ids,
+# which collided at their peers (duplicate_transfer) and left transfers to their deadline.
 _id_source = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _id_source.seed(secrets.randbits(128)))
 MIN_NCCL_CHUNK_BYTES, MAX_NCCL_CHUNK_BYTES = 2**20, 2**31  # an eager offer's, checked
 BUSY_RETRY_S = 0.05  # a BUSY's retry_after_s, and a sender's first backoff after one
 MAX_BACKOFF_S = 1.0
