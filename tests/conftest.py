@@ -95,6 +95,43 @@ def leaked_daemons() -> list[tuple[int, str]]:
     return found
 
 
+def tagged_processes(var: str, tag: str) -> list[tuple[int, str]]:
+    """(pid, command line) of each live process whose environment has ``var=tag``: how a
+    benchmark's test finds every process its run started, descendants or not."""
+    want = f"{var}={tag}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if want not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue  # (ended; its parent reaps it)
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def reap_tagged(var: str, tag: str, wait_s: float = 10.0) -> list[tuple[int, str]]:
+    """What a run tagged ``var=tag`` left behind after ``wait_s`` (a child may still be
+    exiting): killed now, and returned for the assertion."""
+    deadline = time.monotonic() + wait_s
+    left = tagged_processes(var, tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = tagged_processes(var, tag)
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def _is_serve(argv: list[bytes]) -> bool:
     """`python -m kvd.cli serve ...`, `.../kvd serve ...`, or one forked by FORKS (which
     shows the command line of the process it was forked from)."""

@@ -4,16 +4,15 @@ another, and the run leaves no process behind."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
+
+from tests.conftest import reap_tagged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "mesh.py")
@@ -22,38 +21,6 @@ REQUIRED = ("daemons", "p99_ms", "p999_ms", "max_ms", "errors", "bytes_checked",
             "link_losses", "threads_per_link", "tcp_per_idle_link", "idle_cpu_per_1000_links")
 
 
-def marked(tag: str) -> list[tuple[int, str]]:
-    """(pid, command line) of each live process whose environment carries ``tag``."""
-    want = f"{MARK}={tag}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if want not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue  # (ended; its parent reaps it)
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def reap(tag: str) -> list[tuple[int, str]]:
-    """What the run left: killed now, and returned for the assertion."""
-    deadline = time.monotonic() + 5
-    left = marked(tag)
-    while left and time.monotonic() < deadline:  # (a child may still be exiting)
-        time.sleep(0.1)
-        left = marked(tag)
-    for pid, _ in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return left
 
 
 @pytest.mark.timeout(45)
@@ -68,7 +35,7 @@ def test_quick_mesh_moves_checked_bytes_restarts_and_leaves_no_process() -> None
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        left = reap(tag)
+        left = reap_tagged(MARK, tag, wait_s=5)
     assert proc.returncode == 0, err[-3000:]
     assert not left, f"the run left processes behind: {left}"
     res = json.loads(out.strip().splitlines()[-1])

@@ -15,27 +15,12 @@ import uuid
 
 import pytest
 
+from tests.conftest import reap_tagged, tagged_processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "peers.py")
 MARK = "PEERS_SMOKE_RUN"  # set in the run's environment: how its processes are found
 
-
-def marked(tag: str) -> list[tuple[int, str]]:
-    """(pid, command line) of each live process whose environment carries ``tag``."""
-    want = f"{MARK}={tag}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if want not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")))
-        except OSError:
-            continue
-    return found
 
 
 def start(tag: str, *args: str) -> subprocess.Popen[str]:
@@ -52,24 +37,9 @@ def finish(proc: subprocess.Popen[str], tag: str) -> tuple[str, str, list[tuple[
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        left = reap(tag)
+        left = reap_tagged(MARK, tag)
     return out, err, left
 
-
-def reap(tag: str) -> list[tuple[int, str]]:
-    """What the run left: killed now, and returned for the assertion."""
-    deadline = time.monotonic() + 10
-    left = marked(tag)
-    while left and time.monotonic() < deadline:  # (a child may still be exiting)
-        time.sleep(0.2)
-        left = marked(tag)
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
 
 
 @pytest.mark.timeout(90)
@@ -117,7 +87,8 @@ def test_a_run_stopped_half_way_leaves_no_process() -> None:
         for line in proc.stderr:  # the first case has begun: daemons and workers are up
             if line.startswith("4KiB:") or time.monotonic() > deadline:
                 break
-        assert len(marked(tag)) >= 4, marked(tag)  # itself, raw's two sides, 2 daemons
+        running = tagged_processes(MARK, tag)
+        assert len(running) >= 4, running  # itself, raw's two sides, 2 daemons
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
@@ -125,7 +96,7 @@ def test_a_run_stopped_half_way_leaves_no_process() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        left = reap(tag)
+        left = reap_tagged(MARK, tag)
     assert proc.returncode != 0
     assert not left, f"the stopped run left processes behind: {left}"
 
