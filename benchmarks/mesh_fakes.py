@@ -10,16 +10,17 @@ What each fake link does, as a daemon that dials would (kvd/daemon/peers.py):
 * a ZeroMQ DEALER with CurveZMQ (its own key pair) to the daemon's peer port, a
   ``PeerHello`` (the listed address, a data token, the fingerprint of this process's TLS
   certificate), then the ``PeerWelcome``;
-* its data connection to the daemon's data port (TLS, the welcome's token), and it takes
-  the daemon's data connection on this process's data port (one listener for all fakes);
-* ZeroMQ's own heartbeats on its DEALER, as a daemon sets them (kvd/daemon/peer_sockets.py
-  ``set_limits``: a PING every second on a quiet connection, one silent for 3 s closed),
-  and no ``Heartbeat`` of kvd's after the first (a daemon sends those on links in use
-  only); it reads (and drops) what the daemon sends.
+* no data connection: a daemon opens one when it first sends bytes on a link (this
+  process's data port, one listener for all fakes, takes the daemon's if it ever opens
+  one);
+* TCP keepalives on its DEALER, as a daemon sets them (kvd/daemon/peer_sockets.py
+  ``set_limits``), and no ``Heartbeat`` of kvd's after the first (a daemon sends those on
+  links in use only); it reads (and drops) what the daemon sends.
 
 It moves no bytes: the case measures what idle links cost the daemon. Links are made a
 few at a time (the daemon shuts down handshakes past 256 pending). A refusal (a
-``PeerError``: the daemon's 256-link limit) is counted with its reason.
+``PeerError``: the daemon's ``max_peer_links`` with every link busy) is counted with its
+reason.
 
 On stdout, once every link is made or refused, one JSON line:
 ``{"linked", "refused", "failed", "reasons"}``; it then keeps the links until stdin closes
@@ -34,7 +35,6 @@ import json
 import os
 import secrets
 import signal
-import ssl
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +52,7 @@ from kvd.protocol import (
     decode_peer,
     encode,
 )
-from kvd.transport.tcp import DATA_HELLO, data_hello, parse_data_hello
+from kvd.transport.tcp import DATA_HELLO, parse_data_hello
 
 LINKS_AT_ONCE = 16  # handshakes in flight (well under the daemon's 256 pending)
 HANDSHAKE_S = 10.0
@@ -84,7 +84,6 @@ class Fakes:
     def __init__(self, links: list[FakeLink], daemon_address: str, daemon_key: bytes) -> None:
         self.links = links
         self.daemon_address = daemon_address
-        self.daemon_host = daemon_address.rsplit(":", 1)[0]
         self.daemon_key = daemon_key
         self.ctx = zmq.asyncio.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
@@ -165,17 +164,6 @@ class Fakes:
         link.sock = sock
         # The daemon reports an incoming link up at its first message after the welcome.
         await sock.send(encode(Heartbeat(epoch=self.epoch)))
-        try:
-            async with asyncio.timeout(HANDSHAKE_S):
-                _, writer = await asyncio.open_connection(
-                    self.daemon_host, answer.data_port, ssl=self.tls.client)
-                writer.write(data_hello(answer.data_token))
-                await writer.drain()
-        except (OSError, TimeoutError, ssl.SSLError) as exc:
-            self.tally.failed += 1
-            self.tally.note(f"data connection: {type(exc).__name__}")
-            return
-        link.writers.append(writer)
         self.tally.linked += 1
         task = asyncio.create_task(self._drain(sock))
         self.tasks.add(task)
@@ -197,7 +185,7 @@ class Fakes:
 
 def _gist(message: str) -> str:
     """A refusal's reason without the numbers and names that differ per link."""
-    return "link limit" if "links already" in message else message[:80]
+    return "link limit" if "max_peer_links" in message else message[:80]
 
 
 def read_keys(path: str) -> list[FakeLink]:

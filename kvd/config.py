@@ -190,9 +190,10 @@ class Config:
     gpu_staging_bytes: int = _opt(1 * GiB, SIZE,
                                   help="per GPU, taken at start: NCCL arrivals nobody waits "
                                        "for yet (0: none, they go to the host pool)")
-    nccl_max_channels: int = _opt(8, INT, at_least(1),
-                                  help="NCCL communicators per GPU, each holding GPU memory; "
-                                       "past it the least recently used idle one is closed")
+    nccl_channel_memory_bytes: int = _opt(
+        2 * GiB, SIZE, help="per GPU, the memory NCCL channels may hold: ~34 MiB each, plus "
+                            "its staging once used (up to 256 MiB); past it the least "
+                            "recently used idle one is closed")
     # ---- bounds on what clients and peers may ask for
     max_message_bytes: int = _opt(1 * MiB, SIZE, at_least(4096, "4KiB"),
                                   help="the longest request a local client may send")
@@ -202,6 +203,10 @@ class Config:
                             help="how long data put before anyone asked for it is kept")
     max_wait_s: float = _opt(3600.0, SECONDS, POSITIVE,
                              help="the longest timeout a client may give a request")
+    max_peer_links: int = _opt(1024, INT, at_least(1),
+                               help="links to other daemons, ours and theirs together; a new "
+                                    "one at the bound closes the least recently used idle "
+                                    "one (each holds a connection and a descriptor or two)")
     max_waiting_pulls: int = _opt(4096, INT, at_least(0),
                                   help="peers' pulls held until their key appears; past it "
                                        "(or at 0) refused at once, and the puller asks again")
@@ -215,6 +220,9 @@ class Config:
     peer_connect_timeout_s: float = _opt(5.0, SECONDS, POSITIVE,
                                          help="a peer connection or handshake not done by "
                                               "then fails")
+    peer_data_idle_s: float = _opt(60.0, SECONDS, POSITIVE,
+                                   help="a data connection unused this long is closed (the "
+                                        "next transfer opens another)")
     nccl_init_timeout_s: float = _opt(30.0, SECONDS, POSITIVE,
                                       help="an NCCL communicator not up by then is aborted")
     drain_grace_s: float = _opt(30.0, SECONDS, at_least(0),
@@ -231,7 +239,7 @@ class Config:
                                       "buffers of it per channel)")
     # When a peer link comes up, make the channels from its GPUs to ours now (NCCL init and
     # connection setup, ~0.5-0.7 s) instead of in its first transfer: "matching" pairs our
-    # cuda:N with its cuda:N, "all" every pair (within nccl_max_channels), "off" none.
+    # cuda:N with its cuda:N, "all" every pair (within nccl_channel_memory_bytes), "off" none.
     nccl_warm_up: str = _dev("matching", STR, one_of("off", "matching", "all"),
                              help="channels made when a peer links")
     # Send GPU blocks over NCCL together with their OFFER when a channel to the peer exists
@@ -339,6 +347,9 @@ _REMOVED = {
                               "line per daemon)",
     "tls_data": "use encrypt_data",
     "pool_pin": "remove it: the host pool is pinned where the daemon sees a GPU",
+    "nccl_max_channels": "use nccl_channel_memory_bytes (the GPU memory NCCL channels may "
+                         "hold, per GPU; docs/operations.md, \"A fleet\", gives a channel's "
+                         "cost)",
 }
 # Development settings that are gone (``KVD_DEV`` items), and what is there instead.
 _DEV_REMOVED = {

@@ -103,7 +103,7 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "tcp_chunk_bytes": 4 * 2**20,
         "nccl": True,
         "nccl_chunk_bytes": 128 * 2**20,
-        "nccl_max_channels": 8,
+        "nccl_channel_memory_bytes": 2 * 2**30,
         "nccl_init_timeout_s": 30.0,
         "nccl_warm_up": "matching",
         "nccl_eager": True,
@@ -118,6 +118,8 @@ def test_defaults_with_xdg_runtime_dir(tmp_path: Path) -> None:
         "max_message_bytes": MiB,
         "max_wait_s": 3600.0,
         "max_waiting_pulls": 4096,
+        "max_peer_links": 1024,
+        "peer_data_idle_s": 60.0,
         "log_level": "info",
     }
 

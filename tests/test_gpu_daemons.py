@@ -395,18 +395,18 @@ def peer_devices(c: kvd.KvdClient, address: str) -> list[str]:
     return []
 
 
-def test_channels_past_the_cap_are_evicted_least_recently_used_first() -> None:
-    """nccl_max_channels = 1 on A, which sends to B, then C, then B: each new send channel
-    evicts the idle one before it (CHANNEL_DOWN to its peer, which drops its end), and every
-    transfer is byte-exact. Then puts to B and C at once: a channel whose send has not been
-    confirmed by its receiver is not idle, so neither is evicted under the other (the cap
-    is passed instead), and nothing fails."""
+def test_channels_past_the_memory_budget_are_evicted_least_recently_used_first() -> None:
+    """nccl_channel_memory_bytes room for one channel on A, which sends to B, then C, then B: each
+    new send channel evicts the idle one before it (CHANNEL_DOWN to its peer, which drops
+    its end), and every transfer is byte-exact. Then puts to B and C at once: a channel
+    whose send has not been confirmed by its receiver is not idle, so neither is evicted
+    under the other (the budget is passed instead, and counted), and nothing fails."""
     b = start_node(GPU_B, env=WARM_UP_OFF)
     c: Node | None = None
     a: Node | None = None
     try:
         c = start_node(GPU_B, env=WARM_UP_OFF)
-        a = start_node(GPU_A, "--nccl-max-channels", "1", env=WARM_UP_OFF)
+        a = start_node(GPU_A, "--nccl-channel-memory-bytes", "40MiB", env=WARM_UP_OFF)
         with kvd.KvdClient(a.sock, timeout_s=60) as ca, \
                 kvd.KvdClient(b.sock, timeout_s=60) as cb, \
                 kvd.KvdClient(c.sock, timeout_s=60) as cc:

@@ -23,7 +23,6 @@ import torch
 from kvd import AsyncKvdClient, shared_empty, shared_zeros
 from kvd.daemon.peer_data import MAX_UNLINKED_CONNECTIONS
 from kvd.daemon.peer_sockets import HANDSHAKE_S
-from kvd.daemon.peers import MAX_LINKS
 from kvd.daemon.transfer import machine as transfer_machine
 from kvd.daemon.transfer.machine import MAX_PULLS_SERVED_PER_LINK
 from kvd.errors import PeerUnreachable, error_from_code
@@ -299,42 +298,72 @@ def test_a_hello_taking_over_a_live_link_is_refused(make_node: Callable[..., Nod
         new.close()
 
 
-def test_links_are_bounded(make_node: Callable[..., Node]) -> None:
-    """Fake peers that say hello and stay: past MAX_LINKS (a real peer's link among them)
-    the next hello is refused with a PeerError, counted and logged;
-    the links there are kept, and the real one moves bytes. Once a fake leaves, a hello is
-    taken again."""
-    a = make_node("a", "--peer-grace-s", "60")
-    b = make_node("b")
-    transfer_checked(b, a, "before", 5, time.monotonic() + 10)
-    fakes: list[RawPeer] = []
+def test_at_the_link_bound_the_least_recently_used_idle_link_makes_room(
+        make_node: Callable[..., Node]) -> None:
+    """``max_peer_links`` counts links both ways. At the bound a new link, a peer's hello
+    or a dial of ours, closes the least recently used link with no work in flight: that
+    peer sees its connection end (and links again when it needs to), and the new link
+    moves bytes. None of it is counted as bad input."""
+    a = make_node("a", "--max-peer-links", "3", "--peer-grace-s", "60")
+    b, c = make_node("b"), make_node("c")
+    first = FakeDaemon(a.address)
+    late: FakeDaemon | None = None
     try:
-        for i in range(MAX_LINKS - 1):
-            fakes.append(RawPeer(a.address))
-            reply = fakes[-1].ask(hello(f"127.0.0.1:{20000 + i}", f"fake{i}", 1))
-            assert isinstance(reply, PeerWelcome), (i, reply)
-        assert len(a.client.stats()["peer"]["links"]) == MAX_LINKS
-        late = RawPeer(a.address)
-        try:
-            reply = late.ask(hello("127.0.0.1:19999", "late", 1))
-            assert isinstance(reply, PeerError), reply
-            assert reply.code == "peer_unreachable", reply
-            assert f"has {MAX_LINKS} links already (the most)" in reply.message, reply
-        finally:
-            late.close()
+        first.hello("first")  # the least recently used, once the two below have moved bytes
+        transfer_checked(b, a, "in", 1, time.monotonic() + 10)  # b's dial
+        transfer_checked(a, c, "out", 2, time.monotonic() + 10)  # ours
+        late = FakeDaemon(a.address)
+        late.hello("late")  # a hello at the bound: `first` makes room
+        with pytest.raises(ConnectionError):
+            while True:
+                first.recv(5)
         stats = a.client.stats()["peer"]
-        assert stats["bad_messages"] == {"link_limit": 1}, stats["bad_messages"]
-        assert len(stats["links"]) == MAX_LINKS
-        assert "reason=link_limit" in a.proc.log()
-        transfer_checked(b, a, "during", 6, time.monotonic() + 10)
-        fakes.pop().close()
-        wait_until(lambda: len(a.client.stats()["peer"]["links"]) < MAX_LINKS, timeout_s=5)
-        fakes.append(RawPeer(a.address))
-        assert isinstance(fakes[-1].ask(hello("127.0.0.1:19999", "late", 2)), PeerWelcome)
+        assert {x["address"] for x in stats["links"]} == {b.address, c.address, late.address}
+        assert stats["links_evicted"] == 1 and stats["bad_messages"] == {}, stats
+        assert "the least recently used idle one" in a.proc.log()
+
+        d = make_node("d")
+        transfer_checked(a, d, "out2", 3, time.monotonic() + 10)  # our dial: b makes room
+        wait_until(lambda: not b.client.stats()["peer"]["links"], timeout_s=5)  # b saw it
+        stats = a.client.stats()["peer"]
+        assert {x["address"] for x in stats["links"]} == {c.address, late.address, d.address}
+        transfer_checked(b, a, "again", 4, time.monotonic() + 10)  # b links again: c goes
+        stats = a.client.stats()["peer"]
+        assert {x["address"] for x in stats["links"]} == {late.address, d.address, b.address}
+        assert stats["links_evicted"] == 3 and stats["bad_messages"] == {}, stats
     finally:
-        for fake in fakes:
-            fake.close()
-    transfer_checked(a, b, "after", 7, time.monotonic() + 10)
+        first.close()
+        if late is not None:
+            late.close()
+
+
+def test_at_the_link_bound_with_every_link_busy_a_hello_is_refused_and_told_why(
+        make_node: Callable[..., Node]) -> None:
+    """A peer whose pull waits for its key keeps its link busy: at a bound of one link, a
+    second peer's hello is refused with a PeerError that says every link has work in
+    flight, counted and logged; once the first peer leaves, the second links."""
+    a = make_node("a", "--max-peer-links", "1", "--peer-grace-s", "60")
+    waiting, second = FakeDaemon(a.address), FakeDaemon(a.address)
+    try:
+        waiting.hello("waiting")
+        waiting.send({"op": "pull_request", "transfer_id": 1, "key": "not-yet",
+                      "dst_dev": "cpu", "num_blocks": 1, "layout": [[BLOCK, "uint8"]],
+                      "wait_for_key_s": 60.0})
+        wait_until(lambda: a.client.stats()["transfers"]["pulls_waiting_for_key"] == 1,
+                   timeout_s=5)
+        reply = second.ask(hello(second.address, "second", 1))
+        assert isinstance(reply, PeerError), reply
+        assert reply.code == "peer_unreachable", reply
+        assert "every one has work in flight" in reply.message, reply
+        stats = a.client.stats()["peer"]
+        assert stats["bad_messages"] == {"link_limit": 1} and stats["links_evicted"] == 0
+        assert "reason=link_limit" in a.proc.log()
+        waiting.close()
+        wait_until(lambda: not a.client.stats()["peer"]["links"], timeout_s=5)
+        assert isinstance(second.ask(hello(second.address, "second", 2)), PeerWelcome)
+    finally:
+        waiting.close()
+        second.close()
 
 
 def test_pulls_served_per_peer_are_bounded(make_node: Callable[..., Node]) -> None:

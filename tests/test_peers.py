@@ -1214,3 +1214,65 @@ def test_daemons_that_dial_each_other_at_once_keep_one_link_each_and_lose_none(
     finally:
         for d in daemons:
             d.stop()
+
+
+def _data_threads(pid: int) -> list[str]:
+    """The names of the threads of ``pid`` that move data connections' bytes."""
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+            name = f.read().strip()
+            if name.startswith(("kvd-send", "kvd-recv")):
+                names.append(name)
+    return names
+
+
+def _established_tcp(pid: int) -> int:
+    """TCP connections of ``pid`` that are established (both ends open)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01":  # ESTABLISHED
+                    inodes.add(f"socket:[{fields[9]}]")
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") in inodes
+    return count
+
+
+def test_idle_links_hold_no_thread_and_only_their_zeromq_connection(nodes: Nodes) -> None:
+    """Links cost nothing idle. A daemon that moved bytes both ways with five peers has
+    no thread of its own per link: the threads that move data connections' bytes are
+    shared by all links, fewer than the ten that one per direction per link would be.
+    Once its data connections carried nothing for ``peer_data_idle_s`` they close, and each
+    link keeps only its ZeroMQ connection; the next transfer opens another, and its bytes
+    arrive."""
+    hub, *peers = nodes(6, "--peer-data-idle-s", "0.5")
+    pid = hub.proc.proc.pid
+    block = 4 * BLOCK  # (more than goes inline with the offer: over a data connection)
+    src = random_region(1, 3, block)
+    got = shared_zeros((1, block), torch.uint8)
+    hub_src, hub_got = hub.client.register("src", [src]), hub.client.register("got", [got])
+    for i, peer in enumerate(peers):
+        peer_src = peer.client.register("src", [src])
+        arrived = shared_zeros((1, block), torch.uint8)
+        peer_got = peer.client.register("got", [arrived])
+        hub.client.put(f"to{i}", hub_src, [0], to=peer.address, timeout_s=10).wait(10)
+        peer.client.put(f"from{i}", peer_src, [0], to=hub.address, timeout_s=10).wait(10)
+        assert peer.client.get(f"to{i}", peer_got, [0], timeout_s=10) == block
+        assert hub.client.get(f"from{i}", hub_got, [0], timeout_s=10) == block
+        assert torch.equal(arrived, src) and torch.equal(got, src)
+        got.zero_()
+    threads = _data_threads(pid)
+    assert len(threads) <= 4, threads
+    assert len(hub.client.stats()["peer"]["links"]) == 5
+    assert wait_until(lambda: _established_tcp(pid) == 5, timeout_s=10)
+    got.zero_()
+    peers[0].client.put("again", peers[0].client.register("again", [src]), [0],
+                        to=hub.address, timeout_s=10).wait(10)
+    assert hub.client.get("again", hub_got, [0], timeout_s=10) == block
+    assert torch.equal(got, src)
+    assert hub.client.stats()["peer"]["links_lost"] == 0

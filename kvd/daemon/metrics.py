@@ -174,6 +174,9 @@ class _StateCollector(Collector):
                                   "gone, restarted or silent past its grace (two dials that "
                                   "cross leave one link and lose none).",
                                   value=peers.links_lost if peers else 0)
+        yield CounterMetricFamily("kvd_peer_links_evicted", "Of the links lost, those closed "
+                                  "for a new one at max_peer_links (the least recently used "
+                                  "idle link).", value=peers.links_evicted if peers else 0)
         changes = CounterMetricFamily("kvd_allowed_key_changes", "Keys added to or taken off "
                                       "the allow-list by reloads (kvd reload, SIGHUP).",
                                       labels=["change"])
@@ -248,8 +251,10 @@ def _gpu_families(engine: Engine, nccl: dict[str, Any] | None) -> Iterator[Any]:
                               "full and went to the host pool.",
                               value=engine.counters.gpu_spills)
     events = CounterMetricFamily("kvd_nccl_channel_events", "NCCL channels created, failed "
-                                 "(aborted), evicted (LRU cap) and warmed (made when a peer "
-                                 "linked, before any transfer).", labels=["event"])
-    for event in ("created", "failed", "evicted", "warmed"):
+                                 "(aborted), evicted (least recently used, past "
+                                 "nccl_channel_memory_bytes), over_budget (made past it, every "
+                                 "channel busy) and warmed (made when a peer linked, before "
+                                 "any transfer).", labels=["event"])
+    for event in ("created", "failed", "evicted", "over_budget", "warmed"):
         events.add_metric([event], (nccl or {}).get(event, 0))
     yield events

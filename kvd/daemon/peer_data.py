@@ -1,10 +1,14 @@
 """Data connections, which carry a link's bytes over TCP (``DataPort``).
 
 Each side of a link opens its own connection to the other's ``data_port`` for the bytes
-it sends, and presents there the *data token* it was given in the handshake: the port
-only ever attaches connections of peers that passed the handshake. With ``encrypt_data``
-the connections are TLS (``daemon/auth.py``), pinned by the certificate fingerprint the
-peers exchanged over the CURVE-secured handshake.
+it sends, when it first sends some, and presents there the *data token* it was given in
+the handshake: the port only ever attaches connections of peers that passed the
+handshake. A connection that carried nothing for ``peer_data_idle_s`` is closed by its
+sender (``close_idle``): an idle link holds its ZeroMQ connection and nothing else. The
+bytes of all connections are moved by one set of threads (``transport.tcp.DataThreads``).
+
+With ``encrypt_data`` the connections are TLS (``daemon/auth.py``), pinned by the
+certificate fingerprint the peers exchanged over the CURVE-secured handshake.
 
 What a peer can make the daemon hold here: connections that have not presented a token
 yet are bounded (``MAX_UNLINKED_CONNECTIONS``), each for ``peer_connect_timeout_s`` at
@@ -32,6 +36,7 @@ from kvd.daemon.peer_sockets import BadInput
 from kvd.errors import ConfigError, KvdError, PeerUnreachable, ProtocolError
 from kvd.transport.tcp import (
     DATA_HELLO,
+    DataThreads,
     RecvChannel,
     SendChannel,
     data_hello,
@@ -69,7 +74,7 @@ class DataPort:
         self._acceptor: Acceptor | None = None
         self._unlinked: set[socket.socket] = set()  # connections before their token
         self._admitting: set[asyncio.Task[None]] = set()
-        self._warmups: set[asyncio.Task[None]] = set()
+        self.threads = DataThreads(self._loop)
         self._refusing = Throttled(log)
         self.port = 0
 
@@ -83,12 +88,12 @@ class DataPort:
         self._acceptor = Acceptor(self._listener, "data_port", self._take)
 
     async def close(self) -> None:
-        """Stop accepting, end the connections being admitted and the warm-ups."""
+        """Stop accepting, end the connections being admitted."""
         if self._acceptor is not None:
             self._acceptor.close()
         elif self._listener is not None:
             self._listener.close()
-        tasks = [*self._warmups, *self._admitting]
+        tasks = list(self._admitting)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, *([self._acceptor.wait_closed()] if self._acceptor else []),
@@ -102,18 +107,17 @@ class DataPort:
         """The channel for the bytes ``link`` sends us: its connection attaches when the
         peer presents the link's token."""
         return RecvChannel(f"kvd-recv-{link.node_id}-{CPU_DEVICE}",
-                           self.config.tcp_chunk_bytes, self._io_timeout(),
+                           self.config.tcp_chunk_bytes, self._io_timeout(), self.threads,
                            self._broken(link),
                            attach_timeout_s=self.config.peer_connect_timeout_s)
 
-    def warm_up(self, link: PeerLink) -> None:
-        """Open our data connection right after the handshake, so the first transfer does
-        not wait for it (a failure here is retried by that transfer)."""
-        async def connect() -> None:
-            with contextlib.suppress(KvdError):
-                await self.send_channel(link)
-
-        keep_task(self._warmups, connect())
+    def close_idle(self, link: PeerLink) -> None:
+        """Close our data connection to ``link`` if it carried nothing for
+        ``peer_data_idle_s`` (the caller knows no transfer of the link's holds it)."""
+        channel = link.send_channel
+        if channel is not None and channel.close_idle(self.config.peer_data_idle_s):
+            link.send_channel = link.connecting = None
+            log.debug("data connection to %s closed: idle", link.address)
 
     async def send_channel(self, link: PeerLink) -> SendChannel:
         """The channel for bytes we send to ``link``, connected on first use."""
@@ -136,6 +140,8 @@ class DataPort:
         their workers can take a moment: not on the loop)."""
         if link.connecting is not None and not link.connecting.done():
             link.connecting.set_exception(error)
+        if link.recv_channel is not None:
+            link.recv_channel.leave_loop()
         channels = [c for c in (link.send_channel, link.recv_channel) if c is not None]
         if channels:
             self._loop.run_in_executor(None, _close_channels, channels)
@@ -185,11 +191,9 @@ class DataPort:
             if not connecting.done():
                 connecting.set_exception(PeerUnreachable(f"peer {link.address} is gone"))
             return
-        channel = SendChannel(f"kvd-send-{link.node_id}-{CPU_DEVICE}",
-                              self.config.tcp_chunk_bytes, self._io_timeout(),
-                              self._broken(link))
-        channel.attach(sock)
-        link.send_channel = channel
+        link.send_channel = channel = SendChannel(
+            f"kvd-send-{link.node_id}-{CPU_DEVICE}", sock, self.config.tcp_chunk_bytes,
+            self._io_timeout(), self.threads.send, self._broken(link))
         connecting.set_result(channel)
 
     # ------------------------------------------------------------ admitting connections

@@ -29,6 +29,7 @@ class PeerLink:
     fd: int = -1  # an incoming link: that connection's descriptor (its monitor events)
     data_fingerprint: bytes = b""  # their data port's certificate (b"": plain TCP)
     last_seen: float = 0.0  # when its last message came, heartbeats included
+    last_active: float = 0.0  # its last message either way (which link is closed first)
     busy_since: float = 0.0  # since when work is on it (0: none; PeerPlane's heartbeats)
     devices: list[str] = field(default_factory=list)  # "cpu", and "cuda:N" with NCCL
     nccl_blocking_calls: bool = False  # the peer splits its channels for blocking calls

@@ -211,6 +211,10 @@ class PeerRouter:
         is done."""
         self._pending.pop(fd, None)
 
+    def hang_up(self, fd: int) -> None:
+        """Shut down the linked connection on descriptor ``fd``: the peer sees it end."""
+        _shut_down_connection(fd, self.port)
+
     def drain_events(self) -> None:
         """Handle the connection events that have come: before a hello is taken, since
         the connection that had its descriptor before may have closed, and that event

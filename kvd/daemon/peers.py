@@ -26,7 +26,14 @@ in flight and becomes the pair's link; a hello to a daemon already linked with u
 refused the same way. The refused dialler takes the link the peer made instead of failing
 (``link_to``): no link is replaced, and no transfer fails, because two dials crossed.
 
-What a peer can make the daemon hold: ``MAX_LINKS`` links, connections that have not
+Links are bounded by ``max_peer_links``, ours and the peers' together. A new link at the
+bound (a peer's hello, or a dial of ours) closes the least recently used link with no work
+in flight (``_make_room``): the peer sees its connection end, and links again when it needs
+to. Only when every link has work in flight is the new one refused, and the refusal says
+so. An idle link holds its ZeroMQ connection and its state: data connections close when
+unused (``peer_data``), and kvd's heartbeats go on busy links only.
+
+What a peer can make the daemon hold: ``max_peer_links`` links, connections that have not
 linked yet (bounded by ``peer_sockets`` on the ROUTER, ``peer_data`` on the data port),
 and per connection what those two modules bound.
 """
@@ -78,14 +85,6 @@ from kvd.transport.tcp import SendChannel
 
 log = logging.getLogger(__name__)
 
-# Links at once, those we made and those peers made together: past it a peer's hello is
-# refused (ours to a peer are not: a client asked for them). A link holds a thread (its
-# data connection's receiver) and its state while it lives, and without CurveZMQ anyone
-# who reaches the peer port can make one and keep it. A node links to the daemons it
-# exchanges KV with: a few, or tens in a large disaggregated deployment, far below this.
-MAX_LINKS = 256
-
-
 class PeerPlane:
     """Construct, ``listen`` (the ports are claimed), ``handle_with`` the component that
     takes the links' events, ``start``."""
@@ -113,6 +112,7 @@ class PeerPlane:
         # Callers whose dial the peer refused (LinkedAlready), waiting for its link.
         self._awaited: dict[str, asyncio.Future[None]] = {}
         self.links_lost = 0  # links that ended, for any reason (stats, metrics)
+        self.links_evicted = 0  # of those, closed for a newcomer at max_peer_links
         self.keys_changed = {"added": 0, "removed": 0}  # by reloads of the allow-list
         self._configuring: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
@@ -172,6 +172,7 @@ class PeerPlane:
         await asyncio.gather(*tasks, self._data.close(), return_exceptions=True)
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
+        self._data.threads.shutdown()
         await asyncio.sleep(0)
         # What is queued (a CHANNEL_DOWN, a last PeerError) may still go out for a moment,
         # in ZeroMQ's I/O thread, while the context ends.
@@ -185,6 +186,8 @@ class PeerPlane:
         return {"address": self.address, "data_port": self.data_port,
                 "links": [link.describe(self._loop.time()) for link in self.links.values()],
                 "configured": list(self.configured), "links_lost": self.links_lost,
+                "links_evicted": self.links_evicted,
+                "max_links": self.config.max_peer_links,
                 "allowed_keys": len(self.keys.address_of) if self.keys else None,
                 "keys_changed": dict(self.keys_changed),
                 "bad_messages": dict(self.bad_messages)}
@@ -207,7 +210,8 @@ class PeerPlane:
         ended = [link for link in self.links.values() if link.address in removed]
         for link in ended:
             self._lose(link, PeerUnreachable(
-                f"the key of peer {link.address} was taken off curve_allowed_keys_file"))
+                f"the key of peer {link.address} was taken off curve_allowed_keys_file"),
+                hang_up=True)
         log.info("allow-list reloaded from %s: %d keys; added %s; removed %s; links ended %s",
                  self.config.curve_allowed_keys_file, len(address_of), added or "none",
                  removed or "none", [link.address for link in ended] or "none")
@@ -269,6 +273,11 @@ class PeerPlane:
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise BadRequest(f"peer address must be host:port, got {address!r}")
+        if not self._make_room(address):
+            raise PeerUnreachable(
+                f"cannot link to {address}: {self.config.node_id} has "
+                f"{self.config.max_peer_links} links (max_peer_links) and every one has "
+                f"work in flight")
         token = secrets.token_bytes(32)
         done = self._handshake_done[token] = self._loop.create_future()
         dial: Dial | None = None
@@ -303,7 +312,6 @@ class PeerPlane:
             if not done.done():
                 done.set_result(None)
         link = self._add_link(address, welcome, token, dial=dial)
-        self._data.warm_up(link)
         self._link_up(link)
         dial.attach(lambda payload: self._on_link_payload(link, payload),
                     lambda err: self._lose(link, err))
@@ -373,10 +381,11 @@ class PeerPlane:
             else:
                 self._bad.report("takeover", reply, refusal, source)
             return
-        if old is None and len(self.links) >= MAX_LINKS:  # (one in old's place adds none)
+        if old is None and not self._make_room(hello.address):  # (old's place adds none)
             self._bad.report("link_limit", reply, PeerUnreachable(
-                f"{self.config.node_id} has {len(self.links)} links already (the most): "
-                f"hello from {hello.address} (node {hello.node_id}) refused"), source)
+                f"{self.config.node_id} has {len(self.links)} links (max_peer_links) and "
+                f"every one has work in flight: hello from {hello.address} (node "
+                f"{hello.node_id}) refused; ask again later"), source)
             return
         token = secrets.token_bytes(32)
         link = self._add_link(hello.address, hello, token, routing_id=routing_id,
@@ -388,8 +397,26 @@ class PeerPlane:
                 self._router.linked(link.fd)
         if not reply(encode(PeerWelcome(**self._hello_fields(token)))):
             self._lose(link, PeerUnreachable(f"peer {link.address} took no welcome"))
-            return
-        self._data.warm_up(link)
+
+    def _make_room(self, newcomer: str) -> bool:
+        """Whether a link to ``newcomer`` may be made: below ``max_peer_links`` (links and
+        our handshakes in flight), or once the least recently used link with no work in
+        flight is closed for it."""
+        bound = self.config.max_peer_links
+        if len(self.links) + len(self._linking) - (newcomer in self._linking) < bound:
+            return True
+        assert self._events is not None
+        busy = self._events.busy_links()
+        idle = [link for link in self.links.values() if link not in busy]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda link: link.last_active)
+        self.links_evicted += 1
+        self._lose(oldest, PeerUnreachable(
+            f"link to {oldest.address} closed: {self.config.node_id} is at max_peer_links "
+            f"({bound}) and this link was the least recently used idle one, for a link to "
+            f"{newcomer}"), hang_up=True)
+        return True
 
     def _on_disconnected(self, fd: int) -> None:
         link = self._by_fd.get(fd)
@@ -418,6 +445,7 @@ class PeerPlane:
                         data_port=said.data_port, token_for_them=token,
                         token_for_us=said.data_token, dial=dial, routing_id=routing_id, fd=fd,
                         data_fingerprint=said.data_fingerprint, last_seen=self._loop.time(),
+                        last_active=self._loop.time(),
                         devices=list(said.devices),
                         nccl_blocking_calls=said.nccl_blocking_calls,
                         pool_capacity_bytes=said.pool_capacity_bytes)
@@ -456,6 +484,7 @@ class PeerPlane:
         if not link.alive:
             return
         timeline.mark(f"peer.send.{msg.__struct_config__.tag}")
+        link.last_active = self._loop.time()
         if not self._send_on(link, encode(msg)):
             self._lose(link, PeerUnreachable(
                 f"peer {link.address} stopped reading ({SEND_HWM} messages unsent) or its "
@@ -466,9 +495,14 @@ class PeerPlane:
             return link.dial.send(data)
         return self._router is not None and self._router.send(link.routing_id, data)
 
-    def _lose(self, link: PeerLink, error: KvdError) -> None:
+    def _lose(self, link: PeerLink, error: KvdError, hang_up: bool = False) -> None:
+        """The link ends. ``hang_up``: it is this daemon's choice, and a link the peer
+        made has its connection shut down, so that the peer sees it end (ours are closed
+        with our DEALER, below)."""
         if not link.alive:
             return
+        if hang_up and link.fd >= 0 and self._router is not None:
+            self._router.hang_up(link.fd)
         link.alive = False
         self.links_lost += 1
         log.warning("peer down address=%s node=%s epoch=%d: %s", link.address, link.node_id,
@@ -522,7 +556,7 @@ class PeerPlane:
     def _on_link_message(self, link: PeerLink, msg: PeerMessage, reply: Reply | None) -> None:
         if not link.alive:
             return
-        link.last_seen = self._loop.time()
+        link.last_seen = link.last_active = self._loop.time()
         if not link.reported_up:
             self._link_up(link)
         if isinstance(msg, Heartbeat):
@@ -560,6 +594,7 @@ class PeerPlane:
             for link in list(self.links.values()):
                 if link not in busy:
                     link.busy_since = 0.0
+                    self._data.close_idle(link)
                     continue
                 link.busy_since = link.busy_since or now
                 silent = now - max(link.last_seen, link.busy_since)

@@ -110,6 +110,15 @@ class _Tail:
     spin_until: float  # time.monotonic(): look at it without sleeping until then
 
 
+# GPU memory one end of a channel's communicator holds once NCCL has connected it (its
+# buffers and the rest), staging aside: 68 MiB per channel for both ends, after the first
+# of a process, on the H200 host with NCCL 2.28.9 between two hosts over its socket
+# transport (benchmarks/nccl_channels.py). Other transports (NVLink, InfiniBand) and NCCL
+# settings (NCCL_BUFFSIZE, channels) hold other amounts: an estimate for the budget
+# (nccl_channel_memory_bytes), documented in docs/operations.md.
+COMMUNICATOR_BYTES = 34 * 2**20
+
+
 class NcclChannel:
     """One direction ("send" or "recv") of a 2-rank communicator, run by its own thread."""
 
@@ -183,6 +192,12 @@ class NcclChannel:
         with self._lock:
             self._busy += 1
         self._jobs.put(item)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """What it holds of its GPU's memory, as the budget counts it: its communicator
+        (``COMMUNICATOR_BYTES``) and its staging buffers."""
+        return COMMUNICATOR_BYTES + self._streams.staging_bytes
 
     @property
     def idle(self) -> bool:

@@ -63,6 +63,11 @@ class ChannelStreams:
         # writes it (None: free): the next job's first copies into it wait for that.
         self._staging_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
 
+    @property
+    def staging_bytes(self) -> int:
+        """GPU memory its staging buffers hold now (read from any thread)."""
+        return sum(buf.numel() for buf in list(self._staging))
+
     def open(self) -> None:
         """Make the streams; in the channel's thread, its device current."""
         self.comm_stream = torch.cuda.Stream(self.device)

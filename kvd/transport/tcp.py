@@ -1,9 +1,18 @@
-"""The TCP transport: one data connection per channel, bytes moved by the channel's thread.
+"""The TCP transport: data connections whose bytes a few shared threads move.
 
-A channel is one direction between this daemon and a peer. Its worker thread owns a
-blocking socket (with a timeout, so no call waits forever) and moves bytes straight between
-the socket and tensor memory with ``sendmsg`` / ``recvmsg_into`` on memoryviews, in chunks
-of ``chunk_bytes``; the event loop only submits jobs and awaits their futures.
+A channel is one direction of one data connection between this daemon and a peer. No
+thread is a channel's own: the bytes of every channel are moved by two small pools
+(``DataThreads``), one for sends and one for receives, each thread owning a channel only
+while it moves bytes. A send channel is served from its first queued job until its queue
+is empty. A receive channel is watched by the event loop while no bytes are coming (an
+idle one costs a registered descriptor, nothing else), and served from the moment its
+connection is readable until the transfer that arrived, and any behind it, are in. So a
+receive thread waits only on a transfer whose sender is writing it: two daemons whose
+send threads all wait on each other's full socket buffers still read them.
+
+A thread moves bytes straight between the socket (blocking, with a timeout, so no call
+waits forever) and tensor memory with ``sendmsg`` / ``recvmsg_into`` on memoryviews, in
+chunks of ``chunk_bytes``; the event loop only submits jobs and awaits their futures.
 
 On the wire a transfer is a series of chunks, each a 21-byte header — magic, transfer id,
 chunk length, flags (LAST, CANCELLED) — then its bytes. The receiver is driven by the
@@ -13,16 +22,21 @@ transfer at a chunk boundary: the sender by sending a CANCELLED chunk, the recei
 ``forget``, after which the rest of its bytes are read into scratch and dropped. Either
 way the stream stays in step and no byte lands in memory that was given back.
 
-``abort`` shuts the socket down: a worker blocked in a call returns at once, and every job
-fails. The peer plane aborts the channels of a peer it declares dead.
+A sender closes a connection it has not used for a while (``SendChannel.close_idle``,
+between transfers): the receiver reads its end at a transfer boundary, a clean close, and
+takes the next connection the sender opens. ``abort`` shuts the socket down: a thread
+blocked in a call returns at once, and every job fails. The peer plane aborts the channels
+of a peer it declares dead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
-import queue
+import select
 import socket
 import ssl
 import struct
@@ -30,7 +44,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvd import timeline
 from kvd.errors import Cancelled, KvdError, PeerUnreachable, ProtocolError
@@ -44,7 +57,6 @@ FLAG_LAST = 2
 FLAG_EAGER = 4  # sent with its OFFER, before any ACCEPT: the receiver waits for its answer
 DATA_HELLO = struct.Struct("!4s32s")  # magic, token: first bytes on a data connection
 DATA_MAGIC = b"KVDD"
-_STOP = object()
 _SCRATCH_BYTES = 1 << 20
 
 
@@ -91,71 +103,106 @@ def _take(pending: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
+class DataThreads:
+    """The threads that move every data connection's bytes: ``THREADS`` for sends and as
+    many for receives, shared by all links, made as work first needs them. A receive never
+    waits for a send thread (see the module doc), and a link holds no thread while idle."""
+
+    THREADS = 16  # per direction: channels moving bytes at once (others queue behind)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.send = concurrent.futures.ThreadPoolExecutor(self.THREADS, "kvd-send")
+        self.recv = concurrent.futures.ThreadPoolExecutor(self.THREADS, "kvd-recv")
+
+    def shutdown(self) -> None:
+        """Once every channel is closed: the threads end when their work is done."""
+        self.send.shutdown(wait=False)
+        self.recv.shutdown(wait=False)
+
+
 class Channel:
-    """Socket slot, worker thread, failure state: what both directions share."""
+    """The socket, its serving by a pool thread, the failure state: what both directions
+    share."""
 
     def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
+                 threads: concurrent.futures.ThreadPoolExecutor,
                  on_broken: Callable[[KvdError], None] | None = None) -> None:
         self.name = name
-        self.on_broken = on_broken  # called from the worker thread when the stream breaks
+        self.on_broken = on_broken  # called from a pool thread when the stream breaks
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
-        self._sock: socket.socket | None = None
-        self._attached = threading.Event()
-        # Also notified when a job is expected, or the channel fails or stops (RecvChannel).
-        self._lock = threading.Condition(threading.Lock())  # (never taken twice by one thread)
+        self._threads = threads
+        # Also notified when a job is expected, a thread stops serving, or the channel
+        # fails (never taken twice by one thread).
+        self._lock = threading.Condition(threading.Lock())
         self._error: KvdError | None = None
-        self._thread = threading.Thread(target=self._run, name=name)
-        self._thread.start()
+        self._serving = False  # a pool thread serves this channel (or is asked to)
 
-    def attach(self, sock: socket.socket) -> None:
+    def _prepare(self, sock: socket.socket) -> socket.socket:
         sock.settimeout(self.io_timeout_s)
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._lock:
-            if self._sock is not None or self._error is not None:
-                raise ProtocolError(f"channel {self.name} already has a connection")
-            self._sock = sock
-        self._attached.set()
+        return sock
+
+    def _sockets(self) -> list[socket.socket]:
+        raise NotImplementedError
 
     def abort(self, error: KvdError) -> None:
-        """Fail everything on this channel now; a blocked worker returns at once."""
+        """Fail everything on this channel now; a blocked thread returns at once."""
         with self._lock:
             if self._error is None:
                 self._error = error
-            sock = self._sock
-        self._attached.set()
-        if sock is not None:
+            socks = self._sockets()
+            self._lock.notify_all()
+        for sock in socks:
             with contextlib.suppress(OSError):
                 # The socket's own shutdown, also under TLS (SSLSocket.shutdown would drop
-                # the TLS state a blocked worker is reading with).
+                # the TLS state a blocked thread is reading with).
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)
         self._fail_pending(error)
 
     def close(self, timeout_s: float) -> None:
+        """Abort, wait for the thread serving the channel to let it go, close the
+        sockets (not on the loop: the wait can take a moment; a receive channel is
+        taken off the loop first, ``RecvChannel.leave_loop``)."""
         self.abort(PeerUnreachable(f"channel {self.name} closed"))
-        self._stop()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.error("channel %s worker did not stop within %.1fs", self.name, timeout_s)
-        else:
-            self.on_broken = None  # (a closure over the link: let the link go now)
-            self._release()
         with self._lock:
-            sock, self._sock = self._sock, None
-        if sock is not None:
+            if not self._lock.wait_for(lambda: not self._serving, timeout_s):
+                log.error("channel %s: its thread did not let it go within %.1fs",
+                          self.name, timeout_s)
+                return
+            socks = self._sockets()
+            self._clear()
+        self.on_broken = None  # (a closure over the link: let the link go now)
+        for sock in socks:
             sock.close()
 
-    def _release(self) -> None:
-        """Drop the worker's buffers (it has stopped)."""
+    def _serve_soon(self) -> None:
+        """Have a pool thread serve the channel (the caller holds the lock)."""
+        if self._serving:
+            return
+        self._serving = True
+        try:
+            self._threads.submit(self._serve)
+        except RuntimeError:  # the pool is shut down: the daemon is stopping
+            self._serving = False
+            self._error = self._error or PeerUnreachable(f"channel {self.name}: stopping")
 
-    def _wait_socket(self) -> socket.socket:
-        if not self._attached.wait(self.io_timeout_s):
-            raise PeerUnreachable(f"channel {self.name}: data connection not set up in time")
-        if self._error is not None:
-            raise self._error
-        assert self._sock is not None
-        return self._sock
+    def _serve(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # (a bug: the channel must still be let go)
+            log.exception("channel %s: serving failed", self.name)
+            with self._lock:
+                self._let_go()
+            self.abort(PeerUnreachable(f"channel {self.name}: {exc!r}"))
+
+    def _let_go(self) -> None:
+        """The serving thread is done with the channel (the caller holds the lock: a job
+        submitted, or bytes come, after this gets a thread of its own)."""
+        self._serving = False
+        self._lock.notify_all()
 
     def _broken(self, exc: BaseException) -> KvdError:
         if self._error is not None:
@@ -172,14 +219,16 @@ class Channel:
         return err
 
     # subclasses
-    def _run(self) -> None:
+    def _work(self) -> None:
+        """Serve the channel until nothing is left to do now, and let it go (``_let_go``)
+        in the same hold of the lock that found nothing."""
         raise NotImplementedError
 
-    def _stop(self) -> None:
-        raise NotImplementedError
+    def _clear(self) -> None:
+        """Drop the sockets and buffers (under the lock; no thread serves it)."""
 
     def _fail_pending(self, error: KvdError) -> None:
-        """Fail the jobs waiting (a send worker drains its queue and fails each itself)."""
+        """Fail the jobs waiting."""
 
 
 def _settle(fut: concurrent.futures.Future[int], *, result: int | None = None,
@@ -192,32 +241,71 @@ def _settle(fut: concurrent.futures.Future[int], *, result: int | None = None,
 
 
 class SendChannel(Channel):
-    """Sends jobs in the order they were submitted, chunk by chunk."""
+    """Sends jobs in the order they were submitted, chunk by chunk, on a connection made
+    before the channel."""
 
-    def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
+    def __init__(self, name: str, sock: socket.socket, chunk_bytes: int, io_timeout_s: float,
+                 threads: concurrent.futures.ThreadPoolExecutor,
                  on_broken: Callable[[KvdError], None] | None = None) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        super().__init__(name, chunk_bytes, io_timeout_s, on_broken)
+        super().__init__(name, chunk_bytes, io_timeout_s, threads, on_broken)
+        self._sock: socket.socket | None = self._prepare(sock)
+        self._jobs: collections.deque[SendJob] = collections.deque()
+        self.used_at = time.monotonic()  # its last job submitted or done
+
+    def _sockets(self) -> list[socket.socket]:
+        return [self._sock] if self._sock is not None else []
 
     def submit(self, job: SendJob) -> concurrent.futures.Future[int]:
-        if self._error is not None:
-            _settle(job.future, error=self._error)
-        else:
-            self._jobs.put(job)
-        return job.future
-
-    def _stop(self) -> None:
-        self._jobs.put(_STOP)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not _STOP:
-            if not job.future.set_running_or_notify_cancel():
-                job.stop.set()
+        with self._lock:
             if self._error is not None:
                 _settle(job.future, error=self._error)
+                return job.future
+            self._jobs.append(job)
+            self.used_at = time.monotonic()
+            self._serve_soon()
+        return job.future
+
+    def close_idle(self, idle_s: float) -> bool:
+        """Close the connection if no job has been on it for ``idle_s`` (the receiver
+        reads a clean close); whether it did. Nothing is submitted afterwards: the link
+        forgets the channel first."""
+        with self._lock:
+            if (self._serving or self._jobs or self._error is not None
+                    or time.monotonic() - self.used_at < idle_s):
+                return False
+            self._error = PeerUnreachable(f"channel {self.name} closed (idle)")
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        return True
+
+    def _fail_pending(self, error: KvdError) -> None:
+        with self._lock:
+            jobs = [] if self._serving else list(self._jobs)  # (a serving thread fails them)
+            if jobs:
+                self._jobs.clear()
+        for job in jobs:
+            _settle(job.future, error=error)
+
+    def _clear(self) -> None:
+        self._sock = None
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self.used_at = time.monotonic()
+                    self._let_go()
+                    return
+                job = self._jobs.popleft()
+                error, sock = self._error, self._sock
+            if not job.future.set_running_or_notify_cancel():
+                job.stop.set()
+            if error is not None or sock is None:
+                _settle(job.future, error=error or PeerUnreachable(f"{self.name} closed"))
                 continue
             try:
-                self._send(self._wait_socket(), job)
+                self._send(sock, job)
             except BaseException as exc:
                 _settle(job.future, error=self._broken(exc))
             timeline.mark("tcp.send.end")
@@ -251,30 +339,53 @@ class SendChannel(Channel):
 
 
 class RecvChannel(Channel):
-    """Receives whatever the peer sends, into the job registered for its transfer id."""
+    """Receives whatever the peer sends, into the job registered for its transfer id.
+
+    Its connections are the peer's: the one bytes come on, and at most one behind it (the
+    peer closed the first when idle and opened another; the first is read to its end).
+    The loop methods (``attach``, ``expect``, ``drop``, ``leave_loop``) run on the loop."""
 
     def __init__(self, name: str, chunk_bytes: int, io_timeout_s: float,
-                 on_broken: Callable[[KvdError], None] | None = None,
+                 threads: DataThreads, on_broken: Callable[[KvdError], None] | None = None,
                  attach_timeout_s: float | None = None) -> None:
+        super().__init__(name, chunk_bytes, io_timeout_s, threads.recv, on_broken)
+        self._loop = threads.loop
         # How long an expected job may wait for the peer's data connection to appear.
         self.attach_timeout_s = io_timeout_s if attach_timeout_s is None else attach_timeout_s
+        self._socks: collections.deque[socket.socket] = collections.deque()
+        self._watched = -1  # the descriptor the loop watches for bytes (-1: none)
+        self._attach_timer: asyncio.TimerHandle | None = None
         self._expected: dict[int, RecvJob] = {}
         self._current: RecvJob | None = None  # the transfer whose chunks are arriving
         self._writing = False  # bytes are going into the current job's views right now
-        self._stopping = False
         # Where discarded bytes are read to: made on first use (most links never discard),
         # dropped when the channel closes.
         self._scratch: memoryview | None = None
-        super().__init__(name, chunk_bytes, io_timeout_s, on_broken)
+
+    def _sockets(self) -> list[socket.socket]:
+        return list(self._socks)
+
+    def attach(self, sock: socket.socket) -> None:
+        """The peer's connection for its bytes (on the loop)."""
+        self._prepare(sock)
+        with self._lock:
+            if self._error is not None or len(self._socks) >= 2:
+                raise ProtocolError(f"channel {self.name} already has a connection")
+            self._socks.append(sock)
+            if len(self._socks) == 1 and not self._serving:
+                self._watch()
 
     def expect(self, job: RecvJob) -> concurrent.futures.Future[int]:
-        """Register a job before telling the sender to go."""
+        """Register a job before telling the sender to go (on the loop)."""
         with self._lock:
             if self._error is not None:
                 _settle(job.future, error=self._error)
-            else:
-                self._expected[job.transfer_id] = job
+                return job.future
+            self._expected[job.transfer_id] = job
             self._lock.notify_all()
+            if not self._socks and self._attach_timer is None:
+                self._attach_timer = self._loop.call_later(self.attach_timeout_s,
+                                                           self._check_attached)
         return job.future
 
     def drop(self, transfer_id: int, nbytes: int) -> None:
@@ -302,35 +413,85 @@ class RecvChannel(Channel):
         if settle_now:
             _settle(job.future, error=Cancelled(f"transfer {transfer_id} cancelled"))
 
-    def _stop(self) -> None:
+    def leave_loop(self) -> None:
+        """Stop watching the connection and timing its coming (on the loop), before the
+        channel is closed."""
+        self.unwatch()
+        if self._attach_timer is not None:
+            self._attach_timer.cancel()
+            self._attach_timer = None
+
+    def unwatch(self) -> None:
+        if self._watched >= 0:
+            self._loop.remove_reader(self._watched)
+            self._watched = -1
+
+    # ------------------------------------------------------------ on the loop
+
+    def _watch(self) -> None:
+        """Wait on the loop for the next bytes (the lock held, no thread serving)."""
+        if self._error is None and self._socks and self._watched < 0:
+            self._watched = self._socks[0].fileno()
+            self._loop.add_reader(self._watched, self._readable)
+
+    def _readable(self) -> None:
+        self.unwatch()
         with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
+            if self._error is None and self._socks:
+                self._serve_soon()
+
+    def _rewatch(self) -> None:
+        with self._lock:
+            if not self._serving:
+                self._watch()
+
+    def _check_attached(self) -> None:
+        """Jobs are expected and no connection has come for ``attach_timeout_s``: their
+        bytes cannot come, and the link is broken."""
+        self._attach_timer = None
+        with self._lock:
+            stranded = not self._socks and bool(self._expected) and self._error is None
+        if stranded:
+            self._broken(PeerUnreachable(
+                f"channel {self.name}: the peer's data connection did not come within "
+                f"{self.attach_timeout_s:g}s"))
+
+    # ------------------------------------------------------------ in a pool thread
 
     def _fail_pending(self, error: KvdError) -> None:
         with self._lock:
             jobs, self._expected = list(self._expected.values()), {}
             if self._current is not None and not self._writing:
                 jobs.append(self._current)
-            self._lock.notify_all()  # a worker waiting for an eager transfer's offer: wake it
+            self._lock.notify_all()  # a thread waiting for an eager transfer's offer: wake it
         for job in jobs:
             _settle(job.future, error=error)
 
-    def _run(self) -> None:
+    def _clear(self) -> None:
+        self._socks.clear()
+        self._scratch = None
+
+    def _work(self) -> None:
+        """Read transfers while bytes are there; at a transfer boundary with none waiting,
+        give the connection back to the loop to watch."""
         header = bytearray(HEADER.size)
         received = 0
         cursor: list[memoryview] | None = None
-        unattached_since: float | None = None
-        while not self._stopping:
-            try:
-                if not self._attached.wait(0.2):
-                    unattached_since = self._check_attach_wait(unattached_since)
-                    continue
-                if self._error is not None:
+        while True:
+            with self._lock:
+                if self._error is not None or not self._socks:
+                    self._let_go()
                     return
-                sock = self._wait_socket()
-                idle = self._current is None
-                if not self._recv_exactly(sock, [memoryview(header)], idle_ok=idle):
+                sock = self._socks[0]
+                at_boundary = self._current is None
+                if at_boundary and not _bytes_waiting(sock):
+                    self._let_go()
+                    with contextlib.suppress(RuntimeError):  # the loop is gone at shutdown
+                        self._loop.call_soon_threadsafe(self._rewatch)
+                    return
+            try:
+                if not self._recv_exactly(sock, [memoryview(header)], at_boundary=at_boundary):
+                    self._next_connection(sock)  # the peer closed it, between transfers
                     continue
                 magic, tid, n, flags = HEADER.unpack(header)
                 if magic != MAGIC:
@@ -369,24 +530,28 @@ class RecvChannel(Channel):
                 err = self._broken(exc)
                 with self._lock:
                     current, self._current = self._current, None
+                    self._let_go()
                 if current is not None:
                     _settle(current.future, error=err)
                 return
 
-    def _check_attach_wait(self, since: float | None) -> float | None:
-        """No data connection yet: fine while nothing is expected; a job that waits longer
-        than ``attach_timeout_s`` for one breaks the channel (its bytes cannot come)."""
+    def _next_connection(self, sock: socket.socket) -> None:
+        """The peer closed ``sock`` between transfers: the next one it opened, if any,
+        carries its bytes from now on."""
         with self._lock:
+            if self._socks and self._socks[0] is sock:
+                self._socks.popleft()
             waiting = bool(self._expected)
-        if not waiting:
-            return None
-        now = time.monotonic()
-        if since is None:
-            return now
-        if now - since > self.attach_timeout_s:
-            raise PeerUnreachable(f"channel {self.name}: the peer's data connection did not "
-                                  f"come within {self.attach_timeout_s:g}s")
-        return since
+            if waiting and not self._socks and self._attach_timer is None:
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._start_attach_timer)
+        sock.close()
+
+    def _start_attach_timer(self) -> None:
+        with self._lock:
+            if not self._socks and self._attach_timer is None and self._error is None:
+                self._attach_timer = self._loop.call_later(self.attach_timeout_s,
+                                                           self._check_attached)
 
     def _start(self, tid: int, eager: bool = False) -> RecvJob | None:
         """The job the chunk with id ``tid`` belongs to (None: discard its bytes). The
@@ -395,7 +560,7 @@ class RecvChannel(Channel):
         with self._lock:
             if eager and not self._lock.wait_for(
                     lambda: (tid in self._expected or self._error is not None
-                             or self._stopping or (self._current is not None)),
+                             or (self._current is not None)),
                     self.io_timeout_s):
                 raise ProtocolError(f"channel {self.name}: eager transfer {tid} was "
                                     f"never offered")
@@ -433,9 +598,6 @@ class RecvChannel(Channel):
         elif error is not None:
             _settle(job.future, error=error)
 
-    def _release(self) -> None:
-        self._scratch = None
-
     def _discard(self, sock: socket.socket, nbytes: int) -> None:
         scratch = self._scratch
         if scratch is None:
@@ -447,24 +609,31 @@ class RecvChannel(Channel):
             nbytes -= n
 
     def _recv_exactly(self, sock: socket.socket, views: Sequence[memoryview],
-                      idle_ok: bool = False) -> bool:
-        """Fill ``views`` completely. With ``idle_ok``, a timeout before any byte arrived
-        is not an error (an idle channel): returns False."""
+                      at_boundary: bool = False) -> bool:
+        """Fill ``views`` completely. With ``at_boundary``, the connection's end before
+        any byte (the peer closed it between transfers) is not an error: returns False."""
         pending = _nonempty(views)
         got_any = False
         while pending:
-            try:
-                n = (sock.recv_into(pending[0]) if isinstance(sock, ssl.SSLSocket)
-                     else sock.recvmsg_into(pending[:512])[0])
-            except TimeoutError:
-                if idle_ok and not got_any and not self._stopping:
-                    return False
-                raise
+            n = (sock.recv_into(pending[0]) if isinstance(sock, ssl.SSLSocket)
+                 else sock.recvmsg_into(pending[:512])[0])
             if n == 0:
+                if at_boundary and not got_any:
+                    return False
                 raise PeerUnreachable(f"channel {self.name}: connection closed by peer")
             got_any = True
             _take(pending, n)
         return True
+
+
+def _bytes_waiting(sock: socket.socket) -> bool:
+    """Whether a read would not wait: bytes (or the connection's end) are there, in the
+    kernel or already decrypted in the TLS layer."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poll = select.poll()
+    poll.register(sock.fileno(), select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def data_hello(token: bytes) -> bytes:
@@ -482,6 +651,7 @@ def parse_data_hello(data: bytes) -> bytes:
 
 __all__ = [
     "DATA_HELLO",
+    "DataThreads",
     "RecvChannel",
     "RecvJob",
     "SendChannel",

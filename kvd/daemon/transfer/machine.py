@@ -98,7 +98,7 @@ JOBS_GRACE_S = 60.0  # the longest a send waits for its jobs to stop before it a
 # than it: the pulls waiting for their keys are served together when the keys appear.
 MAX_PULLS_SERVED_PER_LINK = 4096
 # And all peers' together, in links at their most (~250 MiB): links are bounded too
-# (MAX_LINKS), but 256 at their most would hold gigabytes.
+# (max_peer_links), but 1,024 at their most would hold gigabytes.
 _LINKS_AT_THEIR_MOST = 4
 
 Layout = tuple[LayoutEntry, ...]

@@ -6,9 +6,11 @@ channel for that key, it creates an ncclUniqueId and a channel id, joins as rank
 puts both in the ACCEPT; the sender joins as rank 0 when an ACCEPT names a channel it
 does not have (every ACCEPT carries the id, so concurrent first transfers share one
 channel). A channel that fails on either side is aborted there and announced with
-CHANNEL_DOWN, so the other side aborts its end and the next transfer makes a new one. Each
-GPU holds at most ``nccl_max_channels`` communicators (each costs GPU memory); past that the
-least recently used idle one is evicted the same way.
+CHANNEL_DOWN, so the other side aborts its end and the next transfer makes a new one. The
+channels on a GPU hold at most ``nccl_channel_memory_bytes`` of it, as ``NcclChannel.gpu_bytes``
+counts (a communicator, ~34 MiB, and the staging buffers a channel made): a new channel
+that would pass it evicts the least recently used idle ones the same way. When none is
+idle the channel is made all the same (the transfer needs it), and this is logged.
 
 Warm-up (``nccl_warm_up``): when a peer link comes up, the receiver makes its channels from
 the peer's GPUs ahead of any transfer (init and NCCL's connection setup take 0.5-0.7 s) and
@@ -16,7 +18,7 @@ sends CHANNEL_WARM with each one's id; the sender joins it. Both ends queue one 
 message on the channel right after the init, the receiver when it makes the channel and the
 sender when CHANNEL_WARM arrives — before any ACCEPT that names the channel, which the link
 delivers later — so the two threads still run matching jobs in the same order. The receiver
-never evicts to warm up (a GPU already at ``nccl_max_channels`` is skipped); the sender
+never evicts to warm up (a GPU whose channels would pass the budget is skipped); the sender
 joins as it would for an ACCEPT. An incoming link is warmed when its first message after
 the handshake arrives: the dialer may drop a message that reaches it before its loop has
 made the link.
@@ -40,7 +42,7 @@ from kvd.daemon.peers import PeerPlane
 from kvd.errors import KvdError, PeerUnreachable, TransferFailed
 from kvd.protocol import ChannelDown, ChannelWarm
 from kvd.transport.nccl import new_unique_id
-from kvd.transport.nccl_channel import NcclChannel
+from kvd.transport.nccl_channel import COMMUNICATOR_BYTES, NcclChannel
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class NcclLinks:
         self.created = 0
         self.failed = 0
         self.evicted = 0
+        self.over_budget = 0  # channels made past nccl_channel_memory_bytes (every one busy)
         self.warmed = 0
 
     # ------------------------------------------------------------ finding or making
@@ -129,7 +132,8 @@ class NcclLinks:
                 if mode == "matching" and remote_dev != local_dev:
                     continue
                 if self._live(link, ("recv", local_dev, remote_dev)) is not None or (
-                        self._count_on(local_dev) >= self.config.nccl_max_channels):
+                        self._held_on(local_dev) + COMMUNICATOR_BYTES
+                        > self.config.nccl_channel_memory_bytes):
                     continue
                 entry = self._make(link, ("recv", local_dev, remote_dev), _new_channel_id(),
                                    new_unique_id(), rank=1)
@@ -162,8 +166,8 @@ class NcclLinks:
         log.info("nccl channel %d from %s not warmed: %s", msg.channel, link.address, reason)
         self.plane.send(link, ChannelDown(channel=msg.channel, reason=reason[:4000]))
 
-    def _count_on(self, local_dev: str) -> int:
-        return sum(1 for e in self._by_id.values() if e.key[1] == local_dev)
+    def _held_on(self, local_dev: str) -> int:
+        return sum(e.channel.gpu_bytes for e in self._by_id.values() if e.key[1] == local_dev)
 
     def _live(self, link: PeerLink, key: tuple[str, str, str]) -> _Entry | None:
         entry = self._by_key.get((id(link), *key))
@@ -195,17 +199,25 @@ class NcclLinks:
         return entry
 
     def _evict_for(self, local_dev: str) -> None:
+        """Room in ``nccl_channel_memory_bytes`` for one more channel on ``local_dev``: the least
+        recently used idle channels there are closed until it fits."""
+        budget = self.config.nccl_channel_memory_bytes
         on_device = [e for e in self._by_id.values() if e.key[1] == local_dev]
-        excess = len(on_device) + 1 - self.config.nccl_max_channels
+        held = sum(e.channel.gpu_bytes for e in on_device)
         for entry in sorted(on_device, key=lambda e: e.channel.last_used):
-            if excess <= 0:
-                break
+            if held + COMMUNICATOR_BYTES <= budget:
+                return
             if entry.channel.idle:
+                held -= entry.channel.gpu_bytes
                 self.evicted += 1
                 self._drop(entry, PeerUnreachable(
-                    f"nccl channel evicted: more than {self.config.nccl_max_channels} on "
-                    f"{local_dev}"), tell_peer=True)
-                excess -= 1
+                    f"nccl channel evicted: the channels on {local_dev} would hold more than "
+                    f"nccl_channel_memory_bytes ({budget / 2**20:.0f} MiB)"), tell_peer=True)
+        if held + COMMUNICATOR_BYTES > budget:
+            self.over_budget += 1
+            log.warning("nccl channels on %s hold %.0f MiB, and every one has work in "
+                        "flight: one more is made past nccl_channel_memory_bytes (%.0f MiB)",
+                        local_dev, held / 2**20, budget / 2**20)
 
     # ------------------------------------------------------------ tearing down
 
@@ -261,10 +273,11 @@ class NcclLinks:
                               "peer_device": e.key[2], "idle": e.channel.idle,
                               "jobs": e.channel.jobs,
                               "jobs_overlapped": e.channel.jobs_overlapped,
-                              "blocking_calls": e.channel.blocking_calls}
+                              "blocking_calls": e.channel.blocking_calls,
+                              "gpu_bytes": e.channel.gpu_bytes}
                              for e in self._by_id.values()],
                 "created": self.created, "failed": self.failed, "evicted": self.evicted,
-                "warmed": self.warmed}
+                "over_budget": self.over_budget, "warmed": self.warmed}
 
 
 def _new_channel_id() -> int:
