@@ -28,11 +28,13 @@ from kvd.daemon.transfer.machine import MAX_PULLS_SERVED_PER_LINK
 from kvd.errors import PeerUnreachable, error_from_code
 from kvd.protocol import (
     PROTOCOL_VERSION,
+    Heartbeat,
     Offer,
     PeerError,
     PeerMessage,
     PeerWelcome,
     Refuse,
+    decode_peer,
 )
 from tests.conftest import make_config, running_daemon, wait_until
 from tests.test_hostile_local import FakeDaemon
@@ -364,6 +366,35 @@ def test_at_the_link_bound_with_every_link_busy_a_hello_is_refused_and_told_why(
     finally:
         waiting.close()
         second.close()
+
+
+def test_an_idle_link_carries_no_heartbeat_and_a_busy_one_asks_a_silent_peer_away(
+        make_node: Callable[..., Node]) -> None:
+    """kvd's heartbeats go on links with work in flight only. A peer linked and idle hears
+    none over four heartbeat intervals (0.5 s each): an idle link costs the daemon
+    nothing. Once a pull of the peer's waits at the daemon, heartbeats come asking for an
+    answer; the peer gives none, and within the grace (2 s) the daemon declares it dead
+    and hangs up."""
+    a = make_node("a")
+    peer = FakeDaemon(a.address)
+    pull = {"op": "pull_request", "transfer_id": 1, "key": "not-yet", "dst_dev": "cpu",
+            "num_blocks": 1, "layout": [[BLOCK, "uint8"]], "wait_for_key_s": 60.0}
+    try:
+        peer.hello("quiet")
+        peer.send({"op": "heartbeat", "epoch": 1})  # (its first message: the link is up)
+        assert peer.sock.poll(2000) == 0, decode_peer(peer.sock.recv())
+        peer.send(pull)
+        assert peer.sock.poll(2000) != 0
+        beat = decode_peer(peer.sock.recv())
+        assert isinstance(beat, Heartbeat) and beat.ask, beat
+        took = time.monotonic()
+        with pytest.raises(ConnectionError):
+            while True:
+                peer.recv(5)
+        assert time.monotonic() - took < 4.0
+        assert "silent for" in a.proc.log()
+    finally:
+        peer.close()
 
 
 def test_pulls_served_per_peer_are_bounded(make_node: Callable[..., Node]) -> None:

@@ -598,9 +598,10 @@ class PeerPlane:
                     continue
                 link.busy_since = link.busy_since or now
                 silent = now - max(link.last_seen, link.busy_since)
-                if silent > grace:
+                if silent > grace:  # (hung up: a peer only slow sees the end, links anew)
                     self._lose(link, PeerUnreachable(
-                        f"peer {link.address} silent for {silent:.1f}s (grace {grace:g}s)"))
+                        f"peer {link.address} silent for {silent:.1f}s (grace {grace:g}s)"),
+                        hang_up=True)
                 else:
                     self.send(link, Heartbeat(epoch=self.epoch, ask=True))
 

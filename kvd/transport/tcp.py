@@ -178,16 +178,19 @@ class Channel:
         for sock in socks:
             sock.close()
 
-    def _serve_soon(self) -> None:
-        """Have a pool thread serve the channel (the caller holds the lock)."""
+    def _serve_soon(self) -> bool:
+        """Have a pool thread serve the channel (the caller holds the lock); False if none
+        can (the daemon is stopping, or no thread can start): the channel has failed."""
         if self._serving:
-            return
+            return True
         self._serving = True
         try:
             self._threads.submit(self._serve)
-        except RuntimeError:  # the pool is shut down: the daemon is stopping
+        except RuntimeError as exc:  # shut down, or "can't start new thread"
             self._serving = False
-            self._error = self._error or PeerUnreachable(f"channel {self.name}: stopping")
+            self._error = self._error or PeerUnreachable(f"channel {self.name}: {exc}")
+            return False
+        return True
 
     def _serve(self) -> None:
         try:
@@ -262,7 +265,9 @@ class SendChannel(Channel):
                 return job.future
             self._jobs.append(job)
             self.used_at = time.monotonic()
-            self._serve_soon()
+            if not self._serve_soon():
+                self._jobs.remove(job)
+                _settle(job.future, error=self._error)
         return job.future
 
     def close_idle(self, idle_s: float) -> bool:
