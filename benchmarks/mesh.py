@@ -578,18 +578,27 @@ class Run:
 
     def load(self) -> None:
         args = self.args
-        start_at = time.monotonic() + 1.0
         share = args.rate / len(self.workers)
         for i, (_, conn) in enumerate(self.workers):
             conn.send(LoadPlan(
                 worker=i, sockets=[d.socket_path for d in self.mesh],
-                addresses=[d.address for d in self.mesh], rate=share, seconds=args.seconds,
-                start_at=start_at + i / args.rate, block_bytes=args.block_bytes,
-                slots=args.slots, pull_share=0.5, timeout_s=args.timeout_s))
+                addresses=[d.address for d in self.mesh], rate=share,
+                workers=len(self.workers), seconds=args.seconds,
+                block_bytes=args.block_bytes, slots=args.slots, pull_share=0.5,
+                timeout_s=args.timeout_s))
+        wait_s = 60 + 5 * len(self.mesh)
+        for _, conn in self.workers:  # each has connected and registered everywhere
+            if not conn.poll(wait_s):
+                raise RuntimeError(f"a load worker was not ready in {wait_s:g}s")
+            if (answer := conn.recv()) != "ready":
+                raise RuntimeError(str(answer))
+        start_at = time.monotonic() + 0.2
+        for _, conn in self.workers:
+            conn.send(start_at)
         say(f"load: {args.rate:g} transfers/s of {args.block_bytes} B for {args.seconds:g} s "
             f"from {len(self.workers)} workers")
         results = []
-        wait_s = 60 + args.seconds + args.timeout_s + 5 * len(self.mesh)
+        wait_s = 60 + args.seconds + args.timeout_s
         for _, conn in self.workers:
             if not conn.poll(wait_s):
                 raise RuntimeError(f"a load worker did not answer in {wait_s:g}s")

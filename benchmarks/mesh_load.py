@@ -45,8 +45,8 @@ class LoadPlan:
     sockets: list[str]
     addresses: list[str]
     rate: float  # this worker's transfers per second
+    workers: int  # how many share the load (their first transfers are spread)
     seconds: float
-    start_at: float  # time.monotonic() (system-wide on Linux) of the first due time
     block_bytes: int
     slots: int  # source and destination blocks per daemon
     pull_share: float  # the fraction of transfers that lend -> pull
@@ -110,14 +110,16 @@ class Load:
             with contextlib.suppress(Exception):
                 await end.client.aclose()
 
-    async def run(self) -> LoadResult:
+    async def run(self, start_at: float) -> LoadResult:
+        """The load, its first transfer due at ``start_at`` (``time.monotonic()``, which is
+        system-wide on Linux: the benchmark's clock)."""
         plan = self.plan
         interval = 1.0 / plan.rate
-        end_at = plan.start_at + plan.seconds
+        end_at = start_at + plan.seconds
         tasks: set[asyncio.Task[None]] = set()
         pinger = asyncio.create_task(self.pings(end_at))
         k = 0
-        while (due := plan.start_at + k * interval) < end_at:
+        while (due := start_at + k * interval) < end_at:
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -207,23 +209,28 @@ async def both(*waits: Any) -> None:
             raise outcome
 
 
-async def load(plan: LoadPlan) -> LoadResult:
+async def load(plan: LoadPlan, conn: Connection) -> LoadResult:
+    """Connect and register with every daemon, say "ready", then run the load from the
+    start time the benchmark answers: with 64 daemons the setting up takes seconds, and a
+    start fixed before it made the first seconds' transfers late, started in a burst."""
     work = Load(plan)
     try:
         await work.open()
-        return await work.run()
+        conn.send("ready")
+        start_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        return await work.run(start_at + plan.worker / (plan.rate * plan.workers))
     finally:
         await work.close()
 
 
-def run_on_uvloop(plan: LoadPlan) -> LoadResult:
+def run_on_uvloop(plan: LoadPlan, conn: Connection) -> LoadResult:
     """The plan's load on uvloop (the loop kvd's own clients and daemon run on), else
     asyncio's."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(load(plan))
-    return uvloop.run(load(plan))
+        return asyncio.run(load(plan, conn))
+    return uvloop.run(load(plan, conn))
 
 
 def worker_main(conn: Connection) -> None:
@@ -234,6 +241,6 @@ def worker_main(conn: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while (plan := conn.recv()) is not None:
         try:
-            conn.send(run_on_uvloop(plan))
+            conn.send(run_on_uvloop(plan, conn))
         except BaseException as exc:  # the benchmark reports it and stops
             conn.send(f"worker {plan.worker} failed: {exc!r}")
