@@ -371,7 +371,8 @@ def test_unknown_key_in_file(tmp_path: Path, sock: str) -> None:
 
 @pytest.mark.parametrize(("removed", "replacement"), [
     ("tls_cert_file", "curve_secret_key_file"), ("tls_key_file", "curve_secret_key_file"),
-    ("tls_allowed_certs_file", "curve_allowed_keys_file"), ("tls_data", "encrypt_data")])
+    ("tls_allowed_certs_file", "curve_allowed_keys_file"), ("tls_data", "encrypt_data"),
+    ("nccl_max_channels", "nccl_channel_memory_bytes")])
 def test_a_removed_key_says_what_replaced_it(tmp_path: Path, sock: str, removed: str,
                                              replacement: str) -> None:
     path = write(tmp_path / "kvd.toml", f'{removed} = "x"\n')
