@@ -373,8 +373,8 @@ def test_an_idle_link_carries_no_heartbeat_and_a_busy_one_asks_a_silent_peer_awa
     """kvd's heartbeats go on links with work in flight only. A peer linked and idle hears
     none over four heartbeat intervals (0.5 s each): an idle link costs the daemon
     nothing. Once a pull of the peer's waits at the daemon, heartbeats come asking for an
-    answer; the peer gives none, and within the grace (2 s) the daemon declares it dead
-    and hangs up."""
+    answer; the peer gives none, and once the grace (2 s) has passed the daemon declares it
+    dead and hangs up."""
     a = make_node("a")
     peer = FakeDaemon(a.address)
     pull = {"op": "pull_request", "transfer_id": 1, "key": "not-yet", "dst_dev": "cpu",
@@ -387,12 +387,10 @@ def test_an_idle_link_carries_no_heartbeat_and_a_busy_one_asks_a_silent_peer_awa
         assert peer.sock.poll(2000) != 0
         beat = decode_peer(peer.sock.recv())
         assert isinstance(beat, Heartbeat) and beat.ask, beat
-        took = time.monotonic()
-        with pytest.raises(ConnectionError):
+        with pytest.raises(ConnectionError):  # (heartbeats, then the hang-up)
             while True:
-                peer.recv(5)
-        assert time.monotonic() - took < 4.0
-        assert "silent for" in a.proc.log()
+                peer.recv(10)
+        wait_until(lambda: "silent for" in a.proc.log())  # (logged just after the hang-up)
     finally:
         peer.close()
 
