@@ -501,12 +501,12 @@ class PeerPlane:
         with our DEALER, below)."""
         if not link.alive:
             return
-        if hang_up and link.fd >= 0 and self._router is not None:
-            self._router.hang_up(link.fd)
         link.alive = False
         self.links_lost += 1
         log.warning("peer down address=%s node=%s epoch=%d: %s", link.address, link.node_id,
                     link.epoch, error.message)
+        if hang_up and link.fd >= 0 and self._router is not None:
+            self._router.hang_up(link.fd)
         if self.links.get(link.address) is link:
             del self.links[link.address]
         self._by_token.pop(link.token_for_them, None)
