@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from mesh import process_figures
 
 from kvd.transport.nccl import nccl_version, new_unique_id
 from kvd.transport.nccl_channel import NcclChannel
@@ -34,18 +35,6 @@ from kvd.transport.nccl_streams import STAGING_BUFFERS
 
 MiB = 2**20
 TIMEOUT_S = 60.0
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 def make_channel(i: int, uid: bytes, rank: int) -> tuple[NcclChannel, float]:
@@ -95,7 +84,7 @@ def main() -> None:
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert other.stdin is not None and other.stdout is not None
     time.sleep(2.0)  # (rank 1's CUDA context made before the first figure is taken)
-    base = (torch.cuda.mem_get_info()[0], rss_bytes(), threads())
+    base = (torch.cuda.mem_get_info()[0], process_figures(os.getpid()))
     rows, channels = [], []
     try:
         for i in range(args.channels):
@@ -106,10 +95,11 @@ def main() -> None:
             channels.append(channel)
             if other.stdout.readline().strip() != "ready":
                 raise RuntimeError("rank 1 failed")
+            now = process_figures(os.getpid())
             rows.append({"setup_s": round(took, 3),
                          "gpu_used_mib": round((base[0] - torch.cuda.mem_get_info()[0]) / MiB, 1),
-                         "rss_mib": round((rss_bytes() - base[1]) / MiB, 1),
-                         "threads": threads() - base[2]})
+                         "rss_mib": round(now["rss_mib"] - base[1]["rss_mib"], 1),
+                         "threads": int(now["threads"] - base[1]["threads"])})
             print(f"channel {i + 1}: {rows[-1]}", file=sys.stderr)
         other.stdin.write("end\n")
         other.stdin.flush()

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tests.conftest import _SESSION_MARK as SESSION_MARK
+from tests.conftest import tagged_processes
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -89,24 +90,9 @@ def no_process_left_behind(timeout_s: float = 30.0) -> Iterator[None]:
 def session_processes() -> dict[int, str]:
     """pid: command line of each live process (not this one) that carries this test
     session's mark in its environment."""
-    mark = f"{SESSION_MARK}={os.environ.get(SESSION_MARK, '')}".encode()
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue  # exited, not yet reaped
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        found[int(name)] = cmd[:300]
-    return found
+    return {pid: cmd.strip()[:300]
+            for pid, cmd in tagged_processes(SESSION_MARK, os.environ.get(SESSION_MARK, ""))
+            if pid != os.getpid()}
 
 
 def metric(samples: list[Any], name: str, engine: str | None = None) -> float:

@@ -74,7 +74,7 @@ class DataPort:
         self._acceptor: Acceptor | None = None
         self._unlinked: set[socket.socket] = set()  # connections before their token
         self._admitting: set[asyncio.Task[None]] = set()
-        self.threads = DataThreads(self._loop)
+        self._threads = DataThreads(self._loop)
         self._refusing = Throttled(log)
         self.port = 0
 
@@ -107,7 +107,7 @@ class DataPort:
         """The channel for the bytes ``link`` sends us: its connection attaches when the
         peer presents the link's token."""
         return RecvChannel(f"kvd-recv-{link.node_id}-{CPU_DEVICE}",
-                           self.config.tcp_chunk_bytes, self._io_timeout(), self.threads,
+                           self.config.tcp_chunk_bytes, self._io_timeout(), self._threads,
                            self._broken(link),
                            attach_timeout_s=self.config.peer_connect_timeout_s)
 
@@ -127,6 +127,11 @@ class DataPort:
             link.connecting = self._loop.create_future()
             self._loop.create_task(self._connect(link))
         return await asyncio.shield(link.connecting)
+
+    def end_threads(self) -> None:
+        """Once every link's channels are released: the data threads end when their work
+        is done."""
+        self._threads.shutdown()
 
     @staticmethod
     def abort(link: PeerLink, error: KvdError) -> None:
@@ -193,7 +198,7 @@ class DataPort:
             return
         link.send_channel = channel = SendChannel(
             f"kvd-send-{link.node_id}-{CPU_DEVICE}", sock, self.config.tcp_chunk_bytes,
-            self._io_timeout(), self.threads.send, self._broken(link))
+            self._io_timeout(), self._threads.send, self._broken(link))
         connecting.set_result(channel)
 
     # ------------------------------------------------------------ admitting connections

@@ -172,7 +172,7 @@ class PeerPlane:
         await asyncio.gather(*tasks, self._data.close(), return_exceptions=True)
         for link in list(self.links.values()):
             self._lose(link, PeerUnreachable("daemon stopping"))
-        self._data.threads.shutdown()
+        self._data.end_threads()
         await asyncio.sleep(0)
         # What is queued (a CHANNEL_DOWN, a last PeerError) may still go out for a moment,
         # in ZeroMQ's I/O thread, while the context ends.

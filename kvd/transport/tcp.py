@@ -388,9 +388,7 @@ class RecvChannel(Channel):
                 return job.future
             self._expected[job.transfer_id] = job
             self._lock.notify_all()
-            if not self._socks and self._attach_timer is None:
-                self._attach_timer = self._loop.call_later(self.attach_timeout_s,
-                                                           self._check_attached)
+            self._time_attach()
         return job.future
 
     def drop(self, transfer_id: int, nbytes: int) -> None:
@@ -546,17 +544,21 @@ class RecvChannel(Channel):
         with self._lock:
             if self._socks and self._socks[0] is sock:
                 self._socks.popleft()
-            waiting = bool(self._expected)
-            if waiting and not self._socks and self._attach_timer is None:
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._start_attach_timer)
+        with contextlib.suppress(RuntimeError):  # (the loop is gone at shutdown)
+            self._loop.call_soon_threadsafe(self._start_attach_timer)
         sock.close()
 
     def _start_attach_timer(self) -> None:
         with self._lock:
-            if not self._socks and self._attach_timer is None and self._error is None:
-                self._attach_timer = self._loop.call_later(self.attach_timeout_s,
-                                                           self._check_attached)
+            self._time_attach()
+
+    def _time_attach(self) -> None:
+        """Jobs are expected and no connection is there: time its coming (on the loop,
+        the lock held; ``_check_attached``)."""
+        if (self._expected and not self._socks and self._attach_timer is None
+                and self._error is None):
+            self._attach_timer = self._loop.call_later(self.attach_timeout_s,
+                                                       self._check_attached)
 
     def _start(self, tid: int, eager: bool = False) -> RecvJob | None:
         """The job the chunk with id ``tid`` belongs to (None: discard its bytes). The

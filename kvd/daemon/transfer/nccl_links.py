@@ -202,8 +202,8 @@ class NcclLinks:
         """Room in ``nccl_channel_memory_bytes`` for one more channel on ``local_dev``: the least
         recently used idle channels there are closed until it fits."""
         budget = self.config.nccl_channel_memory_bytes
+        held = self._held_on(local_dev)
         on_device = [e for e in self._by_id.values() if e.key[1] == local_dev]
-        held = sum(e.channel.gpu_bytes for e in on_device)
         for entry in sorted(on_device, key=lambda e: e.channel.last_used):
             if held + COMMUNICATOR_BYTES <= budget:
                 return
